@@ -1,0 +1,40 @@
+"""The correctness oracle: a plain full-recompute causal forward of one
+sequence, no paging, no cache, nothing shared with `engine.attention` but
+the `AttentionBackend` protocol.
+
+The engine's paged forward (and its greedy output) must equal this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from engine.tiny_model import TinyLlama
+
+
+class DenseCausalAttention:
+    """`AttentionBackend` for one whole sequence: causal SDPA over exactly
+    the k/v it is given, KV heads repeated to match the query heads."""
+
+    def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        group = q.shape[1] // k.shape[1]
+        q_heads = q.transpose(0, 1)  # [H, L, D]
+        k_heads = k.repeat_interleave(group, dim=1).transpose(0, 1)
+        v_heads = v.repeat_interleave(group, dim=1).transpose(0, 1)
+        out = F.scaled_dot_product_attention(q_heads, k_heads, v_heads, is_causal=True)
+        return out.transpose(0, 1)
+
+
+def dense_forward(
+    model: TinyLlama, token_ids: Sequence[int] | Tensor, input_embeds: Tensor | None = None
+) -> Tensor:
+    """Float32 logits ``[L, vocab]`` of `model` over the whole sequence
+    `token_ids` (positions 0..L-1), recomputed from scratch."""
+    ids = torch.as_tensor(token_ids, dtype=torch.long, device=model.device)
+    positions = torch.arange(ids.shape[0], device=model.device)
+    with torch.inference_mode():
+        return model(ids, positions, DenseCausalAttention(), input_embeds)

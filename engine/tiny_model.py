@@ -1,0 +1,314 @@
+"""The built-in Llama-style decoder: RMSNorm, RoPE (Hugging Face
+"rotate_half" convention), grouped-query attention through an
+`AttentionBackend`, SwiGLU MLP or a top-k mixture-of-experts FFN, and an
+optional tiny vision projector that turns image patches into embeddings.
+
+Module and parameter names mirror Hugging Face's ``LlamaForCausalLM``
+(``model.layers.{i}.self_attn.q_proj.weight`` ...), so a checkpoint's
+state dict loads as is; the MoE FFN follows Qwen-MoE names
+(``mlp.gate`` router, ``mlp.experts.{e}.{gate,up,down}_proj``) and the vision
+projector is ``vision_projector.proj``.
+
+The model is stateless between calls except for `TinyLlama.last_routing`:
+after every forward it holds, per MoE layer in order, the ``[T, top_k]``
+expert ids each token was routed to (an empty list for a dense model).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from engine.attention import AttentionBackend
+from engine.model_config import ModelConfig, RopeScaling, VisionConfig
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32, scaled by a learned weight."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class RotaryEmbedding:
+    """cos/sin tables for explicit positions; the inverse frequencies are
+    cached per device and never stored in the state dict."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None) -> None:
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        if scaling is not None:
+            inv_freq = _llama3_scaled(inv_freq, scaling)
+        self._inv_freq = inv_freq
+        self._per_device: dict[torch.device, Tensor] = {}
+
+    def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """``[T, head_dim]`` cos and sin for `positions` ``[T]``."""
+        inv_freq = self._per_device.get(positions.device)
+        if inv_freq is None:
+            inv_freq = self._per_device[positions.device] = self._inv_freq.to(positions.device)
+        angles = positions.float()[:, None] * inv_freq[None, :]
+        angles = torch.cat((angles, angles), dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def _llama3_scaled(inv_freq: Tensor, scaling: RopeScaling) -> Tensor:
+    """Llama-3 RoPE scaling: long wavelengths slowed by `factor`, short ones
+    kept, the band between interpolated smoothly."""
+    original = scaling.original_max_position_embeddings
+    low_freq_wavelen = original / scaling.low_freq_factor
+    high_freq_wavelen = original / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (original / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    interpolated = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    in_band = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(in_band, interpolated, scaled)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate `x` ``[T, heads, head_dim]``: first and second halves of the
+    head dimension form the (real, imaginary) pairs ("rotate_half")."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, config.num_heads * config.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=bias)
+        self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: AttentionBackend) -> Tensor:
+        tokens = x.shape[0]
+        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        out = attention.attend(self.layer_id, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoEFeedForward(nn.Module):
+    """Top-k mixture of SwiGLU experts: a token's output is the sum of its k
+    highest-scoring experts' outputs, weighted by the softmax of the router
+    logits renormalised over those k."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = nn.ModuleList(
+            SwiGLU(config.hidden_size, config.moe_intermediate_size) for _ in range(config.num_experts)
+        )
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Returns the FFN output and the ``[T, top_k]`` routed expert ids."""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+        out = torch.zeros_like(x)
+        for expert_id, expert in enumerate(self.experts):
+            token_idx, slot = torch.nonzero(expert_ids == expert_id, as_tuple=True)
+            if token_idx.numel():
+                contribution = expert(x[token_idx]) * weights[token_idx, slot, None]
+                out.index_add_(0, token_idx, contribution)
+        return out, expert_ids
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = SelfAttention(config, layer_id)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp: SwiGLU | MoEFeedForward = (
+            MoEFeedForward(config) if config.is_moe else SwiGLU(config.hidden_size, config.intermediate_size)
+        )
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, attention: AttentionBackend
+    ) -> tuple[Tensor, Tensor | None]:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention)
+        normed = self.post_attention_layernorm(x)
+        if isinstance(self.mlp, MoEFeedForward):
+            ffn_out, routing = self.mlp(normed)
+            return x + ffn_out, routing
+        return x + self.mlp(normed), None
+
+
+class VisionProjector(nn.Module):
+    """Cuts an RGB uint8 image ``[H, W, 3]`` into square patches (row-major),
+    scales pixels to [0, 1] and projects each patch to one embedding."""
+
+    def __init__(self, vision: VisionConfig, hidden_size: int) -> None:
+        super().__init__()
+        self.vision = vision
+        self.proj = nn.Linear(vision.patch_dim, hidden_size, bias=True)
+
+    def num_image_tokens(self, image: Tensor) -> int:
+        """Patches (= placeholder tokens) `image` needs; ValueError if it is
+        not an acceptable image."""
+        if image.dtype != torch.uint8 or image.dim() != 3 or image.shape[2] != 3:
+            raise ValueError(f"an image must be a uint8 [H, W, 3] tensor, got {image.dtype} {list(image.shape)}")
+        height, width, _ = image.shape
+        patch, limit = self.vision.patch_size, self.vision.max_image_size
+        if not (0 < height <= limit and 0 < width <= limit) or height % patch or width % patch:
+            raise ValueError(
+                f"image sides must be positive multiples of {patch} up to {limit}, got {height}x{width}"
+            )
+        return (height // patch) * (width // patch)
+
+    def forward(self, image: Tensor) -> Tensor:
+        """``[num_patches, hidden_size]`` embeddings for `image`."""
+        num_patches = self.num_image_tokens(image)
+        patch = self.vision.patch_size
+        height, width, _ = image.shape
+        pixels = image.to(device=self.proj.weight.device, dtype=self.proj.weight.dtype) / 255.0
+        patches = pixels.view(height // patch, patch, width // patch, patch, 3).permute(0, 2, 1, 3, 4)
+        return self.proj(patches.reshape(num_patches, self.vision.patch_dim))
+
+
+class DecoderStack(nn.Module):
+    """Embedding, decoder layers and final norm (Hugging Face's ``model.``)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class TinyLlama(nn.Module):
+    """A Llama/Qwen2-style causal LM whose attention is delegated per layer to
+    an `AttentionBackend` (paged for the engine, dense for the oracle)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderStack(config)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
+            config.hidden_size, config.vocab_size, bias=False
+        )
+        self.vision_projector = None if config.vision is None else VisionProjector(config.vision, config.hidden_size)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.last_routing: list[Tensor] = []
+
+    @classmethod
+    def from_seed(
+        cls,
+        config: ModelConfig,
+        seed: int = 0,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> TinyLlama:
+        """Random weights that depend only on `config` and `seed`: drawn on
+        the CPU in float32 from a seeded generator, then moved to `device`
+        (default CPU) and cast to `dtype` (default `config.dtype`).
+
+        Embeddings have unit variance and every linear layer
+        ``1 / sqrt(fan_in)``, so residual updates are as large as the residual
+        and greedy decoding depends on context instead of settling into one
+        repeated token.
+        """
+        generator = torch.Generator(device="cpu").manual_seed(seed)
+        with torch.device("cpu"):
+            model = cls(config)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.fill_(1.0)
+                elif name.endswith("bias"):
+                    param.normal_(0.0, 0.02, generator=generator)
+                elif name == "model.embed_tokens.weight":
+                    param.normal_(0.0, 1.0, generator=generator)
+                else:
+                    param.normal_(0.0, param.shape[1] ** -0.5, generator=generator)
+        return model.to(device=device, dtype=dtype or config.torch_dtype).eval()
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def num_image_tokens(self, image: Tensor) -> int:
+        """Placeholder tokens `image` takes in a prompt; ValueError if the
+        model has no vision projector or the image is unacceptable."""
+        if self.vision_projector is None:
+            raise ValueError("this model has no vision projector")
+        return self.vision_projector.num_image_tokens(image)
+
+    def embed_with_images(self, input_ids: Tensor, images: list[Tensor]) -> Tensor:
+        """Token embeddings ``[L, hidden]`` of `input_ids` ``[L]`` with the
+        image placeholder positions replaced, in order, by the patches of
+        `images`. ValueError if the placeholder count differs from the total
+        patch count."""
+        placeholders = (input_ids == self.config.image_token_id).nonzero(as_tuple=True)[0]
+        num_patches = sum(self.num_image_tokens(image) for image in images)
+        if placeholders.numel() != num_patches:
+            raise ValueError(f"{placeholders.numel()} image placeholder tokens for {num_patches} image patches")
+        embeds = self.model.embed_tokens(input_ids)
+        if num_patches:
+            assert self.vision_projector is not None
+            patches = torch.cat([self.vision_projector(image) for image in images])
+            embeds[placeholders] = patches.to(embeds.dtype)
+        return embeds
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        attention: AttentionBackend,
+        input_embeds: Tensor | None = None,
+        *,
+        output_rows: Tensor | None = None,
+    ) -> Tensor:
+        """Float32 logits ``[T, vocab]`` for the step's T tokens (only the
+        `output_rows` of them, in that order, when given).
+
+        `input_ids` and `positions` are LongTensors ``[T]``; `input_embeds`
+        ``[T, hidden]``, when given, replaces the embedding lookup. Sets
+        `last_routing`.
+        """
+        hidden = self.model.embed_tokens(input_ids) if input_embeds is None else input_embeds.to(self.dtype)
+        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        routing: list[Tensor] = []
+        for layer in self.model.layers:
+            hidden, layer_routing = layer(hidden, cos, sin, attention)
+            if layer_routing is not None:
+                routing.append(layer_routing)
+        self.last_routing = routing
+        if output_rows is not None:
+            hidden = hidden[output_rows]
+        hidden = self.model.norm(hidden)
+        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, head).float()

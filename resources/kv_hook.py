@@ -1,0 +1,123 @@
+"""The KV hook: a request's slot, its KV pages and its prefix-cache lock.
+
+Acquired on admission (entering PREFILLING, or TRANSFERRING in the decode
+role, where the pages are pre-allocated to receive a transfer). Held until
+FINISHED; RETRACTED is outside its scope, so preemption releases it.
+
+Release, in this order: insert the request's complete KV (its first
+`kv_len` tokens, whole pages only) into the prefix cache, free the pages the
+cache did not take, unlock the matched prefix, free the request slot.
+Incomplete KV (aborted mid-prefill, failed transfer) is never cached,
+because `kv_len` only ever counts tokens whose KV is complete.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from resources.contract import ResourceExhausted, ResourceHook
+from resources.kv_pool import KV_PAGES, REQUEST_SLOTS, KVPool
+from states import Handle, Request, RequestState
+
+S = RequestState
+
+
+@attrs.define
+class KVBlock:
+    """The KV hook's record: slot, page ids in token order, the locked prefix."""
+
+    slot: int
+    pages: list[int]
+    num_prefix_pages: int = 0
+    prefix_node: object | None = None
+
+
+class KVHook(ResourceHook):
+    name = "kv"
+    acquire_on = frozenset({S.PREFILLING, S.TRANSFERRING})
+    scope = frozenset({S.TRANSFERRING, S.PREFILLING, S.PREBUILT, S.STAGING, S.DECODING, S.FINISHED})
+    pool = KV_PAGES
+
+    def __init__(self, kv: KVPool) -> None:
+        super().__init__()
+        self.kv = kv
+
+    # ------------------------------------------------------------- acquire
+    def acquire(self, request: Request, into: RequestState) -> Handle:
+        kv = self.kv
+        tokens = request.all_token_ids
+        slot = kv.slots.alloc()
+        if slot is None:
+            raise ResourceExhausted("no free request slot")
+        prefix_pages: list[int] = []
+        node = None
+        if kv.radix is not None and into is S.PREFILLING:
+            # leave at least one token to compute: its logits give the next token
+            prefix_pages, node = kv.radix.match(tokens[: len(tokens) - 1])
+            kv.radix.lock(node)
+        need = kv.pages_for(len(tokens)) - len(prefix_pages)
+        pages = kv.alloc_pages(need)
+        if pages is None:
+            if node is not None:
+                kv.radix.unlock(node)
+            kv.slots.free(slot)
+            raise ResourceExhausted(f"need {need} KV pages, {kv.available_pages} available")
+        if prefix_pages:
+            kv.write_locations(slot, 0, torch.tensor(prefix_pages, dtype=torch.int64))
+        kv.write_locations(slot, len(prefix_pages), pages)
+        block = KVBlock(slot, prefix_pages + pages.tolist(), len(prefix_pages), node)
+        if node is not None:
+            kv.prefix_locks[request.request_id] = (node, len(prefix_pages))
+        request.kv_len = len(prefix_pages) * kv.page_size
+        kv.ledger.hold(KV_PAGES, request, need)
+        kv.ledger.hold(REQUEST_SLOTS, request, 1)
+        return Handle(self.name, request.request_id, block, amount=len(block.pages))
+
+    def grow(self, request: Request, num_tokens: int) -> bool:
+        """Make the request's pages cover `num_tokens` tokens; False if the pool is short."""
+        handle: Handle = request.handles[self.name]
+        block: KVBlock = handle.payload
+        need = self.kv.pages_for(num_tokens) - len(block.pages)
+        if need <= 0:
+            return True
+        pages = self.kv.alloc_pages(need)
+        if pages is None:
+            return False
+        self.kv.write_locations(block.slot, len(block.pages), pages)
+        block.pages.extend(pages.tolist())
+        handle.amount = len(block.pages)
+        self.kv.ledger.hold(KV_PAGES, request, need)
+        return True
+
+    # ------------------------------------------------------------- release
+    def release(self, request: Request, handle: Handle) -> None:
+        kv = self.kv
+        block: KVBlock = handle.payload
+        own = block.pages[block.num_prefix_pages :]
+        to_free = own
+        if kv.radix is not None:
+            full = min(request.kv_len // kv.page_size, len(block.pages))
+            if full > block.num_prefix_pages:
+                tokens = request.all_token_ids[: full * kv.page_size]
+                duplicates = kv.radix.insert(tokens, block.pages[:full])
+                to_free = duplicates + block.pages[full:]
+        kv.ledger.drop(KV_PAGES, request.request_id)
+        if to_free:
+            kv.allocator.free(torch.tensor(to_free, dtype=torch.int64))
+        if block.prefix_node is not None:
+            kv.radix.unlock(block.prefix_node)
+            kv.prefix_locks.pop(request.request_id, None)
+        kv.slots.free(block.slot)
+        kv.ledger.drop(REQUEST_SLOTS, request.request_id)
+        request.kv_len = 0
+
+    def quarantine(self, request: Request, handle: Handle) -> None:
+        """Keep the request's own pages and slot forever; the shared prefix is only read."""
+        super().quarantine(request, handle)
+        block: KVBlock = handle.payload
+        if block.prefix_node is not None:
+            self.kv.radix.unlock(block.prefix_node)
+            self.kv.prefix_locks.pop(request.request_id, None)
+        self.kv.ledger.quarantine(KV_PAGES, request.request_id)
+        self.kv.ledger.quarantine(REQUEST_SLOTS, request.request_id)

@@ -1,0 +1,30 @@
+"""The timing hook: the completion time is stamped on every path.
+
+It holds no memory; its handle is acquired when the request enters QUEUED
+and released last of all hooks, so whatever way a request ends, reaching
+RELEASED stamps `completion_time`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from resources.contract import ResourceHook
+from states import HELD_STATES, Handle, Request, RequestState
+
+
+class TimingHook(ResourceHook):
+    name = "timing"
+    acquire_on = frozenset({RequestState.QUEUED})
+    scope = HELD_STATES
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.clock = clock
+
+    def acquire(self, request: Request, into: RequestState) -> Handle:
+        return Handle(self.name, request.request_id)
+
+    def release(self, request: Request, handle: Handle) -> None:
+        request.completion_time = self.clock()

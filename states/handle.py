@@ -1,0 +1,80 @@
+"""Handles and fences: what a request holds, and what must finish first.
+
+A `Handle` is the record of one resource held by one request (KV pages,
+device slots, a cache reference...). It is released exactly once: the
+machine marks it released before the hook frees anything, so a second
+release raises `DoubleRelease` and touches no pool. A handle garbage-collected
+while still held emits a `ResourceWarning`, like an unclosed file.
+
+A `Fence` is an in-flight operation (a model step, a KV transfer, a host
+backup copy) that still touches the memory of some handles. FINISHED ->
+RELEASED waits for a request's fences; one that misses its deadline
+quarantines the handles it protects instead of freeing them.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Protocol, runtime_checkable
+
+
+class DoubleRelease(Exception):
+    """A handle was released twice: a bug in whoever asked for it."""
+
+
+class Handle:
+    """One resource held by one request. `payload` is the hook's own record."""
+
+    __slots__ = ("resource", "request_id", "amount", "payload", "_status")
+
+    HELD, RELEASED, QUARANTINED = "held", "released", "quarantined"
+
+    def __init__(self, resource: str, request_id: str, payload: Any = None, amount: int = 0) -> None:
+        self.resource = resource
+        self.request_id = request_id
+        self.payload = payload
+        self.amount = amount
+        self._status = Handle.HELD
+
+    def __repr__(self) -> str:
+        return f"Handle({self.resource!r}, {self.request_id!r}, amount={self.amount}, {self._status})"
+
+    @property
+    def status(self) -> str:
+        return self._status
+
+    @property
+    def held(self) -> bool:
+        return self._status == Handle.HELD
+
+    def mark_released(self) -> None:
+        """Flip to released; raises `DoubleRelease` if this already happened."""
+        if self._status != Handle.HELD:
+            raise DoubleRelease(f"{self!r} released twice")
+        self._status = Handle.RELEASED
+
+    def mark_quarantined(self) -> None:
+        if self._status != Handle.HELD:
+            raise DoubleRelease(f"{self!r} quarantined after release")
+        self._status = Handle.QUARANTINED
+
+    def __del__(self) -> None:
+        if getattr(self, "_status", None) == Handle.HELD:
+            warnings.warn(
+                f"{self!r} was garbage-collected while still held", ResourceWarning, stacklevel=1
+            )
+
+
+@runtime_checkable
+class Fence(Protocol):
+    """An in-flight operation that still uses some handles' memory.
+
+    `protects` names the hooks whose handles it touches; `deadline` is a
+    monotonic time after which the operation is presumed lost.
+    """
+
+    name: str
+    protects: frozenset[str]
+    deadline: float
+
+    def done(self) -> bool: ...

@@ -1,0 +1,83 @@
+"""The request: what was asked, what came out, and what it holds.
+
+Only the machine writes `state`, `history`, `handles` and `finish_reason`;
+everything else reads them. Counters are plain properties so the scheduler
+and the model runner need no bookkeeping of their own.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any
+
+import attrs
+
+from states.request_state import FinishReason, RequestState
+
+
+class RequestKind(enum.Enum):
+    NORMAL = "normal"
+    HEALTH_CHECK = "health_check"
+
+
+@attrs.define(eq=False, repr=False)
+class Request:
+    """One generation request and its lifecycle record.
+
+    `prompt_token_ids` never changes; `output_token_ids` grows by one per
+    decode step. `kv_len` counts the leading tokens whose KV is complete in
+    this engine's pools: 0 before prefill, after retraction and while a
+    transfer has not landed, so only complete KV is ever cached. `handles` maps hook name to the live
+    handle the request holds; `fences` are the in-flight operations that must
+    complete before FINISHED -> RELEASED frees their memory.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: Any
+    kind: RequestKind = RequestKind.NORMAL
+    mm_inputs: list[Any] = attrs.field(factory=list)
+    output_token_ids: list[int] = attrs.field(factory=list)
+    state: RequestState = RequestState.QUEUED
+    finish_reason: FinishReason | None = None
+    error: BaseException | None = None
+    history: list[tuple[RequestState, float]] = attrs.field(factory=list)
+    handles: dict[str, Any] = attrs.field(factory=dict)
+    fences: list[Any] = attrs.field(factory=list)
+    kv_len: int = 0
+    arrival_time: float = attrs.field(factory=time.monotonic)
+    first_token_time: float | None = None
+    completion_time: float | None = None
+    #: free-form per-request scratch for hooks and plugins (never read by the machine)
+    extras: dict[str, Any] = attrs.field(factory=dict)
+
+    def __repr__(self) -> str:
+        return f"Request({self.request_id!r}, {self.state.name}, reason={self.finish_reason})"
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.state in (RequestState.FINISHED, RequestState.RELEASED)
+
+    def entered_at(self, state: RequestState) -> float | None:
+        """Monotonic time this request last entered `state`, if it did."""
+        for s, t in reversed(self.history):
+            if s is state:
+                return t
+        return None
