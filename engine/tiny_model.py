@@ -41,22 +41,28 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding:
-    """cos/sin tables for explicit positions; the inverse frequencies are
-    cached per device and never stored in the state dict."""
+    """cos/sin tables for explicit positions. The inverse frequencies are
+    computed on first use on each device (float32, as Hugging Face does) and
+    never stored in the state dict, so a model built on the meta device needs
+    nothing restored."""
 
     def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None) -> None:
-        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-        if scaling is not None:
-            inv_freq = _llama3_scaled(inv_freq, scaling)
-        self._inv_freq = inv_freq
+        self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
         self._per_device: dict[torch.device, Tensor] = {}
+
+    def inverse_frequencies(self, device: torch.device) -> Tensor:
+        inv_freq = self._per_device.get(device)
+        if inv_freq is None:
+            exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim
+            inv_freq = 1.0 / self.theta**exponents
+            if self.scaling is not None:
+                inv_freq = _llama3_scaled(inv_freq, self.scaling)
+            self._per_device[device] = inv_freq
+        return inv_freq
 
     def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """``[T, head_dim]`` cos and sin for `positions` ``[T]``."""
-        inv_freq = self._per_device.get(positions.device)
-        if inv_freq is None:
-            inv_freq = self._per_device[positions.device] = self._inv_freq.to(positions.device)
-        angles = positions.float()[:, None] * inv_freq[None, :]
+        angles = positions.float()[:, None] * self.inverse_frequencies(positions.device)[None, :]
         angles = torch.cat((angles, angles), dim=-1)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 

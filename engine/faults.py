@@ -1,0 +1,68 @@
+"""Fault injection: an off-by-default, documented way to make things fail.
+
+Pass `EngineConfig(faults=FaultInjector(...))`. Tests and users' own chaos
+tests use it instead of patching internals; the engine must come out of
+every injected fault with every pool whole.
+
+- `fail_step`: called with the request ids of each model step's batch (in
+  the worker thread, just before the forward pass); returning True makes
+  the step raise `InjectedFault`, so those requests finish with ERROR.
+- `fail_release`: hook names whose release raises `InjectedFault` *after*
+  the hook has released (so the pool stays whole but is marked suspect), or
+  *instead of* releasing when `release_leaks=True` (a real leak, which the
+  leak check must then name).
+- `fail_transfer`: called with a request id in the decode role; True makes
+  that KV transfer fail (TRANSFER_FAILED).
+- `stuck_fences`: fence names (e.g. "kv_transfer", "host_backup") whose
+  copies never complete, so the fence misses its deadline and quarantines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import attrs
+
+
+class InjectedFault(RuntimeError):
+    """Raised by an injected fault."""
+
+
+@attrs.define
+class FaultInjector:
+    fail_step: Callable[[Sequence[str]], bool] | None = None
+    fail_release: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset)
+    release_leaks: bool = False
+    fail_transfer: Callable[[str], bool] | None = None
+    stuck_fences: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset)
+    steps_failed: int = 0
+    releases_failed: int = 0
+
+    def before_step(self, request_ids: Sequence[str]) -> None:
+        if self.fail_step is not None and self.fail_step(request_ids):
+            self.steps_failed += 1
+            raise InjectedFault(f"injected model-step failure for {list(request_ids)}")
+
+    def wrap_hooks(self, hooks: list) -> list:
+        """Hooks named in `fail_release` wrapped so that their release raises."""
+        return [_FailingRelease(h, self) if h.name in self.fail_release else h for h in hooks]
+
+    def transfer_fails(self, request_id: str) -> bool:
+        return self.fail_transfer is not None and bool(self.fail_transfer(request_id))
+
+
+class _FailingRelease:
+    """Delegates everything to the wrapped hook; its release raises."""
+
+    def __init__(self, hook, faults: FaultInjector) -> None:
+        self._hook = hook
+        self._faults = faults
+
+    def __getattr__(self, name):
+        return getattr(self._hook, name)
+
+    def release(self, request, handle) -> None:
+        if not self._faults.release_leaks:
+            self._hook.release(request, handle)
+        self._faults.releases_failed += 1
+        raise InjectedFault(f"injected release failure in hook {self._hook.name!r}")

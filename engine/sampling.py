@@ -1,0 +1,41 @@
+"""Batched sampling: greedy, temperature, top-k, top-p, per-request seeds.
+
+A seeded request draws from a generator seeded by (seed, output position),
+so its tokens do not depend on which batch it ran in or on retraction.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import SamplingParams
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> list[int]:
+    """One token per row of `logits` [B, V]; `positions` = output index being sampled."""
+    if all(p.greedy for p in params):
+        return logits.argmax(dim=-1).tolist()
+    out = logits.argmax(dim=-1).tolist()
+    for row, (p, pos) in enumerate(zip(params, positions)):
+        if not p.greedy:
+            out[row] = _sample_row(logits[row].float(), p, pos)
+    return out
+
+
+def _sample_row(logits: torch.Tensor, p: SamplingParams, position: int) -> int:
+    logits = logits / p.temperature
+    if p.top_k > 0 and p.top_k < logits.numel():
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if p.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        cumulative = sorted_probs.cumsum(0)
+        drop = cumulative - sorted_probs > p.top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    generator = None
+    if p.seed is not None:
+        generator = torch.Generator(device=probs.device)
+        generator.manual_seed((p.seed * 1_000_003 + position) % (2**63))
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,43 @@
+"""Shared fixtures. The cheapest leak detector: every Engine a test builds is
+checked after the test, and must be idle with every pool whole."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import engine as engine_module
+from engine.config import EngineConfig
+
+
+def small_config(**overrides) -> EngineConfig:
+    """A fast engine: small pools, small pages, the built-in tiny model."""
+    fields = dict(page_size=4, num_kv_pages=256, max_running=8, max_context=256, max_prefill_tokens=64,
+                  use_entry_points=False)
+    fields.update(overrides)
+    return EngineConfig(**fields)
+
+
+@pytest.fixture(autouse=True)
+def assert_engines_leave_pools_whole(monkeypatch):
+    """After each test, every engine it built is idle and check_memory() passes."""
+    built: list = []
+    original_init = engine_module.Engine.__init__
+
+    def recording_init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        built.append(self)
+
+    monkeypatch.setattr(engine_module.Engine, "__init__", recording_init)
+    yield built
+    for engine in built:
+        if engine.config.leak_check == "off" or getattr(engine, "_expect_leak", False):
+            continue
+        assert engine.idle, f"engine left requests in flight: {list(engine.loop.requests)}"
+        report = engine.check_memory()
+        for name, stats in report.pools.items():
+            assert stats.held == stats.quarantined, f"{name} holds {stats.held} after the test"
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
