@@ -233,6 +233,7 @@ class DecodeLoop:
             stream.send_nowait(output)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             self.outputs.pop(request.request_id, None)
+            stream.close()
             if not request.is_finished:  # the client left: abort
                 self.finish(request, FinishReason.ABORT)
             return
@@ -272,8 +273,9 @@ class DecodeLoop:
     # ------------------------------------------------------------ shutdown
     async def shutdown(self) -> None:
         """Finish every live request with SHUTDOWN and release all (call shielded)."""
-        self._drain_inbox()
         self.inbox_send.close()
+        self._drain_inbox()
+        self.inbox.close()
         for request in list(self.requests.values()):
             self.finish(request, FinishReason.SHUTDOWN)
         while self.finished:

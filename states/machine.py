@@ -83,10 +83,15 @@ class RequestMachine:
         """Finish from any live state. Returns False if it had already finished."""
         if request.state in (RequestState.FINISHED, RequestState.RELEASED):
             return False
-        request.finish_reason = reason
+        before = request.finish_reason, request.error
+        request.finish_reason = reason  # set first: FINISHED releases may read it
         if error is not None:
             request.error = error
-        self._move(request, RequestState.FINISHED, reason.value)
+        try:
+            self._move(request, RequestState.FINISHED, reason.value)
+        except BaseException:  # refused (fence pending, acquisition failed): still live
+            request.finish_reason, request.error = before
+            raise
         return True
 
     def try_release(self, request: Request) -> bool:

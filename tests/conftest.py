@@ -6,15 +6,6 @@ from __future__ import annotations
 import pytest
 
 from engine import engine as engine_module
-from engine.config import EngineConfig
-
-
-def small_config(**overrides) -> EngineConfig:
-    """A fast engine: small pools, small pages, the built-in tiny model."""
-    fields = dict(page_size=4, num_kv_pages=256, max_running=8, max_context=256, max_prefill_tokens=64,
-                  use_entry_points=False)
-    fields.update(overrides)
-    return EngineConfig(**fields)
 
 
 @pytest.fixture(autouse=True)
