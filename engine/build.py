@@ -8,6 +8,8 @@ multimodal, MoE records) plug in here and nowhere else.
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 import torch
 
@@ -28,7 +30,7 @@ from resources import (
     build_plugin_hooks,
     order_hooks,
 )
-from states import RequestMachine
+from states import RequestMachine, RequestState
 
 BUILTIN_MODELS = {"tiny": ModelConfig.tiny, "tiny-moe": ModelConfig.tiny_moe, "null": ModelConfig.tiny}
 
@@ -49,6 +51,8 @@ class EngineParts:
     machine: RequestMachine
     scheduler: Scheduler
     runner: ModelRunner
+    after_prefill: RequestState = RequestState.DECODING
+    grow: Any = None
 
 
 def load_model(config: EngineConfig, device: torch.device):
@@ -94,21 +98,28 @@ def build_parts(config: EngineConfig) -> EngineParts:
         ledger=ledger,
         prefix_cache=config.prefix_cache,
     )
-    kv_hook = KVHook(kv_pool)
+    hisparse = None
+    if config.hisparse is not None:
+        # HiSparse: KV pages only until staging; host pages + a bounded device buffer after.
+        from hisparse.integration import install_hisparse
+
+        hisparse = install_hisparse(config=config, model_config=model_config, device=device, ledger=ledger,
+                                    kv_pool=kv_pool, kv_buffers=kv_buffers)
+    kv_hook = KVHook(kv_pool, scope=hisparse.kv_scope if hisparse else None)
     plugins = build_plugin_hooks(
         config.resources, PluginContext(ledger, device, config), use_entry_points=config.use_entry_points
     )
     timing = TimingHook()
     # Built-in registration order is the built-in release order (MoE, HiSparse, KV,
     # multimodal, plugins, timing); plugins may reorder themselves with before/after.
-    hooks = [kv_hook, *plugins, timing]
+    hooks = [*(hisparse.hooks if hisparse else ()), kv_hook, *plugins, timing]
     timing.after = tuple(h.name for h in hooks if h is not timing)
     ordered = order_hooks(hooks)
     if config.faults is not None:
         ordered = config.faults.wrap_hooks(ordered)
     machine = RequestMachine(ordered)
     machine.release_error_observers.append(lambda hook, request, exc: ledger.suspect.add(hook.pool or hook.name))
-    pools = [*kv_pool.pools]
+    pools = [*kv_pool.pools, *(hisparse.pools if hisparse else ())]
     for hook in plugins:
         pools.extend(getattr(hook, "pools", ()))
     runner_cls = NoComputeRunner if config.model == "null" else ModelRunner
@@ -117,5 +128,10 @@ def build_parts(config: EngineConfig) -> EngineParts:
     scheduler = Scheduler(
         max_running=config.max_running, max_prefill_tokens=config.max_prefill_tokens, page_size=config.page_size
     )
-    return EngineParts(config, device, model_config, model, tokenizer, ledger, kv_buffers, kv_pool, kv_hook,
-                       ordered, pools, machine, scheduler, runner)
+    parts = EngineParts(config, device, model_config, model, tokenizer, ledger, kv_buffers, kv_pool, kv_hook,
+                        ordered, pools, machine, scheduler, runner)
+    if hisparse is not None:
+        runner.attention_factory = hisparse.attention_factory(runner)
+        parts.after_prefill = RequestState.STAGING
+        parts.grow = hisparse.grow
+    return parts

@@ -47,6 +47,8 @@ class Engine:
             check_memory=lambda: self.check_memory(),
             leak_check=self.config.leak_check,
             max_queued=self.config.max_queued,
+            after_prefill=self.parts.after_prefill,
+            grow=self.parts.grow,
         )
         self.loop.make_output = self._make_output
         self.loop.release_observers.append(lambda r: self.parts.ledger.forget_request(r.request_id))

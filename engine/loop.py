@@ -39,7 +39,8 @@ class DecodeLoop:
     def __init__(self, *, machine: RequestMachine, scheduler: Scheduler, runner: Any, kv_hook: Any,
                  kv_pool: Any, stop_ids: frozenset[int], max_context: int, check_memory: Callable,
                  leak_check: str, admit_into: RequestState = S.PREFILLING,
-                 after_prefill: RequestState = S.DECODING, max_queued: int = 4096) -> None:
+                 after_prefill: RequestState = S.DECODING, max_queued: int = 4096,
+                 grow: Callable[[Request, int], bool] | None = None) -> None:
         self.machine = machine
         self.scheduler = scheduler
         self.runner = runner
@@ -51,6 +52,8 @@ class DecodeLoop:
         self.leak_check = leak_check
         self.admit_into = admit_into
         self.after_prefill = after_prefill
+        #: make a decoding request's memory cover N tokens; False when the pool is short
+        self.grow = grow if grow is not None else kv_hook.grow
         self.stats = EngineStats()
         machine.transition_observers.append(self.stats.on_transition)
         self.inbox_send, self.inbox = anyio.create_memory_object_stream(max_queued)
@@ -88,6 +91,7 @@ class DecodeLoop:
             await self._wait(None)
             return
         self._was_idle = False
+        self._advance_staged()
         self._admit()
         batch = self._plan_batch()
         if not batch:
@@ -148,11 +152,20 @@ class DecodeLoop:
             request.extras.setdefault("cached_tokens", request.kv_len)
             self.running.append(request)
 
+    def _advance_staged(self) -> None:
+        """STAGING -> DECODING for requests whose staging copies are done."""
+        for request in self.running:
+            if request.state is S.STAGING and all(f.done() for f in request.fences):
+                try:
+                    self.machine.advance(request, S.DECODING, reason="staged")
+                except ResourceExhausted:
+                    pass  # no device buffer free yet: stay staged, try next iteration
+
     # ---------------------------------------------------------- the batch
     def _plan_batch(self) -> list[ScheduledSeq]:
         decoding = [r for r in self.running if r.state is S.DECODING]
         for request in decoding:
-            while request.state is S.DECODING and not self.kv_hook.grow(request, request.kv_len + 1):
+            while request.state is S.DECODING and not self.grow(request, request.kv_len + 1):
                 victim = self.scheduler.select_victim(
                     [r for r in self.running if r.state is S.DECODING], retractable=self._retractable
                 )

@@ -39,9 +39,11 @@ class KVHook(ResourceHook):
     scope = frozenset({S.TRANSFERRING, S.PREFILLING, S.PREBUILT, S.STAGING, S.DECODING, S.FINISHED})
     pool = KV_PAGES
 
-    def __init__(self, kv: KVPool) -> None:
+    def __init__(self, kv: KVPool, *, scope: frozenset[RequestState] | None = None) -> None:
         super().__init__()
         self.kv = kv
+        if scope is not None:  # HiSparse narrows it: device pages only until staging is done
+            self.scope = frozenset(scope)
 
     # ------------------------------------------------------------- acquire
     def acquire(self, request: Request, into: RequestState) -> Handle:

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import gc
-import warnings
-
 import pytest
 from structlog.testing import capture_logs
 
@@ -156,7 +153,7 @@ class TestLegalEdges:
         assert req.state is dst and req.history[-1][0] is dst
         assert _events(logs, "request.transition")[-1] == ("request.transition", src.name, dst.name)
         if with_hooks:
-            assert list(req.handles) == [] or set(req.handles) == set(_expected_held(hooks, PATHS[src] + [dst]))
+            assert set(req.handles) == set(_expected_held(hooks, PATHS[src] + [dst]))
             assert {n for n, h in hooks.items() if h.held} == set(req.handles)
         _finish_all(machine, req)
 
@@ -423,32 +420,3 @@ class TestFences:
         assert req.state is S.DECODING and req.finish_reason is None and req.error is None
         fence.complete()
         _finish_all(machine, req)
-
-
-def _forget(obj) -> None:
-    del obj
-    gc.collect()
-
-
-class TestHandleLifetime:
-    def test_garbage_collected_while_held_warns(self):
-        """A held handle that is dropped emits ResourceWarning, like an unclosed file."""
-        with pytest.warns(ResourceWarning, match="garbage-collected while still held"):
-            _forget(Handle("kv", "r1", amount=3))
-
-    @pytest.mark.parametrize("mark", ["mark_released", "mark_quarantined"])
-    def test_finished_handles_are_silent(self, mark):
-        """Released and quarantined handles are collected without a warning."""
-        handle = Handle("kv", "r1")
-        getattr(handle, mark)()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            _forget(handle)
-        assert caught == []
-
-    def test_quarantine_after_release_raises(self):
-        """A released handle can no longer be quarantined."""
-        handle = Handle("kv", "r1")
-        handle.mark_released()
-        with pytest.raises(DoubleRelease):
-            handle.mark_quarantined()
