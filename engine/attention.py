@@ -187,8 +187,12 @@ def _attend_gathered(q: Tensor, k_buf: Tensor, v_buf: Tensor, locs: Tensor, mask
     batch, q_len, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
     group = num_heads // num_kv_heads
-    keys = k_buf[locs].to(q.dtype).transpose(1, 2)  # [B, KVH, L, D]
-    values = v_buf[locs].to(q.dtype).transpose(1, 2)
+    # NOTE: index_select on flat locations is several times faster on CPU
+    # than advanced indexing with the 2-D `locs`.
+    flat_locs = locs.reshape(-1)
+    gathered_shape = (batch, locs.shape[1], num_kv_heads, head_dim)
+    keys = k_buf.index_select(0, flat_locs).view(gathered_shape).to(q.dtype).transpose(1, 2)  # [B, KVH, L, D]
+    values = v_buf.index_select(0, flat_locs).view(gathered_shape).to(q.dtype).transpose(1, 2)
     folded = q.view(batch, q_len, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
     folded = folded.reshape(batch, num_kv_heads, group * q_len, head_dim)
     if q_len > 1 and group > 1:

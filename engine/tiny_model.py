@@ -138,12 +138,16 @@ class MoEFeedForward(nn.Module):
         probs = torch.softmax(self.gate(x).float(), dim=-1)
         weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)
         weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+        # Group the (token, slot) assignments by expert; one host sync for the counts.
+        flat_experts = expert_ids.flatten()
+        order = torch.argsort(flat_experts, stable=True)
+        per_expert = torch.bincount(flat_experts, minlength=len(self.experts)).tolist()
+        tokens_by_expert = (order // self.top_k).split(per_expert)
+        weights_by_expert = weights.flatten()[order].split(per_expert)
         out = torch.zeros_like(x)
-        for expert_id, expert in enumerate(self.experts):
-            token_idx, slot = torch.nonzero(expert_ids == expert_id, as_tuple=True)
+        for expert, token_idx, token_weights in zip(self.experts, tokens_by_expert, weights_by_expert):
             if token_idx.numel():
-                contribution = expert(x[token_idx]) * weights[token_idx, slot, None]
-                out.index_add_(0, token_idx, contribution)
+                out.index_add_(0, token_idx, expert(x[token_idx]) * token_weights[:, None])
         return out, expert_ids
 
 

@@ -1,0 +1,141 @@
+"""The built-in mixed workload behind `kvlife run`, and its report.
+
+Requests of varied prompt and output lengths stream concurrently; some are
+aborted mid-stream, some clients disconnect, health checks run in between.
+The report counts finishes by reason, throughput and latency percentiles,
+transitions per edge, and every pool with the leak-check verdict.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+
+from engine.config import EngineConfig, SamplingParams
+from engine.engine import Engine
+from engine.stats import percentile
+from resources import LeakError
+
+
+async def run_workload(
+    config: EngineConfig,
+    *,
+    num_requests: int = 48,
+    concurrency: int = 16,
+    seed: int = 0,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
+    rng = random.Random(seed)
+    plans = [_plan(rng, i) for i in range(num_requests)]
+    done = 0
+    client_outcomes: Counter = Counter()
+    health: Counter = Counter()
+    limiter = anyio.Semaphore(concurrency)
+    start = time.perf_counter()
+    engine = Engine(config)
+    async with engine:
+
+        async def client(plan: dict[str, Any]) -> None:
+            nonlocal done
+            async with limiter:
+                outcome = await _run_client(engine, plan)
+            client_outcomes[outcome] += 1
+            done += 1
+            if progress is not None:
+                progress(done, num_requests)
+
+        async def health_checker() -> None:
+            while done < num_requests:
+                try:
+                    await engine.health_check(timeout=30)
+                    health["ok"] += 1
+                except Exception:  # noqa: BLE001 - counted, and shown in the report
+                    health["failed"] += 1
+                await anyio.sleep(0.05)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(health_checker)
+            for plan in plans:
+                tg.start_soon(client, plan)
+        await engine.wait_idle(timeout=30)
+        elapsed = time.perf_counter() - start
+        verdict, problems = "clean", []
+        try:
+            report = engine.check_memory()
+        except LeakError as exc:
+            verdict, problems, report = "LEAK", exc.problems, exc.report
+    stats = engine.stats
+    return {
+        "requests": num_requests,
+        "health_checks": dict(health),
+        "client_outcomes": dict(client_outcomes),
+        "finishes": {f"{kind}/{reason}": n for (kind, reason), n in sorted(stats.finishes.items())},
+        "tokens_generated": stats.tokens_generated,
+        "elapsed_s": round(elapsed, 3),
+        "tokens_per_s": round(stats.tokens_generated / elapsed, 1),
+        "ttft_ms": {q: _ms(percentile(stats.ttft, q)) for q in (50, 99)},
+        "itl_ms": {q: _ms(percentile(stats.itl, q)) for q in (50, 99)},
+        "retractions": stats.retractions,
+        "transitions": {f"{src}->{dst}": n for (src, dst), n in sorted(stats.transitions.items())},
+        "pools": report.as_dict()["pools"],
+        "leak_check": verdict,
+        "leak_problems": problems,
+    }
+
+
+def _plan(rng: random.Random, index: int) -> dict[str, Any]:
+    kind = rng.choices(["complete", "abort", "disconnect"], weights=[6, 1, 1])[0]
+    return {
+        "id": f"req-{index}",
+        "prompt": f"request {index}: " + "lorem ipsum " * rng.randint(1, 40),
+        "max_new_tokens": rng.choice([1, 8, 16, 32, 64]),
+        "kind": kind,
+        "cut_after": rng.randint(1, 4),
+        "temperature": rng.choice([0.0, 0.0, 0.8]),
+        "seed": index,
+    }
+
+
+async def _run_client(engine: Engine, plan: dict[str, Any]) -> str:
+    params = SamplingParams(max_new_tokens=plan["max_new_tokens"], temperature=plan["temperature"],
+                            top_p=0.95, seed=plan["seed"])
+    stream = engine.generate(plan["prompt"], params, request_id=plan["id"])
+    async with stream:
+        async for output in stream:
+            if output.finished:
+                return output.finish_reason.name.lower()
+            if len(output.token_ids) >= plan["cut_after"]:
+                if plan["kind"] == "abort":
+                    await engine.abort(plan["id"])
+                elif plan["kind"] == "disconnect":
+                    return "disconnected"
+    return "ended without a final output"  # never expected: counted so it shows
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 2)
+
+
+def format_report(report: dict[str, Any]) -> str:
+    lines = [f"kvlife run: {report['requests']} requests in {report['elapsed_s']} s"]
+    lines.append(f"  finishes       {report['finishes']}")
+    lines.append(f"  clients        {report['client_outcomes']}   health checks {report['health_checks']}")
+    lines.append(f"  tokens/s       {report['tokens_per_s']}  ({report['tokens_generated']} tokens, "
+                 f"{report['retractions']} retractions)")
+    lines.append(f"  TTFT ms        p50 {report['ttft_ms'][50]}  p99 {report['ttft_ms'][99]}")
+    lines.append(f"  ITL ms         p50 {report['itl_ms'][50]}  p99 {report['itl_ms'][99]}")
+    lines.append("  transitions")
+    for edge, n in report["transitions"].items():
+        lines.append(f"    {edge:<26} {n}")
+    lines.append(f"  {'pool':<16} {'capacity':>9} {'free':>7} {'evictable':>9} {'held':>6}")
+    for name, s in report["pools"].items():
+        lines.append(f"  {name:<16} {s['capacity']:>9} {s['free']:>7} {s['evictable']:>9} {s['held']:>6}")
+    lines.append(f"  leak check     {report['leak_check']}")
+    for problem in report["leak_problems"]:
+        lines.append(f"    {problem}")
+    return "\n".join(lines)

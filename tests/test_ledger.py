@@ -1,0 +1,203 @@
+"""The ownership ledger, pool statistics, and the leak check's attribution."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from structlog.testing import capture_logs
+
+from resources import LeakError, Ledger, PoolStats, check_memory, memory_report
+from states import FinishReason, Request, RequestState
+
+S = RequestState
+
+
+class _Pool:
+    """A counter pool that accounts every take and give in the ledger, like the real ones."""
+
+    def __init__(self, name: str, capacity: int, ledger: Ledger, unit: str = "pages") -> None:
+        self.name, self.capacity, self.free, self.ledger, self.unit = name, capacity, capacity, ledger, unit
+
+    def take(self, request: Request, n: int) -> None:
+        self.free -= n
+        self.ledger.hold(self.name, request, n)
+
+    def give(self, request: Request, n: int | None = None) -> None:
+        self.free += self.ledger.drop(self.name, request.request_id, n)
+
+    def stats(self) -> PoolStats:
+        return PoolStats(
+            capacity=self.capacity, free=self.free, evictable=0, held=self.ledger.held(self.name),
+            quarantined=self.ledger.quarantined(self.name), suspect=self.name in self.ledger.suspect,
+            unit=self.unit,
+        )
+
+
+def _make_request(rid: str, state=S.DECODING, reason: FinishReason | None = None) -> Request:
+    req = Request(rid, [1, 2, 3], None)
+    req.state, req.finish_reason = state, reason
+    return req
+
+
+def _make_pools(ledger: Ledger) -> list[_Pool]:
+    return [_Pool("kv_pages", 100, ledger), _Pool("request_slots", 4, ledger, unit="slots")]
+
+
+class TestLedger:
+    def test_hold_and_drop(self):
+        """Holdings add up per owner and per pool, and drop gives back part or all."""
+        ledger = Ledger()
+        a, b = _make_request("a"), _make_request("b")
+        ledger.hold("p", a, 3)
+        ledger.hold("p", a, 2)
+        ledger.hold("p", b, 4)
+        assert (ledger.held("p"), ledger.holding("p", "a"), ledger.holding("p", "b")) == (9, 5, 4)
+        assert ledger.drop("p", "a", 1) == 1 and ledger.holding("p", "a") == 4
+        assert ledger.drop("p", "a") == 4 and ledger.holding("p", "a") == 0
+        assert ledger.held("p") == 4 and [o.request_id for o in ledger.owners("p")] == ["b"]
+
+    def test_dropping_more_than_held_raises(self):
+        """A pool cannot give back more than a request holds."""
+        ledger = Ledger()
+        ledger.hold("p", _make_request("a"), 2)
+        with pytest.raises(ValueError, match="'a' drops 3 from 'p' but holds 2"):
+            ledger.drop("p", "a", 3)
+        assert ledger.held("p") == 2
+
+    def test_zero_holds_are_ignored(self):
+        """Holding nothing records no owner."""
+        ledger = Ledger()
+        ledger.hold("p", _make_request("a"), 0)
+        assert ledger.owners("p") == [] and ledger.num_tracked_requests == 0
+
+    def test_forget_request_only_when_nothing_is_held(self):
+        """The back-reference to a request stays while it holds anything anywhere."""
+        ledger = Ledger()
+        req = _make_request("a")
+        ledger.hold("p", req, 1)
+        ledger.hold("q", req, 1)
+        ledger.drop("p", "a")
+        ledger.forget_request("a")
+        assert ledger.request("a") is req
+        ledger.drop("q", "a")
+        ledger.forget_request("a")
+        assert ledger.request("a") is None and ledger.num_tracked_requests == 0
+
+    def test_quarantine_keeps_the_amount_held(self):
+        """Quarantined memory stays held and is counted apart."""
+        ledger = Ledger()
+        ledger.hold("p", _make_request("a"), 3)
+        assert ledger.quarantine("p", "a") == 3
+        assert (ledger.held("p"), ledger.quarantined("p")) == (3, 3)
+        assert [o.quarantined for o in ledger.owners("p")] == [True]
+
+
+class TestPoolStats:
+    @pytest.mark.parametrize(("free", "evictable", "held", "ok"), [(5, 3, 2, True), (5, 3, 3, False), (0, 0, 10, True)])
+    def test_adds_up(self, free, evictable, held, ok):
+        """free + evictable + held must equal capacity."""
+        assert PoolStats(capacity=10, free=free, evictable=evictable, held=held).adds_up is ok
+
+
+class TestCheckMemory:
+    def test_clean_pools_pass(self):
+        """Balanced pools pass whether or not the engine is idle."""
+        ledger = Ledger()
+        pools = _make_pools(ledger)
+        req = _make_request("a")
+        pools[0].take(req, 7)
+        report = check_memory(pools, ledger, idle=False, live_requests=1)
+        assert report.pools["kv_pages"].held == 7 and not report.idle
+        pools[0].give(req)
+        report = check_memory(pools, ledger, idle=True)
+        assert report.idle and all(s.held == 0 and s.adds_up for s in report.pools.values())
+
+    @pytest.mark.parametrize("reason", [None, *FinishReason], ids=lambda r: getattr(r, "name", "live"))
+    def test_idle_leak_names_pool_amount_and_owners(self, reason):
+        """The error names the pool, the amount and every owner's id, state and finish reason."""
+        ledger = Ledger()
+        pools = _make_pools(ledger)
+        state = S.DECODING if reason is None else S.RELEASED
+        leaker = _make_request("req-leaky", state, reason)
+        other = _make_request("req-other", S.FINISHED, FinishReason.STOP)
+        pools[0].take(leaker, 5)
+        pools[0].take(other, 2)
+        with capture_logs() as logs, pytest.raises(LeakError) as info:
+            check_memory(pools, ledger, idle=True)
+        message = str(info.value)
+        tag = reason.name if reason else "-"
+        assert "kv_pages: 7 pages held while idle" in message
+        assert f"req-leaky ({state.name}, {tag}) 5" in message
+        assert "req-other (FINISHED, STOP) 2" in message
+        assert "request_slots" not in message
+        assert info.value.problems == [message.removeprefix("memory leak detected: ")]
+        assert info.value.report.pools["kv_pages"].held == 7
+        leak = [e for e in logs if e["event"] == "memory.leak"]
+        assert len(leak) == 1 and leak[0]["pool"] == "kv_pages" and leak[0]["log_level"] == "error"
+
+    def test_pool_that_does_not_add_up_raises_even_when_busy(self):
+        """Memory freed behind the ledger's back breaks the sum and is reported with its owners."""
+        ledger = Ledger()
+        pools = _make_pools(ledger)
+        req = _make_request("req-1")
+        pools[1].take(req, 2)
+        pools[1].free += 1  # a path that freed a slot without a hook release
+        with pytest.raises(LeakError) as info:
+            check_memory(pools, ledger, idle=False, live_requests=1)
+        assert str(info.value) == (
+            "memory leak detected: request_slots: free 3 + evictable 0 + held 2 != capacity 4"
+            " (owners: req-1 (DECODING, -) 2)"
+        )
+
+    def test_every_bad_pool_is_listed(self):
+        """Each failing pool gets its own problem line."""
+        ledger = Ledger()
+        pools = _make_pools(ledger)
+        req = _make_request("a")
+        pools[0].take(req, 1)
+        pools[1].take(req, 1)
+        with pytest.raises(LeakError) as info:
+            check_memory(pools, ledger, idle=True)
+        assert [p.split(":")[0] for p in info.value.problems] == ["kv_pages", "request_slots"]
+
+    def test_quarantined_memory_passes_but_is_named(self):
+        """When idle, quarantined memory is not a leak, but the report names its owner."""
+        ledger = Ledger()
+        pools = _make_pools(ledger)
+        req = _make_request("req-q", S.RELEASED, FinishReason.TRANSFER_FAILED)
+        pools[0].take(req, 4)
+        ledger.quarantine("kv_pages", "req-q")
+        report = check_memory(pools, ledger, idle=True)
+        assert report.pools["kv_pages"].quarantined == 4
+        (owner,) = report.owners["kv_pages"]
+        assert (owner.request_id, owner.amount, owner.quarantined) == ("req-q", 4, True)
+        assert owner.describe() == "req-q (RELEASED, TRANSFER_FAILED) 4 quarantined"
+
+    def test_unattributed_leak_says_so(self):
+        """Held memory without an owner in the ledger is still reported."""
+        ledger = Ledger()
+        pool = _Pool("kv_pages", 10, ledger)
+        pool.stats = lambda: PoolStats(capacity=10, free=9, evictable=0, held=1, unit="pages")
+        with pytest.raises(LeakError, match=r"1 pages held while idle \(owners: no recorded owner\)"):
+            check_memory([pool], ledger, idle=True)
+
+    def test_suspect_pool_is_flagged(self):
+        """A pool whose hook raised in release is marked suspect in the report."""
+        ledger = Ledger()
+        pools = _make_pools(ledger)
+        ledger.suspect.add("kv_pages")
+        report = memory_report(pools, ledger, idle=True)
+        assert report.pools["kv_pages"].suspect and not report.pools["request_slots"].suspect
+
+    def test_report_serialises(self):
+        """as_dict is plain JSON: enums by name, a sum flag per pool, owners only where held."""
+        ledger = Ledger()
+        pools = _make_pools(ledger)
+        pools[0].take(_make_request("a", S.FINISHED, FinishReason.ABORT), 3)
+        data = json.loads(json.dumps(memory_report(pools, ledger, idle=False, live_requests=1).as_dict()))
+        assert data["pools"]["kv_pages"]["adds_up"] is True
+        assert data["owners"] == {"kv_pages": [
+            {"request_id": "a", "state": "FINISHED", "finish_reason": "ABORT", "amount": 3, "quarantined": False}
+        ]}
+        assert data["live_requests"] == 1 and data["idle"] is False

@@ -1,0 +1,188 @@
+"""The paged KV allocator, by example and against a pure-Python model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from resources import DoubleFree, ForeignPage, PageAllocator
+
+
+def _snapshot(alloc: PageAllocator) -> tuple:
+    """Everything an allocator call may change: the free stack and the in-use marks."""
+    return (
+        alloc.num_free,
+        alloc._stack[: alloc.num_free].tolist(),
+        [alloc.in_use(p) for p in range(alloc.num_pages)],
+    )
+
+
+def _assert_refused(alloc: PageAllocator, pages, exc: type[Exception]) -> None:
+    before = _snapshot(alloc)
+    with pytest.raises(exc):
+        alloc.free(pages)
+    assert _snapshot(alloc) == before
+
+
+def _as_tensor(ids: list[int], form: str) -> torch.Tensor:
+    t = torch.tensor(ids, dtype=torch.int32 if form == "int32" else torch.int64)
+    return t.reshape(1, -1) if form == "2d" else t
+
+
+class TestAlloc:
+    def test_fresh_allocator_hands_out_low_ids_first(self):
+        """Single-page allocations come out as 1, 2, 3, ...; page 0 is never handed out."""
+        alloc = PageAllocator(8, 16)
+        assert [int(alloc.alloc(1)) for _ in range(7)] == [1, 2, 3, 4, 5, 6, 7]
+        assert alloc.alloc(1) is None and alloc.num_free == 0
+
+    def test_alloc_is_whole_or_nothing(self):
+        """Asking for more than is free returns None and changes nothing."""
+        alloc = PageAllocator(5, 16)
+        pages = alloc.alloc(3)
+        before = _snapshot(alloc)
+        assert alloc.alloc(2) is None and _snapshot(alloc) == before
+        assert sorted(alloc.alloc(1).tolist() + pages.tolist()) == [1, 2, 3, 4]
+
+    @pytest.mark.parametrize("n", [0, -3])
+    def test_alloc_nothing(self, n):
+        """A non-positive request returns an empty int64 tensor."""
+        pages = PageAllocator(4, 16).alloc(n)
+        assert pages.dtype == torch.int64 and pages.numel() == 0
+
+    def test_returned_tensor_is_the_callers(self):
+        """Writing into the returned tensor cannot corrupt the free stack."""
+        alloc = PageAllocator(6, 16)
+        pages = alloc.alloc(3)
+        ids = pages.tolist()
+        pages.fill_(0)
+        alloc.free(torch.tensor(ids))
+        assert sorted(alloc.alloc(5).tolist()) == [1, 2, 3, 4, 5]
+
+    def test_needs_a_usable_page(self):
+        """Page 0 is reserved, so an allocator needs at least two pages."""
+        with pytest.raises(ValueError, match="num_pages must be >= 2"):
+            PageAllocator(1, 16)
+        assert PageAllocator(2, 16).capacity == 1
+
+
+class TestFree:
+    @pytest.mark.parametrize("form", ["int64", "int32", "2d"])
+    def test_free_accepts_any_integer_tensor(self, form):
+        """Pages come back whatever integer dtype or shape they arrive in."""
+        alloc = PageAllocator(10, 16)
+        alloc.alloc(9)
+        alloc.free(_as_tensor([4, 2, 9], form))
+        alloc.free(_as_tensor([5], form))
+        assert alloc.num_free == 4 and not alloc.in_use(4) and alloc.in_use(3)
+
+    def test_empty_free_is_a_no_op(self):
+        """Freeing no pages changes nothing."""
+        alloc = PageAllocator(4, 16)
+        alloc.alloc(2)
+        before = _snapshot(alloc)
+        alloc.free(torch.empty(0, dtype=torch.int64))
+        assert _snapshot(alloc) == before
+
+    @pytest.mark.parametrize(
+        "ids", [[0], [-1], [10], [3, 0], [3, 10], [-100], [3, 4, -25]], ids=str
+    )
+    def test_foreign_ids_raise_and_change_nothing(self, ids):
+        """Page 0, negative ids and ids past the pool are refused before anything moves."""
+        alloc = PageAllocator(10, 16)
+        alloc.alloc(6)
+        _assert_refused(alloc, torch.tensor(ids), ForeignPage)
+
+    @pytest.mark.parametrize("ids", [[8], [2, 8], [8, 2], [2, 2], [3, 4, 3]], ids=str)
+    def test_double_free_raises_and_changes_nothing(self, ids):
+        """A free page, or a page named twice in one call, is refused atomically."""
+        alloc = PageAllocator(10, 16)
+        alloc.alloc(6)  # pages 1..6 in use, 7..9 free
+        _assert_refused(alloc, torch.tensor(ids), DoubleFree)
+
+    def test_second_free_of_the_same_pages_raises(self):
+        """Freeing an allocation twice is caught; the first free stands."""
+        alloc = PageAllocator(10, 16)
+        pages = alloc.alloc(3)
+        alloc.free(pages)
+        _assert_refused(alloc, pages, DoubleFree)
+        assert alloc.num_free == 9
+
+    def test_reserved_page_counts_as_in_use(self):
+        """`in_use(0)` is true: the padding page is never free."""
+        assert PageAllocator(4, 16).in_use(0)
+
+
+class AllocatorModel(RuleBasedStateMachine):
+    """Random alloc/free, double frees and foreign ids against sets of free and held pages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alloc: PageAllocator | None = None
+
+    @precondition(lambda self: self.alloc is None)
+    @rule(num_pages=st.integers(2, 40))
+    def create(self, num_pages):
+        self.alloc = PageAllocator(num_pages, 4)
+        self.free = set(range(1, num_pages))
+        self.held: set[int] = set()
+
+    @precondition(lambda self: self.alloc is not None)
+    @rule(n=st.integers(-1, 12))
+    def allocate(self, n):
+        before = _snapshot(self.alloc)
+        pages = self.alloc.alloc(n)
+        if n > len(self.free):
+            assert pages is None and _snapshot(self.alloc) == before
+            return
+        ids = pages.tolist()
+        assert len(ids) == max(n, 0) == len(set(ids)) and set(ids) <= self.free
+        self.free -= set(ids)
+        self.held |= set(ids)
+
+    @precondition(lambda self: self.alloc is not None and self.held)
+    @rule(data=st.data(), form=st.sampled_from(["int64", "int32", "2d"]))
+    def free_held(self, data, form):
+        ids = data.draw(st.lists(st.sampled_from(sorted(self.held)), min_size=1, unique=True))
+        self.alloc.free(_as_tensor(ids, form))
+        self.held -= set(ids)
+        self.free |= set(ids)
+
+    @precondition(lambda self: self.alloc is not None and self.free)
+    @rule(data=st.data())
+    def double_free(self, data):
+        bad = data.draw(st.lists(st.sampled_from(sorted(self.free)), min_size=1, max_size=3, unique=True))
+        good = data.draw(st.lists(st.sampled_from(sorted(self.held)), max_size=3, unique=True)) if self.held else []
+        ids = data.draw(st.permutations(bad + good))
+        _assert_refused(self.alloc, torch.tensor(ids), DoubleFree)
+
+    @precondition(lambda self: self.alloc is not None and self.held)
+    @rule(data=st.data())
+    def repeated_id(self, data):
+        page = data.draw(st.sampled_from(sorted(self.held)))
+        _assert_refused(self.alloc, torch.tensor([page, page]), DoubleFree)
+
+    @precondition(lambda self: self.alloc is not None)
+    @rule(data=st.data())
+    def foreign_id(self, data):
+        n = self.alloc.num_pages
+        bad = data.draw(st.sampled_from([0, -1, -n, -2 * n, -2 * n - 1, n, n + 1, 2 * n, 10**9]))
+        others = data.draw(st.lists(st.sampled_from(sorted(self.held | self.free)), max_size=3))
+        ids = data.draw(st.permutations([bad, *others]))
+        _assert_refused(self.alloc, torch.tensor(ids), ForeignPage)
+
+    @invariant()
+    def matches_model(self):
+        if self.alloc is None:
+            return
+        assert self.alloc.num_free == len(self.free)
+        assert self.alloc.num_free + len(self.held) == self.alloc.capacity
+        assert set(self.alloc._stack[: self.alloc.num_free].tolist()) == self.free
+        assert [p for p in range(self.alloc.num_pages) if self.alloc.in_use(p)] == sorted({0} | self.held)
+
+
+TestAllocatorModel = AllocatorModel.TestCase
+TestAllocatorModel.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
