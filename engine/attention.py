@@ -80,7 +80,7 @@ class AttentionMetadata:
                 f"q_lens ({batch}), kv_lens ({len(self.kv_lens)}) and kv_locs rows "
                 f"({self.kv_locs.shape[0]}) must all count the same sequences"
             )
-        for b, (q_len, kv_len) in enumerate(zip(self.q_lens, self.kv_lens)):
+        for b, (q_len, kv_len) in enumerate(zip(self.q_lens, self.kv_lens, strict=True)):
             if not 1 <= q_len <= kv_len:
                 raise ValueError(f"sequence {b}: need 1 <= q_len ({q_len}) <= kv_len ({kv_len})")
         if sum(self.q_lens) != self.out_locs.shape[0]:
@@ -106,10 +106,12 @@ class AttentionMetadata:
         if not context_locs:
             raise ValueError("a step needs at least one sequence")
         kv_lens = [locs.shape[0] for locs in context_locs]
-        for b, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
+        for b, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens, strict=True)):
             if not 1 <= q_len <= kv_len:
                 raise ValueError(f"sequence {b}: need 1 <= q_len ({q_len}) <= kv_len ({kv_len})")
-        out_locs = torch.cat([locs[kv_len - q_len :] for locs, q_len, kv_len in zip(context_locs, q_lens, kv_lens)])
+        out_locs = torch.cat(
+            [locs[kv_len - q_len :] for locs, q_len, kv_len in zip(context_locs, q_lens, kv_lens, strict=True)]
+        )
         kv_locs = torch.nn.utils.rnn.pad_sequence(list(context_locs), batch_first=True, padding_value=0)
         return cls(out_locs=out_locs.long(), q_lens=q_lens, kv_lens=kv_lens, kv_locs=kv_locs.long())
 
@@ -149,7 +151,7 @@ class PagedAttention:
             self._decode_mask = (torch.arange(width, device=device) < kv_lens[:, None])[:, None, None, :]
         # (row slice in T, context locations, causal mask [q_len, kv_len]) per prefill chunk
         self._prefills: list[tuple[slice, Tensor, Tensor]] = []
-        for b, (q_len, kv_len) in enumerate(zip(meta.q_lens, meta.kv_lens)):
+        for b, (q_len, kv_len) in enumerate(zip(meta.q_lens, meta.kv_lens, strict=True)):
             if q_len == 1:
                 continue
             query_pos = torch.arange(kv_len - q_len, kv_len, device=device)

@@ -29,9 +29,7 @@ class DenseCausalAttention:
         return out.transpose(0, 1)
 
 
-def dense_forward(
-    model: TinyLlama, token_ids: Sequence[int] | Tensor, input_embeds: Tensor | None = None
-) -> Tensor:
+def dense_forward(model: TinyLlama, token_ids: Sequence[int] | Tensor, input_embeds: Tensor | None = None) -> Tensor:
     """Float32 logits ``[L, vocab]`` of `model` over the whole sequence
     `token_ids` (positions 0..L-1), recomputed from scratch."""
     ids = torch.as_tensor(token_ids, dtype=torch.long, device=model.device)

@@ -53,8 +53,7 @@ class VisionConfig:
     def __attrs_post_init__(self) -> None:
         if self.max_image_size % self.patch_size:
             raise ValueError(
-                f"max_image_size ({self.max_image_size}) must be a multiple of "
-                f"patch_size ({self.patch_size})"
+                f"max_image_size ({self.max_image_size}) must be a multiple of patch_size ({self.patch_size})"
             )
 
     @property
@@ -109,10 +108,7 @@ class ModelConfig:
 
     def __attrs_post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads ({self.num_heads}) must be a multiple of "
-                f"num_kv_heads ({self.num_kv_heads})"
-            )
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.num_experts:
             if not 1 <= self.num_experts_per_tok <= self.num_experts:
                 raise ValueError(
@@ -132,9 +128,7 @@ class ModelConfig:
         }
         for name, token_id in named_ids.items():
             if token_id is not None and not 0 <= token_id < self.vocab_size:
-                raise ValueError(
-                    f"{name} must be in [0, vocab_size={self.vocab_size}), got {token_id}"
-                )
+                raise ValueError(f"{name} must be in [0, vocab_size={self.vocab_size}), got {token_id}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -187,10 +181,7 @@ class ModelConfig:
         `to_hf_config`). Raises ValueError naming anything unsupported."""
         model_type = hf.get("model_type", "llama")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"model_type {model_type!r} is not supported "
-                f"(supported: {sorted(SUPPORTED_MODEL_TYPES)})"
-            )
+            raise ValueError(f"model_type {model_type!r} is not supported (supported: {sorted(SUPPORTED_MODEL_TYPES)})")
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (only 'silu')")
         if hf.get("mlp_bias"):

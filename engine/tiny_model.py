@@ -145,7 +145,7 @@ class MoEFeedForward(nn.Module):
         tokens_by_expert = (order // self.top_k).split(per_expert)
         weights_by_expert = weights.flatten()[order].split(per_expert)
         out = torch.zeros_like(x)
-        for expert, token_idx, token_weights in zip(self.experts, tokens_by_expert, weights_by_expert):
+        for expert, token_idx, token_weights in zip(self.experts, tokens_by_expert, weights_by_expert, strict=True):
             if token_idx.numel():
                 out.index_add_(0, token_idx, expert(x[token_idx]) * token_weights[:, None])
         return out, expert_ids
@@ -161,9 +161,7 @@ class DecoderLayer(nn.Module):
             MoEFeedForward(config) if config.is_moe else SwiGLU(config.hidden_size, config.intermediate_size)
         )
 
-    def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, attention: AttentionBackend
-    ) -> tuple[Tensor, Tensor | None]:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: AttentionBackend) -> tuple[Tensor, Tensor | None]:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention)
         normed = self.post_attention_layernorm(x)
         if isinstance(self.mlp, MoEFeedForward):
@@ -189,9 +187,7 @@ class VisionProjector(nn.Module):
         height, width, _ = image.shape
         patch, limit = self.vision.patch_size, self.vision.max_image_size
         if not (0 < height <= limit and 0 < width <= limit) or height % patch or width % patch:
-            raise ValueError(
-                f"image sides must be positive multiples of {patch} up to {limit}, got {height}x{width}"
-            )
+            raise ValueError(f"image sides must be positive multiples of {patch} up to {limit}, got {height}x{width}")
         return (height // patch) * (width // patch)
 
     def forward(self, image: Tensor) -> Tensor:
@@ -222,8 +218,8 @@ class TinyLlama(nn.Module):
         super().__init__()
         self.config = config
         self.model = DecoderStack(config)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
-            config.hidden_size, config.vocab_size, bias=False
+        self.lm_head = (
+            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.vision_projector = None if config.vision is None else VisionProjector(config.vision, config.hidden_size)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)

@@ -66,9 +66,7 @@ class ByteTokenizer:
             ("image_token_id", image_token_id),
         ):
             if token_id is not None and not 256 <= token_id < vocab_size:
-                raise ValueError(
-                    f"ByteTokenizer {name} must be in [256, vocab_size={vocab_size}), got {token_id}"
-                )
+                raise ValueError(f"ByteTokenizer {name} must be in [256, vocab_size={vocab_size}), got {token_id}")
         self._vocab_size = vocab_size
         self._bos_token_id = bos_token_id
         self._eos_token_id = eos_token_id

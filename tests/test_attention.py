@@ -84,7 +84,7 @@ def _naive_attention(q, k_buf, v_buf, meta: AttentionMetadata) -> torch.Tensor:
     out = torch.empty_like(q, dtype=torch.float64)
     group = q.shape[1] // k_buf.shape[1]
     row = 0
-    for b, (q_len, kv_len) in enumerate(zip(meta.q_lens, meta.kv_lens)):
+    for b, (q_len, kv_len) in enumerate(zip(meta.q_lens, meta.kv_lens, strict=True)):
         locs = meta.kv_locs[b, :kv_len]
         for i in range(q_len):
             visible = kv_len - q_len + i + 1
@@ -139,8 +139,15 @@ class TestPagedAttention:
         """Any mix of decode rows and prefill chunks equals a per-head float64 softmax over the context."""
         gen = torch.Generator().manual_seed(seed)
         num_kv_heads, head_dim, num_pages = 2, 8, 64
-        kv = KVBuffers(num_layers=1, num_pages=num_pages, page_size=PAGE_SIZE, num_kv_heads=num_kv_heads,
-                       head_dim=head_dim, dtype=torch.float32, device="cpu")
+        kv = KVBuffers(
+            num_layers=1,
+            num_pages=num_pages,
+            page_size=PAGE_SIZE,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            dtype=torch.float32,
+            device="cpu",
+        )
         kv.k[0].normal_(generator=gen)
         kv.v[0].normal_(generator=gen)
         locations = torch.randperm(kv.num_tokens - PAGE_SIZE, generator=gen) + PAGE_SIZE
@@ -162,7 +169,9 @@ class TestPagedAttention:
         config = ModelConfig.tiny()
         kv = _make_kv(config, num_pages=8)
         gen = torch.Generator().manual_seed(1)
-        meta = AttentionMetadata.from_locations([torch.arange(8, 11), torch.arange(12, 20), torch.arange(20, 23)], [1, 1, 3])
+        meta = AttentionMetadata.from_locations(
+            [torch.arange(8, 11), torch.arange(12, 20), torch.arange(20, 23)], [1, 1, 3]
+        )
         q = torch.randn(5, config.num_heads, config.head_dim, generator=gen)
         k = torch.randn(5, config.num_kv_heads, config.head_dim, generator=gen)
         v = torch.randn(5, config.num_kv_heads, config.head_dim, generator=gen)
@@ -203,5 +212,5 @@ def test_paged_forward_matches_dense_forward(config):
     pages = _ScatteredPages(96, seed=7)
     for composition in _COMPOSITIONS:
         step = [(sequences[index], count) for index, count in composition]
-        for (seq, count), logits in zip(step, _run_paged_step(model, kv, pages, step)):
+        for (seq, count), logits in zip(step, _run_paged_step(model, kv, pages, step), strict=True):
             _assert_matches_dense(model, seq, count, logits)

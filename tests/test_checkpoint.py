@@ -24,8 +24,9 @@ _VARIANTS = {
     "moe": ModelConfig.tiny_moe(),
     "qwen2-bias-tied": ModelConfig.tiny(attention_bias=True, tie_word_embeddings=True),
     "llama3-rope": ModelConfig.tiny(
-        rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                 original_max_position_embeddings=8)
+        rope_scaling=RopeScaling(
+            factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8
+        )
     ),
 }
 
@@ -108,7 +109,9 @@ class TestBrokenCheckpoints:
     def test_legacy_inv_freq_tensors_are_ignored(self, tmp_path):
         """Old checkpoints' rotary_emb.inv_freq buffers load without error."""
         _, directory = _save(tmp_path, ModelConfig.tiny())
-        _rewrite_weights(directory, lambda t: t.update({"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(32)}))
+        _rewrite_weights(
+            directory, lambda t: t.update({"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(32)})
+        )
         load_checkpoint(directory)
 
 

@@ -39,7 +39,12 @@ class TestValidation:
         config = ModelConfig.tiny()
         assert (config.vocab_size, config.hidden_size, config.num_layers) == (264, 256, 4)
         assert (config.num_heads, config.num_kv_heads, config.head_dim) == (4, 2, 64)
-        assert (config.bos_token_id, config.eos_token_id, config.pad_token_id, config.image_token_id) == (256, 257, 258, 259)
+        assert (config.bos_token_id, config.eos_token_id, config.pad_token_id, config.image_token_id) == (
+            256,
+            257,
+            258,
+            259,
+        )
         assert config.vision == VisionConfig(patch_size=8, max_image_size=64)
         assert not config.is_moe and config.torch_dtype == torch.float32
 
@@ -78,8 +83,9 @@ class TestHFConfig:
             ModelConfig.tiny(
                 extra_eos_token_ids=(1, 2),
                 dtype="bfloat16",
-                rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                         original_max_position_embeddings=64),
+                rope_scaling=RopeScaling(
+                    factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64
+                ),
             ),
         ],
         ids=["tiny", "moe", "qwen2", "llama3-rope"],

@@ -46,7 +46,9 @@ class TestFromSeed:
         """Changing the seed changes the weights."""
         first = TinyLlama.from_seed(ModelConfig.tiny(), seed=4).state_dict()
         second = TinyLlama.from_seed(ModelConfig.tiny(), seed=5).state_dict()
-        assert not torch.equal(first["model.layers.0.self_attn.q_proj.weight"], second["model.layers.0.self_attn.q_proj.weight"])
+        assert not torch.equal(
+            first["model.layers.0.self_attn.q_proj.weight"], second["model.layers.0.self_attn.q_proj.weight"]
+        )
 
     def test_dtype_override_casts_the_same_weights(self):
         """from_seed(dtype=bfloat16) holds the float32 weights cast to bfloat16, and its forward runs."""
@@ -119,7 +121,7 @@ class TestMoE:
                 logits = moe.gate(x[t])
                 chosen = expert_ids[t]
                 weights = torch.softmax(logits[chosen], dim=0)
-                expected = sum(w * moe.experts[int(e)](x[t]) for w, e in zip(weights, chosen))
+                expected = sum(w * moe.experts[int(e)](x[t]) for w, e in zip(weights, chosen, strict=True))
                 torch.testing.assert_close(out[t], expected, atol=1e-5, rtol=1e-5)
                 assert set(chosen.tolist()) == set(torch.topk(logits, moe.top_k).indices.tolist())
 

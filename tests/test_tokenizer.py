@@ -34,7 +34,11 @@ class TestByteTokenizer:
         """The default byte tokenizer's ids and vocabulary are tiny()'s."""
         tokenizer, config = ByteTokenizer(), ModelConfig.tiny()
         assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.image_token_id) == (
-            config.bos_token_id, config.eos_token_id, config.pad_token_id, config.image_token_id)
+            config.bos_token_id,
+            config.eos_token_id,
+            config.pad_token_id,
+            config.image_token_id,
+        )
         assert tokenizer.vocab_size == config.vocab_size
         assert isinstance(tokenizer, Tokenizer)
 
@@ -69,5 +73,10 @@ class TestHFTokenizer:
     def test_interface(self, tokenizer):
         """HFTokenizer satisfies Tokenizer with the config's special ids."""
         assert isinstance(tokenizer, Tokenizer)
-        assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.image_token_id) == (0, 1, 2, 3)
+        assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.image_token_id) == (
+            0,
+            1,
+            2,
+            3,
+        )
         assert tokenizer.vocab_size == 7
