@@ -121,10 +121,6 @@ class PagedAttention:
 
     Construct one per step; the per-step plan (which rows decode together,
     the padding masks) is built once here and reused by every layer.
-
-    # NOTE: several padded rows may write location 0 in the same step; which
-    # one wins is unspecified, which is fine because location 0 is never
-    # read as real context.
     """
 
     def __init__(self, kv: KVBuffers, meta: AttentionMetadata) -> None:
@@ -164,6 +160,8 @@ class PagedAttention:
 
     def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         k_buf, v_buf = self._kv.k[layer_id], self._kv.v[layer_id]
+        # NOTE: padded rows may all write location 0 in one step; which one
+        # wins is unspecified, and harmless, since location 0 is never context.
         k_buf.index_copy_(0, self._meta.out_locs, k.to(k_buf.dtype))
         v_buf.index_copy_(0, self._meta.out_locs, v.to(v_buf.dtype))
         if self._decode_rows is not None and not self._prefills:
