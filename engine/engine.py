@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -175,6 +176,10 @@ class Engine:
         with anyio.fail_after(timeout):
             while self.loop.requests:
                 await self.loop.idle_event.wait()
+
+    def requests_by_state(self) -> dict[RequestState, int]:
+        """How many requests not yet RELEASED are in each state (a snapshot)."""
+        return dict(Counter(request.state for request in self.loop.requests.values()))
 
     @property
     def idle(self) -> bool:

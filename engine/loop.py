@@ -143,9 +143,7 @@ class DecodeLoop:
             available_pages=self.kv_pool.available_pages,
         )
         for request in chosen:
-            try:
-                self.machine.advance(request, self.admit_into, reason="admitted")
-            except ResourceExhausted:
+            if not self.advance(request, self.admit_into, reason="admitted"):
                 break
             self.waiting.remove(request)
             request.extras["admitted_seq"] = next(self._admitted)
@@ -153,13 +151,26 @@ class DecodeLoop:
             self.running.append(request)
 
     def _advance_staged(self) -> None:
-        """STAGING -> DECODING for requests whose staging copies are done."""
-        for request in self.running:
-            if request.state is S.STAGING and all(f.done() for f in request.fences):
-                try:
-                    self.machine.advance(request, S.DECODING, reason="staged")
-                except ResourceExhausted:
-                    pass  # no device buffer free yet: stay staged, try next iteration
+        """Retry moves that wait on memory or copies: PREBUILT -> after_prefill,
+        STAGING -> DECODING once the staging copies are done."""
+        for request in list(self.running):
+            if request.state is S.PREBUILT:
+                self.advance(request, self.after_prefill, reason="first token")
+            elif request.state is S.STAGING and all(f.done() for f in request.fences):
+                self.advance(request, S.DECODING, reason="staged")
+
+    def advance(self, request: Request, dst: RequestState, *, reason: str) -> bool:
+        """Move through the machine. A full pool leaves the request where it was
+        (False); any other acquisition failure finishes it with ERROR."""
+        try:
+            self.machine.advance(request, dst, reason=reason)
+        except ResourceExhausted:
+            return False
+        except Exception as exc:  # a faulty hook must not take the engine down
+            log.error("request.acquire_failed", request_id=request.request_id, dst=dst.name, error=repr(exc))
+            self.finish(request, FinishReason.ERROR, error=exc)
+            return False
+        return True
 
     # ---------------------------------------------------------- the batch
     def _plan_batch(self) -> list[ScheduledSeq]:
@@ -205,15 +216,15 @@ class DecodeLoop:
             if request.first_token_time is None:
                 request.first_token_time = now
             self.stats.on_token(request, now)
-            if request.state is S.PREFILLING:
-                self.machine.advance(request, S.PREBUILT, reason="prefilled")
+            if request.state is S.PREFILLING and not self.advance(request, S.PREBUILT, reason="prefilled"):
+                continue
             reason = self._finish_reason(request, token)
             if reason is not None:
                 self.finish(request, reason, new_tokens=[token])
                 continue
-            if request.state is S.PREBUILT:
-                self.machine.advance(request, self.after_prefill, reason="first token")
             self.emit(request, [token])
+            if request.state is S.PREBUILT:
+                self.advance(request, self.after_prefill, reason="first token")
 
     def _finish_reason(self, request: Request, token: int) -> FinishReason | None:
         params = request.params

@@ -27,6 +27,8 @@ class EngineStats:
     step_errors: int = 0
     ttft: deque = attrs.field(factory=lambda: deque(maxlen=_SAMPLES))
     itl: deque = attrs.field(factory=lambda: deque(maxlen=_SAMPLES))
+    ttft_total: int = 0  # samples ever appended to `ttft` (the window keeps the latest)
+    itl_total: int = 0  # samples ever appended to `itl`
 
     def on_transition(self, request: Request, src: RequestState, dst: RequestState) -> None:
         self.transitions[(src.name, dst.name)] += 1
@@ -40,8 +42,10 @@ class EngineStats:
         last = request.extras.get("last_token_time")
         if last is None:
             self.ttft.append(now - request.arrival_time)
+            self.ttft_total += 1
         else:
             self.itl.append(now - last)
+            self.itl_total += 1
         request.extras["last_token_time"] = now
 
 

@@ -99,7 +99,7 @@ class KVHook(ResourceHook):
         own = block.pages[block.num_prefix_pages :]
         to_free = own
         if kv.radix is not None:
-            full = min(-(-request.kv_len // kv.page_size), len(block.pages))
+            full = min(request.kv_len // kv.page_size, len(block.pages))
             if full > block.num_prefix_pages:
                 tokens = request.all_token_ids[: full * kv.page_size]
                 duplicates = kv.radix.insert(tokens, block.pages[:full])

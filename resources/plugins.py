@@ -40,6 +40,7 @@ def build_plugin_hooks(
         sources += [ep.load() for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name)]
     hooks = []
     for source in sources:
-        hook = source if hasattr(source, "release") else source(context)
+        is_instance = hasattr(source, "release") and not isinstance(source, type)
+        hook = source if is_instance else source(context)
         hooks.append(hook)
     return hooks

@@ -212,7 +212,7 @@ class TestRelease:
         _release(machine, req, FinishReason.ABORT)
         report = _assert_whole(kv, ledger, idle=True)
         assert report.pools[KV_PAGES].held == 0 and report.pools[REQUEST_SLOTS].free == 2
-        assert kv.radix.evictable_pages == cached and req.kv_len == 0
+        assert kv.radix.evictable_pages == cached
         assert kv.radix.match([1, 2, 3, 4, 5])[0] == kv.radix.match([1, 2, 3, 4, 5, 6])[0][:cached]
 
     def test_second_release_is_refused_before_the_pool(self):
@@ -381,4 +381,4 @@ class KVModel(RuleBasedStateMachine):
 
 
 TestKVModel = KVModel.TestCase
-TestKVModel.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestKVModel.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)

@@ -185,4 +185,4 @@ class AllocatorModel(RuleBasedStateMachine):
 
 
 TestAllocatorModel = AllocatorModel.TestCase
-TestAllocatorModel.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestAllocatorModel.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)

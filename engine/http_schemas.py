@@ -1,0 +1,245 @@
+"""Request bodies of the HTTP server: parsed and validated before the engine sees them.
+
+Every rejection is an `InvalidRequest` whose `field` is the body's own field
+name (``sampling_params.temperature``, ``max_tokens``) and whose `limit`
+says what the field must satisfy; the server answers it with 400. Nothing
+here allocates: a body that fails never reaches the engine's pools.
+
+    limits = Limits.for_engine(engine)
+    body = parse_generate(parse_json(raw), limits, engine.tokenizer)
+
+Accepted bodies (unknown fields are rejected):
+
+- ``POST /generate``: ``text`` or ``input_ids`` (exactly one),
+  ``sampling_params`` (``max_new_tokens``, ``temperature``, ``top_p``,
+  ``top_k``, ``stop``, ``stop_token_ids``, ``ignore_eos``, ``seed``),
+  ``stream``, ``rid``.
+- ``POST /v1/completions``: ``model``, ``prompt`` (text, token ids, or a
+  batch of one), ``max_tokens``, ``temperature``, ``top_p``, ``stop``,
+  ``seed``, ``stream``, ``stream_options``; ``n``, ``best_of``, ``echo``,
+  ``logprobs``, penalties and ``user`` only at their defaults; extensions
+  ``top_k``, ``ignore_eos``, ``stop_token_ids``.
+- ``POST /abort``: ``rid``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import attrs
+
+from engine.config import SamplingParams
+from engine.errors import InvalidRequest
+
+MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 64
+MAX_RID_CHARS = 128
+
+
+@attrs.frozen
+class Limits:
+    """What a prompt may be: token ids below `vocab_size`, at most `max_prompt_tokens` of them."""
+
+    vocab_size: int
+    max_context: int
+    max_prompt_tokens: int
+    model_name: str
+
+    @classmethod
+    def for_engine(cls, engine: Any, *, max_prompt_tokens: int | None = None, model_name: str | None = None) -> Limits:
+        max_context = engine.config.max_context
+        bound = max_context - 1 if max_prompt_tokens is None else min(max_prompt_tokens, max_context - 1)
+        return cls(engine.model_config.vocab_size, max_context, bound, model_name or engine.config.model)
+
+
+@attrs.frozen
+class GenerateBody:
+    """A validated generation request, in engine terms."""
+
+    prompt: str | list[int]
+    token_ids: list[int]
+    params: SamplingParams
+    stream: bool = False
+    rid: str | None = None
+    stop: tuple[str, ...] = ()
+    include_usage: bool = False
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object (no NaN or Infinity), or InvalidRequest('body', ...)."""
+
+    def reject_constant(name: str) -> None:
+        raise ValueError(f"{name} is not JSON")
+
+    try:
+        value = json.loads(raw, parse_constant=reject_constant)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidRequest("body", "a JSON object", f"malformed JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise InvalidRequest("body", "a JSON object", value)
+    return value
+
+
+def _known_fields(body: dict[str, Any], allowed: frozenset[str], prefix: str = "") -> None:
+    for key in body:
+        if key not in allowed:
+            raise InvalidRequest(f"{prefix}{key}", f"a known field (one of {', '.join(sorted(allowed))})", key)
+
+
+def _bool(value: Any, field: str) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidRequest(field, "true or false", value)
+    return value
+
+
+def _stop_strings(value: Any, field: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops):
+        raise InvalidRequest(field, f"a string or a list of strings of 1 to {MAX_STOP_CHARS} characters", value)
+    if len(stops) > MAX_STOP_STRINGS:
+        raise InvalidRequest(field, f"at most {MAX_STOP_STRINGS} stop strings", len(stops))
+    return tuple(stops)
+
+
+def _prompt_ids(prompt: Any, field: str, limits: Limits, tokenizer: Any) -> list[int]:
+    """Token ids of a text or token-id prompt, checked against the vocabulary and the bound."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequest(field, "a non-empty string", prompt)
+        if len(prompt) > limits.max_prompt_tokens * 16:  # NOTE: bounds tokenizer work before tokenizing
+            raise InvalidRequest(field, f"at most {limits.max_prompt_tokens} tokens", f"{len(prompt)} characters")
+        ids = tokenizer.encode(prompt)
+    elif isinstance(prompt, list):
+        ids = prompt
+        bad = next((t for t in ids if not (isinstance(t, int) and not isinstance(t, bool))), None)
+        if bad is not None:
+            raise InvalidRequest(field, "a list of integer token ids", bad)
+        bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(field, f"token ids in [0, {limits.vocab_size})", bad)
+    else:
+        raise InvalidRequest(field, "a string or a list of token ids", prompt)
+    if not ids:
+        raise InvalidRequest(field, "at least 1 token", prompt)
+    if len(ids) > limits.max_prompt_tokens:
+        raise InvalidRequest(field, f"at most {limits.max_prompt_tokens} tokens", f"{len(ids)} tokens")
+    return list(ids)
+
+
+def _sampling(fields: dict[str, Any], names: dict[str, str]) -> SamplingParams:
+    """SamplingParams(**fields); a validation error is renamed to the body's field name."""
+    try:
+        return SamplingParams(**fields)
+    except InvalidRequest as exc:
+        attribute = exc.field.removeprefix("SamplingParams.")
+        raise InvalidRequest(names.get(attribute, attribute), exc.limit, exc.value) from None
+
+
+def _check_context(num_prompt: int, max_new: int, field: str, limits: Limits) -> None:
+    room = limits.max_context - num_prompt
+    if max_new > room:
+        raise InvalidRequest(field, f"<= max_context - prompt tokens = {limits.max_context} - {num_prompt} = {room}",
+                             max_new)
+
+
+def _stop_token_ids(stops: tuple[str, ...], tokenizer: Any) -> tuple[int, ...]:
+    """Stop strings that are one token stop in the engine; longer ones are matched on text."""
+    ids = []
+    for stop in stops:
+        encoded = tokenizer.encode(stop)
+        if len(encoded) == 1:
+            ids.append(encoded[0])
+    return tuple(ids)
+
+
+_GENERATE = frozenset({"text", "input_ids", "sampling_params", "stream", "rid"})
+_SAMPLING = frozenset({"max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids",
+                       "ignore_eos", "seed"})
+
+
+def parse_generate(body: dict[str, Any], limits: Limits, tokenizer: Any) -> GenerateBody:
+    """Validate a ``POST /generate`` body."""
+    _known_fields(body, _GENERATE)
+    if ("text" in body) == ("input_ids" in body):
+        raise InvalidRequest("text", "given, or input_ids given, but not both", sorted(set(body) & {"text", "input_ids"}))
+    field = "text" if "text" in body else "input_ids"
+    prompt = body[field]
+    token_ids = _prompt_ids(prompt, field, limits, tokenizer)
+    sp = body.get("sampling_params", {})
+    if not isinstance(sp, dict):
+        raise InvalidRequest("sampling_params", "a JSON object", sp)
+    _known_fields(sp, _SAMPLING, "sampling_params.")
+    stop = _stop_strings(sp.get("stop"), "sampling_params.stop")
+    fields = {k: v for k, v in sp.items() if k != "stop" and v is not None}
+    names = {name: f"sampling_params.{name}" for name in _SAMPLING}
+    params = _sampling(fields, names)
+    if stop:
+        params = attrs.evolve(params, stop_token_ids=params.stop_token_ids + _stop_token_ids(stop, tokenizer))
+    _check_context(len(token_ids), params.max_new_tokens, "sampling_params.max_new_tokens", limits)
+    rid = body.get("rid")
+    if rid is not None and not (isinstance(rid, str) and 0 < len(rid) <= MAX_RID_CHARS and rid.isprintable()):
+        raise InvalidRequest("rid", f"a printable string of 1 to {MAX_RID_CHARS} characters", rid)
+    stream = _bool(body.get("stream", False), "stream")
+    return GenerateBody(prompt, token_ids, params, stream=stream, rid=rid, stop=stop)
+
+
+_COMPLETION = frozenset({"model", "prompt", "max_tokens", "temperature", "top_p", "stop", "seed", "stream",
+                         "stream_options", "n", "best_of", "echo", "logprobs", "presence_penalty",
+                         "frequency_penalty", "user", "suffix", "logit_bias", "top_k", "ignore_eos",
+                         "stop_token_ids"})
+#: OpenAI fields accepted only at the value that means "off"
+_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
+    "n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (0,), "presence_penalty": (0,),
+    "frequency_penalty": (0,), "suffix": ("",), "logit_bias": ({},),
+}
+
+
+def parse_completion(body: dict[str, Any], limits: Limits, tokenizer: Any) -> tuple[GenerateBody, str]:
+    """Validate a ``POST /v1/completions`` body; returns it and the model name to answer with."""
+    _known_fields(body, _COMPLETION)
+    for name, allowed in _DEFAULT_ONLY.items():
+        value = body.get(name)
+        if value is not None and (isinstance(value, bool) != isinstance(allowed[0], bool) or value not in allowed):
+            raise InvalidRequest(name, f"{allowed[0]!r} or absent (not supported)", value)
+    model = body.get("model", limits.model_name)
+    if not isinstance(model, str):
+        raise InvalidRequest("model", "a string", model)
+    if "prompt" not in body:
+        raise InvalidRequest("prompt", "given (text or token ids)", None)
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise InvalidRequest("prompt", "a single prompt (batches are not supported)", f"{len(prompt)} prompts")
+        prompt = prompt[0]
+    token_ids = _prompt_ids(prompt, "prompt", limits, tokenizer)
+    stop = _stop_strings(body.get("stop"), "stop")
+    fields: dict[str, Any] = {
+        "max_new_tokens": 16 if body.get("max_tokens") is None else body["max_tokens"],
+        "temperature": 1.0 if body.get("temperature") is None else body["temperature"],
+    }
+    for name in ("top_p", "top_k", "seed", "ignore_eos", "stop_token_ids"):
+        if body.get(name) is not None:
+            fields[name] = body[name]
+    params = _sampling(fields, {"max_new_tokens": "max_tokens"})
+    if stop:
+        params = attrs.evolve(params, stop_token_ids=params.stop_token_ids + _stop_token_ids(stop, tokenizer))
+    _check_context(len(token_ids), params.max_new_tokens, "max_tokens", limits)
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise InvalidRequest("stream_options", "a JSON object", options)
+    _known_fields(options, frozenset({"include_usage", "continuous_usage_stats"}), "stream_options.")
+    include_usage = _bool(options.get("include_usage", False), "stream_options.include_usage")
+    stream = _bool(body.get("stream", False) if body.get("stream") is not None else False, "stream")
+    return GenerateBody(prompt, token_ids, params, stream=stream, stop=stop, include_usage=include_usage), model
+
+
+def parse_abort(body: dict[str, Any]) -> str:
+    """The request id of a ``POST /abort`` body."""
+    _known_fields(body, frozenset({"rid"}))
+    rid = body.get("rid")
+    if not isinstance(rid, str) or not rid:
+        raise InvalidRequest("rid", "a non-empty string", rid)
+    return rid
