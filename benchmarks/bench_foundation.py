@@ -2,7 +2,7 @@
 
 A script, not a test::
 
-    .venv/bin/python benchmarks/bench_foundation.py [--out bench-results/foundation.json] [--quick]
+    .venv/bin/python benchmarks/bench_foundation.py [--out bench-results/foundation.json] [--quick] [--repeat 3]
 
 Workloads follow /work/shared/ANCHORS.md (the peers' figures are printed
 beside ours; they were measured on the same kind of 2-core VM, not in this
@@ -304,31 +304,44 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="bench-results/foundation.json")
     parser.add_argument("--quick", action="store_true", help="a tenth of each workload (smoke run)")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per measurement; the best is kept")
     args = parser.parse_args(argv)
     scale = 10 if args.quick else 1
     torch.set_num_threads(1)
     quiet_logging()
     pool_pages = 262_144 // PAGE + 1
 
+    def best(run, key):
+        """Best of `--repeat` runs: on a shared 2-core VM noise only ever slows a run down."""
+        return key([run() for _ in range(args.repeat)])
+
+    def fastest_micro(runs):
+        return {n: {k: min(r[n][k] for r in runs) for k in runs[0][n]} for n in runs[0]}
+
     micro = {
-        "PageAllocator": bench_micro(lambda: PageAllocator(pool_pages, PAGE)),
-        "python list": bench_micro(lambda: ListAllocator(pool_pages)),
+        "PageAllocator": best(lambda: bench_micro(lambda: PageAllocator(pool_pages, PAGE)), fastest_micro),
+        "python list": best(lambda: bench_micro(lambda: ListAllocator(pool_pages)), fastest_micro),
     }
     specs = lifecycle_specs(20_000 // scale)
+    by_rate = lambda runs: max(runs, key=lambda r: r["lifecycles_per_s"])  # noqa: E731
     alloc = {
-        "PageAllocator": bench_allocator(PageAllocator(pool_pages, PAGE), specs, as_tensor=True),
-        "python list": bench_allocator(ListAllocator(pool_pages), specs, as_tensor=False),
+        "PageAllocator": best(
+            lambda: bench_allocator(PageAllocator(pool_pages, PAGE), specs, as_tensor=True), by_rate
+        ),
+        "python list": best(lambda: bench_allocator(ListAllocator(pool_pages), specs, as_tensor=False), by_rate),
     }
     workload = prefix_workload(5_000 // scale)
-    prefix = bench_prefix(workload, pool_tokens=65_536)
+    prefix = best(
+        lambda: bench_prefix(workload, pool_tokens=65_536), lambda r: max(r, key=lambda x: x["requests_per_s"])
+    )
     prefix["ideal_hit_rate"] = bench_prefix(workload, pool_tokens=1 << 22)["hit_rate"]
     machine = {
-        "five_stub_hooks_us": bench_machine(20_000 // scale, real_kv=False),
-        "kv_timing_and_three_stub_hooks_us": bench_machine(20_000 // scale, real_kv=True),
+        "five_stub_hooks_us": best(lambda: bench_machine(20_000 // scale, real_kv=False), min),
+        "kv_timing_and_three_stub_hooks_us": best(lambda: bench_machine(20_000 // scale, real_kv=True), min),
     }
     results = {
         "machine_info": {"python": platform.python_version(), "torch": torch.__version__,
-                         "platform": platform.platform(), "quick": args.quick},
+                         "platform": platform.platform(), "quick": args.quick, "repeat": args.repeat},
         "micro": micro, "allocator": alloc, "prefix_cache": prefix, "machine_lifecycle": machine,
     }
     print_tables(results)
@@ -346,7 +359,8 @@ def print_tables(r: dict) -> None:
         for n, row in rows.items():
             print(f"{name:<16}{n:>6}{row['alloc_us']:>10.2f}{row['free_us']:>10.2f}")
     print("\nallocator workload (20,000 lifecycles, 32 live, 262,144-token pool, page 16)")
-    head = f"{'allocator':<46}{'lifecycles/s':>14}{'alloc µs':>10}{'free µs':>10}{'rejects 2x free':>17}{'leaked':>8}"
+    head = f"{'allocator':<46}{'lifecycles/s':>14}{'alloc µs':>10}{'free µs':>10}"
+    head += f"{'rejects 2x free':>17}{'leaked':>8}"
     print(head)
     for name, a in r["allocator"].items():
         print(f"{'kvlife ' + name + ' (this run)':<46}{a['lifecycles_per_s']:>14,.0f}{a['alloc_us_mean']:>10.2f}"

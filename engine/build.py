@@ -1,9 +1,15 @@
 """Assembles an engine's parts from an EngineConfig.
 
 Model and tokenizer, KV buffers and pools, the built-in and plugin resource
-hooks in their one release order, the machine, the scheduler, the model
-runner and the decode loop. Optional parts (HiSparse, disaggregation,
-multimodal, MoE records) plug in here and nowhere else.
+hooks in their one release order, the machine, the scheduler and the model
+runner. Optional parts (MoE records, HiSparse, multimodal, the decode role's
+prefill worker) plug in here and nowhere else.
+
+Built-in registration order is the built-in release order::
+
+    moe_record, hisparse..., kv_transfer, kv, multimodal, plugins..., timing
+
+(plugins may reorder themselves with before/after; timing is always last).
 """
 
 from __future__ import annotations
@@ -40,8 +46,8 @@ class EngineParts:
     config: EngineConfig
     device: torch.device
     model_config: ModelConfig
-    model: object
-    tokenizer: object
+    model: Any
+    tokenizer: Any
     ledger: Ledger
     kv_buffers: KVBuffers
     kv_pool: KVPool
@@ -52,7 +58,11 @@ class EngineParts:
     scheduler: Scheduler
     runner: ModelRunner
     after_prefill: RequestState = RequestState.DECODING
+    admit_into: RequestState = RequestState.PREFILLING
     grow: Any = None
+    step_observers: list = attrs.field(factory=list)
+    expert_distribution: Any = None
+    prefill_worker: Any = None
 
 
 def load_model(config: EngineConfig, device: torch.device):
@@ -72,32 +82,42 @@ def load_model(config: EngineConfig, device: torch.device):
     return model_config, model, tokenizer
 
 
-def build_parts(config: EngineConfig) -> EngineParts:
+def build_parts(config: EngineConfig, *, model_bundle: tuple | None = None,
+                expert_distribution: Any = None) -> EngineParts:
     try:
         device = torch.device(config.device)
     except RuntimeError as exc:
         raise InvalidConfig("EngineConfig.device", "a torch device string such as 'cpu' or 'cuda'",
                             config.device) from exc
-    model_config, model, tokenizer = load_model(config, device)
+    try:
+        torch.empty(1, device=device).tolist()  # present and usable (not e.g. CUDA on a CPU build, or 'meta')
+    except (RuntimeError, AssertionError, NotImplementedError) as exc:
+        raise InvalidConfig("EngineConfig.device", "a device available to this torch build", config.device) from exc
+    model_config, model, tokenizer = model_bundle or load_model(config, device)
     ledger = Ledger()
-    kv_buffers = KVBuffers(
-        num_layers=model_config.num_layers,
-        num_pages=config.num_kv_pages,
-        page_size=config.page_size,
-        num_kv_heads=model_config.num_kv_heads,
-        head_dim=model_config.head_dim,
-        dtype=getattr(torch, config.dtype),
-        device=device,
-    )
-    kv_pool = KVPool(
-        num_pages=config.num_kv_pages,
-        page_size=config.page_size,
-        max_running=config.max_running,
-        max_context=config.max_context,
-        device=device,
-        ledger=ledger,
-        prefix_cache=config.prefix_cache,
-    )
+    kv_buffers = KVBuffers(num_layers=model_config.num_layers, num_pages=config.num_kv_pages,
+                           page_size=config.page_size, num_kv_heads=model_config.num_kv_heads,
+                           head_dim=model_config.head_dim, dtype=getattr(torch, config.dtype), device=device)
+    kv_pool = KVPool(num_pages=config.num_kv_pages, page_size=config.page_size, max_running=config.max_running,
+                     max_context=config.max_context, device=device, ledger=ledger,
+                     prefix_cache=config.prefix_cache)
+    runner_cls = NoComputeRunner if config.model == "null" else ModelRunner
+    runner = runner_cls(model, kv_buffers, kv_pool.slots, device, slot_of=lambda r: r.handles["kv"].payload.slot,
+                        faults=config.faults)
+    before_kv: list = []
+    after_kv: list = []
+    pools: list = [*kv_pool.pools]
+    step_observers: list = []
+
+    if model_config.is_moe:
+        from engine.moe_records import ExpertDistribution, MoERecordHook, record_step
+
+        if expert_distribution is None:
+            expert_distribution = ExpertDistribution(model_config.num_layers, model_config.num_experts)
+        before_kv.append(MoERecordHook(expert_distribution))
+        step_observers.append(lambda batch, out: record_step(
+            "moe_record", [s.request for s in batch], [s.num_tokens for s in batch], out.routing))
+
     hisparse = None
     if config.hisparse is not None:
         # HiSparse: KV pages only until staging; host pages + a bounded device buffer after.
@@ -105,33 +125,52 @@ def build_parts(config: EngineConfig) -> EngineParts:
 
         hisparse = install_hisparse(config=config, model_config=model_config, device=device, ledger=ledger,
                                     kv_pool=kv_pool, kv_buffers=kv_buffers)
+        before_kv.extend(hisparse.hooks)
+        pools.extend(hisparse.pools)
+
+    worker = None
+    if config.disaggregation == "decode":
+        from engine.disaggregation import KVTransferHook, LoopbackTransfer, PrefillWorker, PrefixedPool
+
+        prefill_config = attrs.evolve(config, disaggregation="none", hisparse=None)
+        prefill_parts = build_parts(prefill_config, model_bundle=(model_config, model, tokenizer),
+                                    expert_distribution=expert_distribution)
+        worker = PrefillWorker(prefill_parts, LoopbackTransfer(kv_buffers, config.faults), faults=config.faults,
+                               fence_timeout=config.fence_timeout)
+        before_kv.append(KVTransferHook(worker, kv_pool, config.fence_timeout))
+        pools.extend(PrefixedPool("prefill.", p, prefill_parts.ledger) for p in prefill_parts.pools)
+
+    if getattr(model, "vision_projector", None) is not None and model_config.image_token_id is not None:
+        from engine.multimodal import MultimodalCache, MultimodalHook, make_embedder
+
+        mm_cache = MultimodalCache(config.mm_cache_bytes, ledger)
+        after_kv.append(MultimodalHook(mm_cache, model))
+        pools.append(mm_cache)
+        runner.embedder = make_embedder(model, model_config.image_token_id)
+
     kv_hook = KVHook(kv_pool, scope=hisparse.kv_scope if hisparse else None)
-    plugins = build_plugin_hooks(
-        config.resources, PluginContext(ledger, device, config), use_entry_points=config.use_entry_points
-    )
+    plugins = build_plugin_hooks(config.resources, PluginContext(ledger, device, config),
+                                 use_entry_points=config.use_entry_points)
     timing = TimingHook()
-    # Built-in registration order is the built-in release order (MoE, HiSparse, KV,
-    # multimodal, plugins, timing); plugins may reorder themselves with before/after.
-    hooks = [*(hisparse.hooks if hisparse else ()), kv_hook, *plugins, timing]
+    hooks = [*before_kv, kv_hook, *after_kv, *plugins, timing]
     timing.after = tuple(h.name for h in hooks if h is not timing)
     ordered = order_hooks(hooks)
     if config.faults is not None:
         ordered = config.faults.wrap_hooks(ordered)
     machine = RequestMachine(ordered)
     machine.release_error_observers.append(lambda hook, request, exc: ledger.suspect.add(hook.pool or hook.name))
-    pools = [*kv_pool.pools, *(hisparse.pools if hisparse else ())]
     for hook in plugins:
         pools.extend(getattr(hook, "pools", ()))
-    runner_cls = NoComputeRunner if config.model == "null" else ModelRunner
-    runner = runner_cls(model, kv_buffers, kv_pool.slots, device, slot_of=lambda r: r.handles["kv"].payload.slot,
-                        faults=config.faults)
-    scheduler = Scheduler(
-        max_running=config.max_running, max_prefill_tokens=config.max_prefill_tokens, page_size=config.page_size
-    )
+    scheduler = Scheduler(max_running=config.max_running, max_prefill_tokens=config.max_prefill_tokens,
+                          page_size=config.page_size)
     parts = EngineParts(config, device, model_config, model, tokenizer, ledger, kv_buffers, kv_pool, kv_hook,
-                        ordered, pools, machine, scheduler, runner)
+                        ordered, pools, machine, scheduler, runner, step_observers=step_observers,
+                        expert_distribution=expert_distribution, prefill_worker=worker)
+    if worker is not None:
+        parts.admit_into = RequestState.TRANSFERRING
     if hisparse is not None:
         runner.attention_factory = hisparse.attention_factory(runner)
         parts.after_prefill = RequestState.STAGING
         parts.grow = hisparse.grow
+        machine.transition_observers.append(hisparse.on_transition)  # entering STAGING starts the host copy
     return parts

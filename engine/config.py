@@ -13,6 +13,7 @@ from typing import Any
 import attrs
 
 from engine.errors import InvalidConfig, InvalidRequest
+from engine.faults import FaultInjector
 
 
 
@@ -42,6 +43,10 @@ def _one_of(*choices: Any) -> Callable[[Any, attrs.Attribute, Any], None]:
         _check(InvalidConfig, type(inst).__name__, attribute.name, value, value in choices, f"one of {choices}")
 
     return check
+
+
+def _tuple_if_sequence(value: Any) -> Any:
+    return tuple(value) if isinstance(value, (list, tuple)) else value
 
 
 @attrs.frozen
@@ -92,9 +97,10 @@ class EngineConfig:
     hisparse: Any = attrs.field(default=None)
     disaggregation: str = attrs.field(default="none", validator=_one_of("none", "decode"))
     leak_check: str = attrs.field(default="raise", validator=_one_of("raise", "log", "off"))
-    resources: tuple[Any, ...] = attrs.field(default=(), converter=tuple)
+    resources: tuple[Any, ...] = attrs.field(default=(), converter=_tuple_if_sequence)
     use_entry_points: bool = attrs.field(default=True)
     fence_timeout: float = attrs.field(default=30.0)
+    mm_cache_bytes: int = attrs.field(default=64 << 20, validator=_int_at_least(1))
     faults: Any = attrs.field(default=None)
 
     def __attrs_post_init__(self) -> None:
@@ -108,6 +114,18 @@ class EngineConfig:
         _check(InvalidConfig, p, "max_context", self.max_context,
                self.max_context <= (self.num_kv_pages - 1) * self.page_size,
                f"<= (num_kv_pages - 1) * page_size = {(self.num_kv_pages - 1) * self.page_size}")
+        _check(InvalidConfig, p, "seed", self.seed, self.seed < 2**63, "an integer < 2**63")
+        for name in ("prefix_cache", "use_entry_points"):
+            _check(InvalidConfig, p, name, getattr(self, name), isinstance(getattr(self, name), bool), "a bool")
+        _check(InvalidConfig, p, "resources", self.resources,
+               isinstance(self.resources, tuple) and all(callable(r) or hasattr(r, "release") for r in self.resources),
+               "a list of resource hooks or hook factories")
+        from hisparse.config import HiSparseConfig  # lazy: hisparse sits below engine
+
+        _check(InvalidConfig, p, "faults", self.faults, self.faults is None or isinstance(self.faults, FaultInjector),
+               "None or an engine.faults.FaultInjector")
+        _check(InvalidConfig, p, "hisparse", self.hisparse,
+               self.hisparse is None or isinstance(self.hisparse, HiSparseConfig), "None or a hisparse.HiSparseConfig")
         if self.hisparse is not None:
             self.hisparse.validate_against(self)
 

@@ -23,7 +23,7 @@ import anyio
 
 from engine.build import build_parts
 from engine.config import EngineConfig, SamplingParams
-from engine.errors import EngineClosed, EngineOverloaded, HealthCheckFailed, InvalidRequest
+from engine.errors import EngineClosed, EngineOverloaded, HealthCheckFailed, InvalidConfig, InvalidRequest
 from engine.loop import DecodeLoop
 from engine.outputs import RequestOutput
 from engine.stream import RequestStream
@@ -33,6 +33,9 @@ from states import FinishReason, Request, RequestKind, RequestState
 
 class Engine:
     def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
+        if config is not None and overrides:
+            raise InvalidConfig("Engine(config, **overrides)", "either a config or field overrides, not both",
+                                sorted(overrides))
         self.config = config if config is not None else EngineConfig(**overrides)
         self.parts = build_parts(self.config)
         self.tokenizer = self.parts.tokenizer
@@ -49,8 +52,10 @@ class Engine:
             leak_check=self.config.leak_check,
             max_queued=self.config.max_queued,
             after_prefill=self.parts.after_prefill,
+            admit_into=self.parts.admit_into,
             grow=self.parts.grow,
         )
+        self.loop.step_observers.extend(self.parts.step_observers)
         self.loop.make_output = self._make_output
         self.loop.release_observers.append(lambda r: self.parts.ledger.forget_request(r.request_id))
         self._task_group: Any = None
@@ -64,6 +69,8 @@ class Engine:
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
         try:
+            if self.parts.prefill_worker is not None:
+                await self._task_group.start(self.parts.prefill_worker.run)
             await self._task_group.start(self.loop.run)
         except BaseException:
             await self._task_group.__aexit__(None, None, None)
@@ -77,6 +84,7 @@ class Engine:
         try:
             with anyio.CancelScope(shield=True):
                 await self.loop.shutdown()
+                await self._drain_prefill_worker()
                 if self.config.leak_check != "off" and exc_info[0] is None:
                     try:
                         self.check_memory()
@@ -87,6 +95,17 @@ class Engine:
             self._task_group.cancel_scope.cancel()
             await self._task_group.__aexit__(*exc_info)
         return None
+
+    async def _drain_prefill_worker(self) -> None:
+        """Let the prefill worker finish what it started (its fences bound the wait)."""
+        worker = self.parts.prefill_worker
+        if worker is None:
+            return
+        worker.jobs.clear()  # their decode requests are already finished
+        while worker.requests:
+            worker.release_finished()
+            if worker.requests:
+                await anyio.sleep(0.005)
 
     @property
     def running(self) -> bool:
@@ -174,8 +193,11 @@ class Engine:
     async def wait_idle(self, timeout: float | None = None) -> None:
         """Wait until no request is outside RELEASED (aborts and releases are applied)."""
         with anyio.fail_after(timeout):
-            while self.loop.requests:
-                await self.loop.idle_event.wait()
+            while not self.idle:
+                if self.loop.requests:
+                    await self.loop.idle_event.wait()
+                else:  # only the prefill worker's own requests are left
+                    await anyio.sleep(0.005)
 
     def requests_by_state(self) -> dict[RequestState, int]:
         """How many requests not yet RELEASED are in each state (a snapshot)."""
@@ -183,7 +205,14 @@ class Engine:
 
     @property
     def idle(self) -> bool:
-        return not self.loop.requests
+        worker = self.parts.prefill_worker
+        return not self.loop.requests and (worker is None or not worker.requests)
+
+    def expert_distribution(self):
+        """Routed-expert counts [moe_layers, num_experts] of every released request (MoE models)."""
+        if self.parts.expert_distribution is None:
+            raise RuntimeError(f"model {self.config.model!r} has no MoE layers")
+        return self.parts.expert_distribution.counts.clone()
 
     @property
     def stats(self):
@@ -205,9 +234,12 @@ class Engine:
         if not token_ids:
             raise InvalidRequest("prompt", "non-empty", prompt)
         vocab = self.model_config.vocab_size
-        bad = next((t for t in token_ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab)), None)
-        if bad is not None or any(isinstance(t, bool) for t in token_ids):
-            raise InvalidRequest("prompt", f"token ids in [0, {vocab})", bad)
+        bad = [t for t in token_ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab)]
+        if bad:
+            raise InvalidRequest("prompt", f"token ids in [0, {vocab})", bad[0])
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise InvalidRequest("SamplingParams.stop_token_ids", f"token ids in [0, {vocab})", bad[0])
         total = len(token_ids) + params.max_new_tokens
         cfg = self.config
         if total > cfg.max_context:
@@ -220,9 +252,17 @@ class Engine:
             raise InvalidRequest("request_id", "a non-empty string", request_id)
         elif request_id in self.loop.requests:
             raise InvalidRequest("request_id", "unique among requests in flight", request_id)
-        if mm_inputs:
-            raise InvalidRequest("mm_inputs", "empty: this engine was built without multimodal support", mm_inputs)
-        return Request(request_id, token_ids, params, kind=kind)
+        if mm_inputs is not None and not isinstance(mm_inputs, (list, tuple)):
+            raise InvalidRequest("mm_inputs", "a list of images", type(mm_inputs).__name__)
+        images = list(mm_inputs or ())
+        if images:
+            from engine.multimodal import prepare_images
+
+            token_ids = prepare_images(self.parts.model, self.model_config.image_token_id, token_ids, images)
+            if len(token_ids) + params.max_new_tokens > cfg.max_context:
+                raise InvalidRequest("prompt + image tokens + max_new_tokens", f"<= max_context = {cfg.max_context}",
+                                     len(token_ids) + params.max_new_tokens)
+        return Request(request_id, token_ids, params, kind=kind, mm_inputs=images)
 
     def _make_output(self, request: Request, new_tokens: list[int], final: bool) -> RequestOutput:
         if not final:

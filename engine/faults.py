@@ -4,13 +4,19 @@ Pass `EngineConfig(faults=FaultInjector(...))`. Tests and users' own chaos
 tests use it instead of patching internals; the engine must come out of
 every injected fault with every pool whole.
 
+- `stall_step`: called with the request ids of each model step's batch (in
+  the worker thread, before `fail_step`); whatever it blocks for, the step
+  stalls: a slow or hung device, or a test that lets steps through one at a
+  time (tests/test_stateful_engine.py). The event loop stays responsive.
 - `fail_step`: called with the request ids of each model step's batch (in
   the worker thread, just before the forward pass); returning True makes
   the step raise `InjectedFault`, so those requests finish with ERROR.
 - `fail_release`: hook names whose release raises `InjectedFault` *after*
   the hook has released (so the pool stays whole but is marked suspect), or
   *instead of* releasing when `release_leaks=True` (a real leak, which the
-  leak check must then name).
+  leak check must then name). `fail_release_when(hook_name, request_id)`
+  does the same for the releases it returns True for (every hook is
+  wrapped then).
 - `fail_transfer`: called with a request id in the decode role; True makes
   that KV transfer fail (TRANSFER_FAILED).
 - `stuck_fences`: fence names (e.g. "kv_transfer", "host_backup") whose
@@ -31,7 +37,9 @@ class InjectedFault(RuntimeError):
 @attrs.define
 class FaultInjector:
     fail_step: Callable[[Sequence[str]], bool] | None = None
+    stall_step: Callable[[Sequence[str]], None] | None = None
     fail_release: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset)
+    fail_release_when: Callable[[str, str], bool] | None = None
     release_leaks: bool = False
     fail_transfer: Callable[[str], bool] | None = None
     stuck_fences: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset)
@@ -39,13 +47,20 @@ class FaultInjector:
     releases_failed: int = 0
 
     def before_step(self, request_ids: Sequence[str]) -> None:
+        if self.stall_step is not None:
+            self.stall_step(request_ids)
         if self.fail_step is not None and self.fail_step(request_ids):
             self.steps_failed += 1
             raise InjectedFault(f"injected model-step failure for {list(request_ids)}")
 
     def wrap_hooks(self, hooks: list) -> list:
-        """Hooks named in `fail_release` wrapped so that their release raises."""
-        return [_FailingRelease(h, self) if h.name in self.fail_release else h for h in hooks]
+        """Hooks whose release may fail (`fail_release`, `fail_release_when`), wrapped."""
+        every = self.fail_release_when is not None
+        return [_FailingRelease(h, self) if every or h.name in self.fail_release else h for h in hooks]
+
+    def release_fails(self, hook_name: str, request_id: str) -> bool:
+        return hook_name in self.fail_release or (
+            self.fail_release_when is not None and bool(self.fail_release_when(hook_name, request_id)))
 
     def transfer_fails(self, request_id: str) -> bool:
         return self.fail_transfer is not None and bool(self.fail_transfer(request_id))
@@ -62,6 +77,9 @@ class _FailingRelease:
         return getattr(self._hook, name)
 
     def release(self, request, handle) -> None:
+        if not self._faults.release_fails(self._hook.name, request.request_id):
+            self._hook.release(request, handle)
+            return
         if not self._faults.release_leaks:
             self._hook.release(request, handle)
         self._faults.releases_failed += 1

@@ -250,12 +250,15 @@ async def running_server(engine: Engine, host: str = "127.0.0.1", port: int = 0,
     sock = bind_socket(host, port)
     server = _uvicorn_server(create_app(engine, settings), settings)
     done = anyio.Event()
-    async with anyio.create_task_group() as tg:
-        await _start(tg, server, sock, done)
-        try:
-            yield f"http://{host}:{sock.getsockname()[1]}"
-        finally:
-            server.should_exit = True
+    try:
+        async with anyio.create_task_group() as tg:
+            await _start(tg, server, sock, done)
+            try:
+                yield f"http://{host}:{sock.getsockname()[1]}"
+            finally:
+                server.should_exit = True
+    finally:
+        sock.close()  # uvicorn closes it on a clean shutdown, not when cancelled
 
 
 class _ToStructlog(logging.Handler):
@@ -315,6 +318,7 @@ async def serve(config: EngineConfig, host: str, port: int, *, log_json: bool = 
         with anyio.move_on_after(settings.graceful_timeout + 5):
             await done.wait()
         tg.cancel_scope.cancel()
+    sock.close()
     return _final_verdict(engine, engine_error)
 
 

@@ -91,6 +91,7 @@ class DecodeLoop:
             await self._wait(None)
             return
         self._was_idle = False
+        self._land_transfers()
         self._advance_staged()
         self._admit()
         batch = self._plan_batch()
@@ -150,14 +151,42 @@ class DecodeLoop:
             request.extras.setdefault("cached_tokens", request.kv_len)
             self.running.append(request)
 
+    def _land_transfers(self) -> None:
+        """TRANSFERRING requests whose KV has landed: PREBUILT with the first token."""
+        for request in list(self.running):
+            if request.state is not S.TRANSFERRING:
+                continue
+            job = request.handles["kv_transfer"].payload
+            if job.outcome is None or not job.fence.done():
+                missed = self._missed_fence(request)
+                if missed is not None:  # the copy is presumed lost: fail it; its pages quarantine
+                    self.finish(request, FinishReason.TRANSFER_FAILED,
+                                error=TimeoutError(f"{missed.name} missed its deadline"))
+                continue
+            status, value = job.outcome
+            if status != "ok":
+                self.finish(request, FinishReason.TRANSFER_FAILED, error=value)
+                continue
+            request.kv_len = request.num_tokens
+            self._accept_token(request, value, time.monotonic())
+
     def _advance_staged(self) -> None:
         """Retry moves that wait on memory or copies: PREBUILT -> after_prefill,
         STAGING -> DECODING once the staging copies are done."""
         for request in list(self.running):
             if request.state is S.PREBUILT:
                 self.advance(request, self.after_prefill, reason="first token")
-            elif request.state is S.STAGING and all(f.done() for f in request.fences):
-                self.advance(request, S.DECODING, reason="staged")
+            elif request.state is S.STAGING:
+                missed = self._missed_fence(request)
+                if missed is not None:  # staging can never complete: finish (the memory quarantines)
+                    self.finish(request, FinishReason.ERROR, error=TimeoutError(f"{missed.name} missed its deadline"))
+                elif all(f.done() for f in request.fences):
+                    self.advance(request, S.DECODING, reason="staged")
+
+    def _missed_fence(self, request: Request) -> Any:
+        """A fence of `request` still in flight past its deadline, if any."""
+        now = self.machine.clock()
+        return next((f for f in request.fences if not f.done() and f.deadline <= now), None)
 
     def advance(self, request: Request, dst: RequestState, *, reason: str) -> bool:
         """Move through the machine. A full pool leaves the request where it was
@@ -210,21 +239,26 @@ class DecodeLoop:
             if not s.samples:
                 continue
             token = next(tokens)
-            if request.state not in (S.PREFILLING, S.DECODING):
-                continue  # finished meanwhile (cannot happen while the loop awaits the step)
-            request.output_token_ids.append(token)
-            if request.first_token_time is None:
-                request.first_token_time = now
-            self.stats.on_token(request, now)
-            if request.state is S.PREFILLING and not self.advance(request, S.PREBUILT, reason="prefilled"):
-                continue
-            reason = self._finish_reason(request, token)
-            if reason is not None:
-                self.finish(request, reason, new_tokens=[token])
-                continue
-            self.emit(request, [token])
-            if request.state is S.PREBUILT:
-                self.advance(request, self.after_prefill, reason="first token")
+            if request.state in (S.PREFILLING, S.DECODING):
+                self._accept_token(request, token, now)
+
+    def _accept_token(self, request: Request, token: int, now: float) -> None:
+        """Append a sampled token; a completed prefill or transfer becomes PREBUILT,
+        then finishes (first-token finish) or moves on like any other."""
+        request.output_token_ids.append(token)
+        if request.first_token_time is None:
+            request.first_token_time = now
+        self.stats.on_token(request, now)
+        if request.state in (S.PREFILLING, S.TRANSFERRING) and not self.advance(request, S.PREBUILT,
+                                                                                 reason="prefilled"):
+            return
+        reason = self._finish_reason(request, token)
+        if reason is not None:
+            self.finish(request, reason, new_tokens=[token])
+            return
+        self.emit(request, [token])
+        if request.state is S.PREBUILT:
+            self.advance(request, self.after_prefill, reason="first token")
 
     def _finish_reason(self, request: Request, token: int) -> FinishReason | None:
         params = request.params

@@ -210,7 +210,7 @@ class ModelConfig:
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             attention_bias=model_type == "qwen2",
-            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            max_position_embeddings=_context_limit(hf, model_type),
             dtype=_read_dtype(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
             num_experts=extras.get("num_experts", 0),
             num_experts_per_tok=extras.get("num_experts_per_tok", 0),
@@ -271,6 +271,18 @@ class ModelConfig:
         if extras:
             hf["kvlife"] = extras
         return hf
+
+
+def _context_limit(hf: dict[str, Any], model_type: str) -> int:
+    """max_position_embeddings, capped at the sliding window when one is in
+    force: attention here is always full, which equals sliding-window
+    attention only while the context fits in the window."""
+    limit = hf.get("max_position_embeddings", 4096)
+    window = hf.get("sliding_window")
+    window_in_force = hf.get("use_sliding_window", model_type == "mistral")
+    if window and window_in_force:
+        limit = min(limit, window)
+    return limit
 
 
 def _read_dtype(name: str) -> str:

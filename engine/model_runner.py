@@ -82,6 +82,11 @@ class ModelRunner:
             kv_lens.append(end)
             slots.append(self.slot_of(s.request))
         dev = self.device
+        # NOTE: slot_of is None for rows whose backend keeps their KV itself (HiSparse
+        # decode rows): their locations read as the padding page 0.
+        no_slot = [slot is None for slot in slots] if None in slots else None
+        if no_slot is not None:
+            slots = [0 if slot is None else slot for slot in slots]
         ids_t = torch.tensor(ids, dtype=torch.int64, device=dev)
         pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
         slots_t = torch.tensor(slots, dtype=torch.int64, device=dev)
@@ -91,6 +96,10 @@ class ModelRunner:
         kv_locs = table[slots_t, :width]
         lens_t = torch.tensor(kv_lens, dtype=torch.int64, device=dev)
         kv_locs = kv_locs.masked_fill(torch.arange(width, device=dev)[None, :] >= lens_t[:, None], 0)
+        if no_slot is not None:
+            no_slot_t = torch.tensor(no_slot, device=dev)
+            out_locs = out_locs.masked_fill(no_slot_t.repeat_interleave(torch.tensor(q_lens, device=dev)), 0)
+            kv_locs = kv_locs.masked_fill(no_slot_t[:, None], 0)
         meta = AttentionMetadata(out_locs=out_locs, q_lens=q_lens, kv_lens=kv_lens, kv_locs=kv_locs)
         return ids_t, pos_t, meta
 

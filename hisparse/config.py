@@ -50,7 +50,7 @@ class HiSparseConfig:
       used to score tokens; at least the model's ``num_kv_heads * head_dim``
       makes scoring exact.
     - `recent_window`: the last tokens before the new one, always selected
-      (counted within top_k).
+      (counted within top_k); default min(16, top_k).
     """
 
     top_k: int = attrs.field(default=256, validator=_int_at_least(1))
@@ -58,7 +58,9 @@ class HiSparseConfig:
     host_pool_tokens: int | None = attrs.field(default=None)
     host_pool_ratio: float = attrs.field(default=4.0)
     index_dim: int = attrs.field(default=16, validator=_int_at_least(1))
-    recent_window: int = attrs.field(default=16, validator=_int_at_least(0))
+    recent_window: int = attrs.field(  # the factory runs before validators: top_k may be anything here
+        default=attrs.Factory(lambda self: min(16, self.top_k) if _is_int(self.top_k) else 0, takes_self=True),
+        validator=_int_at_least(0))
 
     def __attrs_post_init__(self) -> None:
         p = "HiSparseConfig"

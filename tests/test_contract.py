@@ -245,6 +245,7 @@ class TestPlugins:
     def test_entry_points_come_after_config_sorted_by_name(self, monkeypatch):
         """Entry-point factories load after configured hooks, in entry-point name order."""
         eps = [_EntryPoint("zeta", lambda c: _make_hook("z")), _EntryPoint("alpha", lambda c: _make_hook("a"))]
-        monkeypatch.setattr(resources.plugins, "entry_points", lambda group: eps if group == "kvlife.resources" else [])
+        fake = lambda group: eps if group == "kvlife.resources" else []  # noqa: E731
+        monkeypatch.setattr(resources.plugins, "entry_points", fake)
         hooks = build_plugin_hooks([_make_hook("cfg")], self._context())
         assert _names(hooks) == ["cfg", "a", "z"]

@@ -381,4 +381,4 @@ class KVModel(RuleBasedStateMachine):
 
 
 TestKVModel = KVModel.TestCase
-TestKVModel.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
+TestKVModel.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)

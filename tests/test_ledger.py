@@ -94,7 +94,9 @@ class TestLedger:
 
 
 class TestPoolStats:
-    @pytest.mark.parametrize(("free", "evictable", "held", "ok"), [(5, 3, 2, True), (5, 3, 3, False), (0, 0, 10, True)])
+    @pytest.mark.parametrize(
+        ("free", "evictable", "held", "ok"), [(5, 3, 2, True), (5, 3, 3, False), (0, 0, 10, True)]
+    )
     def test_adds_up(self, free, evictable, held, ok):
         """free + evictable + held must equal capacity."""
         assert PoolStats(capacity=10, free=free, evictable=evictable, held=held).adds_up is ok

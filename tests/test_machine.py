@@ -125,13 +125,11 @@ def _expected_held(hooks: dict[str, _Hook], path: list[RequestState]) -> list[st
 
 
 def _events(logs, *names) -> list[tuple]:
-    out = []
-    for e in logs:
-        if e["event"] == "request.transition" and e["event"] in names:
-            out.append((e["event"], e["src"], e["dst"]))
-        elif e["event"] in names:
-            out.append((e["event"], e["resource"]))
-    return out
+    return [
+        (e["event"], e["src"], e["dst"]) if e["event"] == "request.transition" else (e["event"], e["resource"])
+        for e in logs
+        if e["event"] in names
+    ]
 
 
 def _finish_all(machine: RequestMachine, req: Request) -> None:

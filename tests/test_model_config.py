@@ -109,6 +109,20 @@ class TestHFConfig:
         assert config.attention_bias and config.rope_scaling is None
 
     @pytest.mark.parametrize(
+        ("changes", "limit"),
+        [
+            ({"model_type": "mistral", "sliding_window": 4096}, 4096),
+            ({"model_type": "mistral", "sliding_window": None}, 131072),
+            ({"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": False}, 131072),
+            ({"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": True}, 4096),
+        ],
+    )
+    def test_sliding_window_caps_the_context(self, changes, limit):
+        """A sliding window in force caps max_position_embeddings, since attention here is always full."""
+        config = ModelConfig.from_hf_config({**_LLAMA3_CONFIG, "rope_scaling": None, **changes})
+        assert config.max_position_embeddings == limit
+
+    @pytest.mark.parametrize(
         ("changes", "message"),
         [
             ({"model_type": "gpt2"}, "model_type"),

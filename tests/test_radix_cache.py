@@ -203,4 +203,4 @@ class RadixModel(RuleBasedStateMachine):
 
 
 TestRadixModel = RadixModel.TestCase
-TestRadixModel.settings = settings(max_examples=250, stateful_step_count=50, deadline=None)
+TestRadixModel.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)

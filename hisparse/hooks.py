@@ -1,0 +1,223 @@
+"""HiSparse's resource hooks: host pages, device buffer slots, slot maps.
+
+They follow `resources.contract` and are released in this order, all before
+the KV hook (as SGLang's ``request_finished`` runs before
+``release_kv_cache``)::
+
+    hook              acquire_on                 scope
+    hisparse_device   DECODING                   DECODING, FINISHED
+    hisparse_host     PREFILLING, TRANSFERRING   TRANSFERRING .. DECODING, FINISHED
+    hisparse_map      DECODING                   DECODING, FINISHED
+
+RETRACTED is in no scope, so preemption releases all three; QUEUED neither,
+so a re-queued request holds nothing here. Host pages are taken at admission
+(PREFILLING, or TRANSFERRING in the decode role where a transfer can land
+straight in them), so a short host pool delays admission instead of failing
+a transition the loop cannot retry. Acquisition runs in reverse release
+order, so on entering DECODING the map exists when the device buffer is
+filled.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+
+from hisparse import lru
+from hisparse.pools import DEVICE_SLOTS, HOST_PAGES, SLOT_MAPS
+from resources.contract import ResourceExhausted, ResourceHook
+from states import Handle, Request, RequestState
+
+if TYPE_CHECKING:
+    from hisparse.state import HiSparseState
+
+S = RequestState
+HOST_HOOK, DEVICE_HOOK, MAP_HOOK = "hisparse_host", "hisparse_device", "hisparse_map"
+
+
+@attrs.define(eq=False)
+class HostRecord:
+    """The host hook's record: pages in token order and their token locations.
+
+    `locs[:len(pages) * page_size]` are valid (host rows, on the host);
+    `locs_dev` is the same on device (the same tensor on CPU). `on_host`
+    counts the leading tokens whose K/V has been copied in (or is being, under
+    a fence). `backup_event` (CUDA only) follows the latest decode backup, for
+    code that reads those rows on the host.
+    """
+
+    pages: list[int]
+    locs: torch.Tensor
+    locs_dev: torch.Tensor
+    on_host: int = 0
+    backup_event: Any = None
+
+    def sync_backups(self) -> None:
+        if self.backup_event is not None:
+            self.backup_event.synchronize()
+            self.backup_event = None
+
+
+@attrs.define(eq=False)
+class DeviceBuffer:
+    """The device hook's record: N + 1 slots (the last reserved for the newest
+    token) and each layer's LRU state (see `hisparse.lru`)."""
+
+    slots: torch.Tensor  # [N + 1] global slot ids on device
+    slot_token: torch.Tensor  # [layers, N + 1]
+    last_used: torch.Tensor  # [layers, N]
+    stamp: int = 0
+
+    @property
+    def size(self) -> int:
+        return self.last_used.shape[1]
+
+
+@attrs.define(eq=False)
+class SlotMap:
+    """The map hook's record: a row of the map table, [layers, max_context + 1]."""
+
+    row: int
+    table: torch.Tensor
+
+
+class _HiSparseHook(ResourceHook):
+    before = ("kv",)
+
+    def __init__(self, state: HiSparseState) -> None:
+        super().__init__()
+        self.state = state
+
+    def quarantine(self, request: Request, handle: Handle) -> None:
+        """A fence missed its deadline: keep the memory, account it as quarantined."""
+        super().quarantine(request, handle)
+        self.state.ledger.quarantine(self.pool, request.request_id)
+
+
+class HostPagesHook(_HiSparseHook):
+    """Host pages for every token of the request (taken at admission, grown per token)."""
+
+    name = HOST_HOOK
+    pool = HOST_PAGES
+    acquire_on = frozenset({S.PREFILLING, S.TRANSFERRING})
+    scope = frozenset({S.TRANSFERRING, S.PREFILLING, S.PREBUILT, S.STAGING, S.DECODING, S.FINISHED})
+
+    def acquire(self, request: Request, into: RequestState) -> Handle:
+        host = self.state.host
+        need = host.pages_for(request.num_tokens)
+        pages = host.allocator.alloc(need)
+        if pages is None:
+            raise ResourceExhausted(f"need {need} HiSparse host pages, {host.allocator.num_free} free")
+        locs = torch.zeros(self.state.max_context + host.page_size, dtype=torch.int64)
+        record = HostRecord([], locs, locs if not self.state.copier.cuda else locs.to(self.state.device))
+        self._extend(record, pages)
+        self.state.ledger.hold(HOST_PAGES, request, need)
+        return Handle(self.name, request.request_id, record, amount=need)
+
+    def grow(self, request: Request, num_tokens: int) -> bool:
+        """Cover `num_tokens` tokens; False (changing nothing) if the pool is short."""
+        handle: Handle = request.handles[self.name]
+        record: HostRecord = handle.payload
+        host = self.state.host
+        need = host.pages_for(num_tokens) - len(record.pages)
+        if need <= 0:
+            return True
+        pages = host.allocator.alloc(need)
+        if pages is None:
+            return False
+        self._extend(record, pages)
+        handle.amount = len(record.pages)
+        self.state.ledger.hold(HOST_PAGES, request, need)
+        return True
+
+    def _extend(self, record: HostRecord, pages: torch.Tensor) -> None:
+        host = self.state.host
+        start = len(record.pages) * host.page_size
+        locs = host.locations(pages)
+        record.locs[start : start + locs.numel()] = locs
+        if record.locs_dev is not record.locs:
+            record.locs_dev[start : start + locs.numel()].copy_(locs, non_blocking=False)
+        record.pages.extend(pages.tolist())
+
+    def release(self, request: Request, handle: Handle) -> None:
+        record: HostRecord = handle.payload
+        self.state.ledger.drop(HOST_PAGES, request.request_id)
+        self.state.host.allocator.free(torch.tensor(record.pages, dtype=torch.int64))
+
+
+class DeviceBufferHook(_HiSparseHook):
+    """A bounded device buffer per decoding request, filled at once for short contexts."""
+
+    name = DEVICE_HOOK
+    pool = DEVICE_SLOTS
+    acquire_on = frozenset({S.DECODING})
+    scope = frozenset({S.DECODING, S.FINISHED})
+
+    def buffer_size(self, request: Request) -> int:
+        """N: device_buffer_size, or fewer when the request can never use them all."""
+        most = request.num_prompt_tokens + request.params.max_new_tokens - 1
+        return max(1, min(self.state.config.device_buffer_size, most))
+
+    def acquire(self, request: Request, into: RequestState) -> Handle:
+        state = self.state
+        size = self.buffer_size(request)
+        ids = state.device_pool.allocator.alloc(size + 1)
+        if ids is None:
+            raise ResourceExhausted(
+                f"need {size + 1} HiSparse device slots, {state.device_pool.allocator.num_free} free"
+            )
+        dev = state.device
+        layers = state.num_layers
+        buffer = DeviceBuffer(
+            slots=ids.to(dev),
+            slot_token=torch.full((layers, size + 1), -1, dtype=torch.int64, device=dev),
+            last_used=torch.full((layers, size), -1, dtype=torch.int64, device=dev),
+        )
+        n = request.kv_len
+        kv = request.handles.get("kv")
+        if kv is not None and 0 < n <= size:
+            # NOTE: the KV pages are still held: this transition acquires before it releases.
+            self._preload(request, buffer, kv.payload.slot, n)
+        state.ledger.hold(DEVICE_SLOTS, request, size + 1)
+        return Handle(self.name, request.request_id, buffer, amount=size + 1)
+
+    def _preload(self, request: Request, buffer: DeviceBuffer, kv_slot: int, n: int) -> None:
+        """Copy the context's K/V from the device KV pages into slots 0..n-1 of every layer."""
+        state = self.state
+        src = state.kv_pool.slots.req_to_token[kv_slot, :n]
+        dst = buffer.slots[:n]
+        for layer in range(state.num_layers):
+            state.device_pool.k[layer].index_copy_(0, dst, state.kv_buffers.k[layer].index_select(0, src))
+            state.device_pool.v[layer].index_copy_(0, dst, state.kv_buffers.v[layer].index_select(0, src))
+        slot_map: SlotMap = request.handles[MAP_HOOK].payload
+        lru.preload(slot_map.table, buffer.slot_token, buffer.last_used, n)
+
+    def release(self, request: Request, handle: Handle) -> None:
+        buffer: DeviceBuffer = handle.payload
+        self.state.ledger.drop(DEVICE_SLOTS, request.request_id)
+        self.state.device_pool.allocator.free(buffer.slots.cpu())
+
+
+class SlotMapHook(_HiSparseHook):
+    """The token -> device-slot map of a decoding request, one per layer."""
+
+    name = MAP_HOOK
+    pool = SLOT_MAPS
+    acquire_on = frozenset({S.DECODING})
+    scope = frozenset({S.DECODING, S.FINISHED})
+
+    def acquire(self, request: Request, into: RequestState) -> Handle:
+        maps = self.state.maps
+        row = maps.alloc()
+        if row is None:
+            raise ResourceExhausted(f"all {maps.capacity} HiSparse slot maps are in use")
+        table = maps.table[row]
+        table.fill_(-1)
+        self.state.ledger.hold(SLOT_MAPS, request, 1)
+        return Handle(self.name, request.request_id, SlotMap(row, table), amount=1)
+
+    def release(self, request: Request, handle: Handle) -> None:
+        self.state.ledger.drop(SLOT_MAPS, request.request_id)
+        self.state.maps.free(handle.payload.row)

@@ -1,0 +1,137 @@
+"""HiSparseState: one engine's HiSparse pools, copier and index projection,
+and the lifecycle steps that are not resource hooks (staging, growth).
+
+Lifecycle of a HiSparse request (hooks in `hisparse.hooks`)::
+
+    PREFILLING   host pages taken for the prompt (admission)
+    PREBUILT     prompt KV complete in device KV pages
+    STAGING      `stage`: prompt KV -> host (fenced), index keys computed
+    DECODING     (fences done) device buffer + slot map taken, short contexts
+                 preloaded from the KV pages, then the KV pages are released
+    each step    `grow` adds host pages; sparse attention backs up the new token
+    FINISHED     fences awaited (or quarantined at their deadline), then all
+                 handles released, HiSparse before KV
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import structlog
+import torch
+
+from hisparse.config import HiSparseConfig
+from hisparse.copies import BACKUP_FENCE, HostCopier
+from hisparse.hooks import DEVICE_HOOK, HOST_HOOK, DeviceBuffer, HostRecord
+from hisparse.pools import DeviceBufferPool, HostKVPool, SlotMapPool
+from hisparse.selection import IndexProjection
+from states import Request, RequestState
+
+log = structlog.get_logger("kvlife.hisparse")
+
+
+class HiSparseState:
+    """Shared by the hooks, the sparse attention and the loop's callbacks."""
+
+    def __init__(self, *, config: HiSparseConfig, engine_config: Any, model_config: Any, device: torch.device,
+                 ledger: Any, kv_pool: Any, kv_buffers: Any) -> None:
+        self.config = config
+        self.device = device
+        self.ledger = ledger
+        self.kv_pool = kv_pool
+        self.kv_buffers = kv_buffers
+        self.num_layers = model_config.num_layers
+        self.max_context = engine_config.max_context
+        dtype = kv_buffers.k[0].dtype
+        kv_heads, head_dim = model_config.num_kv_heads, model_config.head_dim
+        self.projection = IndexProjection(num_heads=model_config.num_heads, num_kv_heads=kv_heads,
+                                          head_dim=head_dim, index_dim=config.index_dim, device=device,
+                                          dtype=dtype, seed=engine_config.seed)
+        self.host = HostKVPool(num_tokens=config.host_tokens(engine_config), page_size=engine_config.page_size,
+                               num_layers=self.num_layers, num_kv_heads=kv_heads, head_dim=head_dim,
+                               index_dim=self.projection.dim, dtype=dtype, device=device, ledger=ledger)
+        max_running = engine_config.max_running
+        self.device_pool = DeviceBufferPool(num_slots=max_running * (config.device_buffer_size + 1),
+                                            num_layers=self.num_layers, num_kv_heads=kv_heads, head_dim=head_dim,
+                                            dtype=dtype, device=device, ledger=ledger)
+        self.maps = SlotMapPool(num_maps=max_running, num_layers=self.num_layers,
+                                max_context=engine_config.max_context, device=device, ledger=ledger)
+        faults = engine_config.faults
+        stuck = faults is not None and BACKUP_FENCE in faults.stuck_fences
+        self.copier = HostCopier(device, fence_timeout=engine_config.fence_timeout, stuck=stuck)
+        #: a staging copy reads KV pages and writes host pages
+        self.staging_protects = frozenset({"kv", HOST_HOOK})
+        #: a decode backup reads the reserved device slot and writes host pages
+        self.backup_protects = frozenset({DEVICE_HOOK, HOST_HOOK})
+        #: tokens copied host -> device by swap-ins (for benchmarks)
+        self.swapped_in = 0
+        #: the host-pages hook (set by `install_hisparse`), which `grow` extends
+        self.host_hook: Any = None
+        #: when a list, sparse attention appends one record per request and layer (tests)
+        self.trace: list[dict[str, Any]] | None = None
+
+    @property
+    def pools(self) -> list[Any]:
+        return [self.device_pool, self.host, self.maps]
+
+    def is_sparse(self, request: Request) -> bool:
+        """Whether this request's decode rows go to sparse attention."""
+        return request.state is RequestState.DECODING and DEVICE_HOOK in request.handles
+
+    # ------------------------------------------------------------- staging
+    def on_transition(self, request: Request, src: RequestState, dst: RequestState) -> None:
+        """Machine observer: entering STAGING starts the staging copy; entering
+        DECODING, the request's complete KV is the host copy (releasing the KV
+        pages zeroed `kv_len`, which counts complete KV in this engine's pools)."""
+        if dst is RequestState.STAGING:
+            self.stage(request)
+        elif dst is RequestState.DECODING and HOST_HOOK in request.handles:
+            request.kv_len = request.handles[HOST_HOOK].payload.on_host
+
+    def stage(self, request: Request) -> None:
+        """Copy the context's KV from device pages to host, compute index keys; fenced.
+
+        Copies only tokens not on the host yet (a decode-role transfer that
+        landed in the host pages sets `HostRecord.on_host` and is not copied).
+        """
+        record: HostRecord = request.handles[HOST_HOOK].payload
+        start, end = record.on_host, request.kv_len
+        if end > start:
+            block = request.handles["kv"].payload
+            src = self.kv_pool.slots.req_to_token[block.slot, start:end]
+            rows, rows_dev = record.locs[start:end], record.locs_dev[start:end]
+            with self.copier.side():
+                for layer in range(self.num_layers):
+                    k = self.kv_buffers.k[layer].index_select(0, src)
+                    v = self.kv_buffers.v[layer].index_select(0, src)
+                    index = self.host.index[layer]
+                    index.index_copy_(0, rows_dev, self.projection.keys(k).to(index.dtype))
+                    self.copier.to_host(self.host.k[layer], rows, k)
+                    self.copier.to_host(self.host.v[layer], rows, v)
+            record.on_host = end
+        request.fences.append(self.copier.fence(self.staging_protects))
+        log.debug("hisparse.staged", request_id=request.request_id, tokens=end - start)
+
+    # --------------------------------------------------------------- growth
+    def grow(self, request: Request, num_tokens: int) -> bool:
+        """Before a decode step: host pages for `num_tokens`; False if the pool is short.
+
+        Also drops the request's completed fences, so a long decode does not
+        accumulate one per token.
+        """
+        if request.fences:
+            request.fences[:] = [f for f in request.fences if not f.done()]
+        return self.host_hook.grow(request, num_tokens)
+
+    # ------------------------------------------------------------ reporting
+    def device_bytes(self, request: Request) -> dict[str, int]:
+        """Device bytes the request holds: KV buffer slots, and index keys + slot map."""
+        buffer: DeviceBuffer | None = getattr(request.handles.get(DEVICE_HOOK), "payload", None)
+        record: HostRecord | None = getattr(request.handles.get(HOST_HOOK), "payload", None)
+        slots = 0 if buffer is None else buffer.slots.shape[0]
+        tokens = 0 if record is None else len(record.pages) * self.host.page_size
+        return {
+            "kv_buffer": slots * self.device_pool.bytes_per_slot,
+            "index_keys": tokens * self.host.index_bytes_per_token,
+            "slot_map": self.maps.bytes_per_map if buffer is not None else 0,
+        }

@@ -1,0 +1,178 @@
+"""Bad input never reaches the engine: 400 naming the field and the limit, 413, 503 with Retry-After."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from engine.faults import FaultInjector
+from engine.http_server import ServerSettings
+from http_helpers import StepGate, serving
+
+PROMPT = [5, 17, 42, 99, 3]
+OK = {"input_ids": PROMPT}
+
+# (path, body (a dict, or raw bytes), the field the 400 must name)
+BAD_BODIES = [
+    ("/generate", b"{not json", "body"),
+    ("/generate", b"[1, 2]", "body"),
+    ("/generate", b'{"input_ids": [1], "sampling_params": {"temperature": NaN}}', "body"),
+    ("/generate", b"\xff\xfe", "body"),
+    ("/generate", {}, "text"),
+    ("/generate", {"text": "a", "input_ids": [1]}, "text"),
+    ("/generate", {"text": ""}, "text"),
+    ("/generate", {"text": 5}, "text"),
+    ("/generate", {"input_ids": []}, "input_ids"),
+    ("/generate", {"input_ids": [1, "a"]}, "input_ids"),
+    ("/generate", {"input_ids": [1, True]}, "input_ids"),
+    ("/generate", {"input_ids": [1, 10**9]}, "input_ids"),
+    ("/generate", {"input_ids": [-1]}, "input_ids"),
+    ("/generate", {"input_ids": [1] * 300}, "input_ids"),
+    ("/generate", {**OK, "prompt": "x"}, "prompt"),
+    ("/generate", {**OK, "sampling_params": [1]}, "sampling_params"),
+    ("/generate", {**OK, "sampling_params": {"max_new_tokens": 0}}, "sampling_params.max_new_tokens"),
+    ("/generate", {**OK, "sampling_params": {"max_new_tokens": "8"}}, "sampling_params.max_new_tokens"),
+    ("/generate", {**OK, "sampling_params": {"max_new_tokens": 1000}}, "sampling_params.max_new_tokens"),
+    ("/generate", {**OK, "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
+    ("/generate", {**OK, "sampling_params": {"top_p": 0}}, "sampling_params.top_p"),
+    ("/generate", {**OK, "sampling_params": {"top_p": 1.5}}, "sampling_params.top_p"),
+    ("/generate", {**OK, "sampling_params": {"top_k": -1}}, "sampling_params.top_k"),
+    ("/generate", {**OK, "sampling_params": {"seed": -3}}, "sampling_params.seed"),
+    ("/generate", {**OK, "sampling_params": {"stop_token_ids": [-1]}}, "sampling_params.stop_token_ids"),
+    ("/generate", {**OK, "sampling_params": {"ignore_eos": "yes"}}, "sampling_params.ignore_eos"),
+    ("/generate", {**OK, "sampling_params": {"stop": [""]}}, "sampling_params.stop"),
+    ("/generate", {**OK, "sampling_params": {"stop": ["a", "b", "c", "d", "e"]}}, "sampling_params.stop"),
+    ("/generate", {**OK, "sampling_params": {"beam_width": 4}}, "sampling_params.beam_width"),
+    ("/generate", {**OK, "stream": "yes"}, "stream"),
+    ("/generate", {**OK, "rid": ""}, "rid"),
+    ("/generate", {**OK, "rid": 7}, "rid"),
+    ("/v1/completions", {}, "prompt"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
+    ("/v1/completions", {"prompt": "a", "model": 3}, "model"),
+    ("/v1/completions", {"prompt": "a", "n": 2}, "n"),
+    ("/v1/completions", {"prompt": "a", "echo": True}, "echo"),
+    ("/v1/completions", {"prompt": "a", "logprobs": 5}, "logprobs"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 10_000}, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "temperature": "hot"}, "temperature"),
+    ("/v1/completions", {"prompt": "a", "stop": 5}, "stop"),
+    ("/v1/completions", {"prompt": "a", "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+    ("/v1/completions", {"prompt": "a", "functions": []}, "functions"),
+    ("/abort", {}, "rid"),
+    ("/abort", {"rid": 5}, "rid"),
+    ("/abort", {"rid": "x", "force": True}, "force"),
+]
+
+
+class TestBadBodies:
+    @pytest.mark.asyncio
+    async def test_table_of_bad_bodies(self):
+        """Each bad body is a 400 whose error names the field and the limit; the engine sees none."""
+        async with serving() as (engine, client):
+            for path, body, field in BAD_BODIES:
+                if isinstance(body, bytes):
+                    response = await client.post(path, content=body, headers={"content-type": "application/json"})
+                else:
+                    response = await client.post(path, json=body)
+                case = f"{path} {body!r}"
+                assert response.status_code == 400, case
+                error = response.json()["error"]
+                assert error["field"] == field, case
+                assert error["limit"] and field in error["message"], case
+        assert engine.stats.submitted == 0
+
+    @pytest.mark.asyncio
+    async def test_limit_states_the_context_bound(self):
+        """A prompt + max_new_tokens over max_context names max_context in the limit."""
+        async with serving() as (_, client):
+            response = await client.post("/generate", json={**OK, "sampling_params": {"max_new_tokens": 252}})
+        assert "max_context" in response.json()["error"]["limit"]
+        assert "251" in response.json()["error"]["limit"]
+
+    @pytest.mark.asyncio
+    async def test_duplicate_rid_in_flight(self):
+        """A rid already in flight is a 400 on rid; the first request is unaffected."""
+        gate = StepGate()
+        async with serving(faults=FaultInjector(fail_step=gate)) as (engine, client):
+            async with anyio.create_task_group() as tg:
+                first = {}
+
+                async def run_first() -> None:
+                    first["response"] = await client.post("/generate", json={**OK, "rid": "dup"})
+
+                tg.start_soon(run_first)
+                await gate.wait_entered()
+                second = await client.post("/generate", json={**OK, "rid": "dup"})
+                gate.open()
+        assert second.status_code == 400 and second.json()["error"]["field"] == "rid"
+        assert first["response"].status_code == 200
+        assert engine.stats.submitted == 1
+
+
+class TestBounds:
+    @pytest.mark.asyncio
+    async def test_body_over_the_bound(self):
+        """A body larger than max_body_bytes is a 413, declared or chunked."""
+
+        async def chunked():
+            yield b'{"text": "'
+            yield b"a" * 3000
+            yield b'"}'
+
+        async with serving(ServerSettings(max_body_bytes=1000)) as (engine, client):
+            declared = await client.post("/generate", json={"text": "a" * 3000})
+            streamed = await client.post("/generate", content=chunked())
+        assert declared.status_code == 413 and streamed.status_code == 413
+        assert declared.json()["error"]["field"] == "body"
+        assert engine.stats.submitted == 0
+
+    @pytest.mark.asyncio
+    async def test_prompt_over_the_bound(self):
+        """max_prompt_tokens bounds prompts below max_context."""
+        async with serving(ServerSettings(max_prompt_tokens=8)) as (engine, client):
+            response = await client.post("/generate", json={"input_ids": list(range(1, 10))})
+            fits = await client.post("/generate", json={"input_ids": list(range(1, 9)),
+                                                        "sampling_params": {"max_new_tokens": 1}})
+        assert response.status_code == 400 and "at most 8 tokens" in response.json()["error"]["limit"]
+        assert fits.status_code == 200
+
+
+class TestBackpressure:
+    @pytest.mark.asyncio
+    async def test_full_engine_queue_is_503(self):
+        """While the engine's inbox is full, a new request is a 503 with Retry-After; the rest complete."""
+        gate = StepGate()
+        async with serving(faults=FaultInjector(fail_step=gate), max_queued=2) as (engine, client):
+            statuses: list[int] = []
+
+            async def request() -> None:
+                response = await client.post("/generate", json={**OK, "sampling_params": {"max_new_tokens": 2}})
+                statuses.append(response.status_code)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(request)
+                await gate.wait_entered()  # the loop is inside a model step: the inbox fills
+                tg.start_soon(request)
+                tg.start_soon(request)
+                with anyio.fail_after(5):
+                    while engine.stats.submitted < 3:
+                        await anyio.sleep(0.01)
+                rejected = await client.post("/generate", json=OK)
+                gate.open()
+        assert rejected.status_code == 503 and rejected.headers["retry-after"] == "1"
+        assert "queue is full" in rejected.json()["error"]["message"]
+        assert sorted(statuses) == [200, 200, 200]
+
+    @pytest.mark.asyncio
+    async def test_inflight_bound_is_503(self):
+        """More generation requests than max_inflight at once is a 503 with Retry-After."""
+        gate = StepGate()
+        settings = ServerSettings(max_inflight=1, retry_after_s=3)
+        async with serving(settings, faults=FaultInjector(fail_step=gate)) as (engine, client):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(client.post, "/generate", OK)
+                await gate.wait_entered()
+                rejected = await client.post("/v1/completions", json={"prompt": "x"})
+                gate.open()
+        assert rejected.status_code == 503 and rejected.headers["retry-after"] == "3"
+        assert engine.stats.submitted == 1
