@@ -50,7 +50,7 @@ def add_serve_parser(subparsers: Any, add_engine_options: Callable[[argparse.Arg
     server.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body accepted")
     server.add_argument("--max-prompt-tokens", type=int, default=None, help="default: max_context - 1")
     server.add_argument("--max-inflight", type=int, default=None,
-                        help="generation requests at once before 503 (default: max_queued)")
+                        help="generation requests at once before 503 (default: max_running + max_queued)")
     server.add_argument("--health-timeout", type=float, default=10.0, help="seconds for /health_generate")
     server.add_argument("--served-model-name", default=None, help="model id in /v1 (default: --model)")
     serve.set_defaults(func=run_serve)

@@ -63,7 +63,7 @@ class ServerSettings:
 
     max_body_bytes: int = 1 << 20
     max_prompt_tokens: int | None = None  # None: max_context - 1
-    max_inflight: int | None = None  # generation requests at once; None: the engine's max_queued
+    max_inflight: int | None = None  # generation requests at once; None: max_running + max_queued
     health_timeout: float = 10.0
     retry_after_s: int = 1
     served_model_name: str | None = None
@@ -83,7 +83,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> Starle
     settings = settings or ServerSettings()
     limits = Limits.for_engine(engine, max_prompt_tokens=settings.max_prompt_tokens,
                                model_name=settings.served_model_name)
-    max_inflight = settings.max_inflight or engine.config.max_queued
+    max_inflight = settings.max_inflight or engine.config.max_running + engine.config.max_queued
     registry = CollectorRegistry(auto_describe=False)
     registry.register(EngineCollector(engine))
     state = {"inflight": 0, "draining": False}

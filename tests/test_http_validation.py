@@ -170,7 +170,7 @@ class TestBackpressure:
         settings = ServerSettings(max_inflight=1, retry_after_s=3)
         async with serving(settings, faults=FaultInjector(fail_step=gate)) as (engine, client):
             async with anyio.create_task_group() as tg:
-                tg.start_soon(client.post, "/generate", OK)
+                tg.start_soon(lambda: client.post("/generate", json=OK))
                 await gate.wait_entered()
                 rejected = await client.post("/v1/completions", json={"prompt": "x"})
                 gate.open()

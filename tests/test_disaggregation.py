@@ -1,0 +1,91 @@
+"""The decode role: a prefill worker with its own pools, a real KV transfer,
+transfer failures and stuck copies, and the health-check scenario that
+leaked in SGLang."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import torch
+
+from engine import Engine, SamplingParams
+from engine.faults import FaultInjector
+from helpers import collect, small_config
+from hisparse import HiSparseConfig
+from states import FinishReason
+
+PROMPTS = [[9, 8, 7, 6, 5, 4, 3], list(range(100, 141))]
+IMAGE = torch.full((16, 8, 3), 77, dtype=torch.uint8)
+
+
+async def _greedy(config, images=None) -> list[list[int]]:
+    async with Engine(config) as engine:
+        outs = [await engine.complete(p, SamplingParams(max_new_tokens=10, ignore_eos=True), mm_inputs=images)
+                for p in PROMPTS]
+    return [o.token_ids for o in outs]
+
+
+class TestOutputs:
+    @pytest.mark.asyncio
+    @pytest.mark.parametrize("with_image", [False, True], ids=["text", "image"])
+    async def test_decode_role_matches_single_engine(self, with_image):
+        """Disaggregated greedy output equals single-engine output, with and without images."""
+        images = [IMAGE] if with_image else None
+        single = await _greedy(small_config(), images)
+        decode = await _greedy(small_config(disaggregation="decode"), images)
+        assert decode == single
+
+    @pytest.mark.asyncio
+    async def test_final_output_carries_timings(self):
+        """Every final output carries queue time, time to first token and completion time."""
+        async with Engine(small_config(disaggregation="decode")) as engine:
+            final = await engine.complete(PROMPTS[0], SamplingParams(max_new_tokens=3))
+        assert final.queue_time is not None and final.queue_time >= 0
+        assert 0 <= final.time_to_first_token <= final.completion_time
+
+
+class TestTransferFailures:
+    @pytest.mark.asyncio
+    async def test_failed_transfer_is_not_cached(self):
+        """TRANSFER_FAILED: the incomplete KV never enters the prefix cache; both sides release all."""
+        faults = FaultInjector(fail_transfer=lambda rid: rid == "doomed")
+        async with Engine(small_config(disaggregation="decode", faults=faults)) as engine:
+            final = await engine.complete(PROMPTS[1], SamplingParams(max_new_tokens=4), request_id="doomed")
+            await engine.wait_idle(10)
+            pools = engine.check_memory().pools
+        assert final.finish_reason is FinishReason.TRANSFER_FAILED and final.token_ids == []
+        assert pools["kv_pages"].evictable == 0  # nothing cached on the decode side
+        assert pools["prefill.kv_pages"].held == 0
+
+    @pytest.mark.asyncio
+    async def test_stuck_copy_quarantines_instead_of_freeing(self):
+        """A copy that never lands: the aborted request's pages are quarantined, never reused, and named."""
+        faults = FaultInjector(stuck_fences={"kv_transfer"})
+        config = small_config(disaggregation="decode", faults=faults, fence_timeout=0.3)
+        async with Engine(config) as engine:
+            stream = engine.generate(PROMPTS[1], SamplingParams(max_new_tokens=4), request_id="stuck")
+            with anyio.move_on_after(0.1):
+                await collect(stream)  # never lands: cancelling the consumer aborts the request
+            await engine.wait_idle(5)
+            report = engine.check_memory()
+        decode_pages = report.pools["kv_pages"]
+        assert decode_pages.quarantined == decode_pages.held > 0
+        assert report.pools["prefill.kv_pages"].quarantined > 0
+        assert any(o.quarantined and o.request_id == "stuck" for o in report.owners["kv_pages"])
+
+
+class TestSeedScenario:
+    @pytest.mark.asyncio
+    async def test_hisparse_decode_server_health_checks_do_not_leak(self):
+        """The SGLang leak: decode role + HiSparse + repeated health checks -> every pool whole."""
+        config = small_config(disaggregation="decode",
+                              hisparse=HiSparseConfig(top_k=16, device_buffer_size=24, recent_window=4))
+        async with Engine(config) as engine:
+            for _ in range(20):
+                assert await engine.health_check(timeout=10)
+                await engine.wait_idle(10)
+                report = engine.check_memory()
+                assert all(s.held == 0 and s.adds_up for s in report.pools.values()), report
+            finishes = engine.stats.finishes[("health_check", "LENGTH")]
+        assert finishes == 20
+        assert any(name.startswith("hisparse") for name in report.pools)

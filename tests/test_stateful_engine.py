@@ -1,0 +1,309 @@
+"""Random-event testing of a real Engine: the promise "nothing leaks, whatever
+happens", attacked by a hypothesis state machine.
+
+Each example draws an engine configuration (tiny pools, so bursts queue and
+retract) and runs a random sequence of rules against it: submit (prompt
+lengths, greedy or sampled, stop tokens, images), bursts, abort at any
+moment (also unknown and finished ids), client disconnect (stream closed or
+consumer cancelled), health checks, duplicate ids, drains to idle, and model
+steps let through one at a time (`stateful_driver.StepGate`, so a seed
+replays the same interleaving). Faults are tagged on requests through the
+engine's own `FaultInjector`: the model step raises, a release hook raises,
+a transfer fails, a fence misses its deadline.
+
+Invariants, after every rule: the engine is alive, every pool adds up (also
+at every single transition), no request was released twice. At idle and at
+the end: every request reached RELEASED exactly once, every stream ended
+with a final output or an exception (or its client left), nothing is held
+except quarantined handles of requests whose fence was made to miss (named
+as such by the report), every internal table is empty, and every request
+untouched by a fault produced the greedy output it has alone.
+
+Variants: `VARIANTS` maps a name to EngineConfig overrides; adding one is one
+line. At import each is built and run once; one that fails is excluded and
+listed in `EXCLUDED` (printed by `TestVariants`), never skipped silently:
+the state machine still runs over the rest. Images are a per-request option,
+on when the probe accepts an image.
+
+Profiles: ``KVLIFE_HYPOTHESIS_PROFILE=ci`` (default, derandomized, about a
+minute) or ``long`` (see docs/reliability.md); the trio run uses a reduced
+profile. Reproduce a long-run failure with ``--hypothesis-seed=N``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import anyio
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import run_state_machine_as_test
+
+from engine import Engine, EngineConfig, HealthCheckFailed, SamplingParams
+from engine.logging import configure_logging
+from hisparse import HiSparseConfig
+from states import FinishReason
+from stateful_driver import EngineDriver, Oracle, Rec
+
+MAX_CONTEXT = 40
+REF_NEW = 16
+BASE = dict(max_context=MAX_CONTEXT, use_entry_points=False, fence_timeout=0.25, leak_check="raise")
+VARIANTS = {
+    "plain": {},
+    "moe": {"model": "tiny-moe"},
+    "hisparse": {"hisparse": HiSparseConfig(top_k=8, device_buffer_size=12, recent_window=4)},
+    "decode": {"disaggregation": "decode"},
+    "hisparse+decode": {"disaggregation": "decode",
+                        "hisparse": HiSparseConfig(top_k=8, device_buffer_size=12, recent_window=4)},
+}
+_rng = random.Random(6)
+_SYSTEM = [_rng.randrange(256) for _ in range(10)]
+PROMPTS = [tuple(p) for p in (
+    [7], [7, 3], _SYSTEM, _SYSTEM + [1, 2, 3], _SYSTEM + [9] * 6, _SYSTEM[:4] + [200, 201], list(range(40, 64)),
+    list(range(40, 52)), [5] * 13, [250, 3, 77, 1, 9, 60], _SYSTEM * 2 + [11], [_rng.randrange(256) for _ in range(17)],
+)]
+IMAGES = [torch.arange(8 * 8 * 3, dtype=torch.uint8).reshape(8, 8, 3),
+          torch.randint(0, 256, (16, 16, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))]
+FAULTS = [None] * 8 + ["step", "release", "transfer", "stuck"]
+
+
+def _probe(overrides: dict, image: bool = False) -> str | None:
+    """None if an engine with `overrides` serves one request (with an image); else why not."""
+    async def one() -> None:
+        config = EngineConfig(**{**BASE, "model": "null", "page_size": 4, "num_kv_pages": 24, **overrides})
+        async with Engine(config) as engine:
+            with anyio.fail_after(30):
+                await engine.complete([1, 2, 3], SamplingParams(max_new_tokens=3),
+                                      mm_inputs=[IMAGES[0]] if image else None)
+    try:
+        anyio.run(one)
+    except Exception as exc:  # the variant is not built yet, or broken: excluded, and listed
+        return f"{type(exc).__name__}: {exc}"[:200]
+    return None
+
+
+configure_logging("warning")
+EXCLUDED = {name: why for name, over in VARIANTS.items() if (why := _probe(over)) is not None}
+AVAILABLE = [name for name in VARIANTS if name not in EXCLUDED]
+IMAGES_WHY_NOT = _probe({}, image=True)
+if IMAGES_WHY_NOT is not None:
+    EXCLUDED["images"] = IMAGES_WHY_NOT
+
+_COMMON = dict(deadline=None, print_blob=True, suppress_health_check=list(HealthCheck))
+settings.register_profile("kvlife-stateful-ci", max_examples=14, stateful_step_count=25, derandomize=True,
+                          database=None, **_COMMON)
+settings.register_profile("kvlife-stateful-ci-trio", max_examples=5, stateful_step_count=20, derandomize=True,
+                          database=None, **_COMMON)
+settings.register_profile("kvlife-stateful-long", max_examples=400, stateful_step_count=60, **_COMMON)
+settings.register_profile("kvlife-stateful-long-trio", max_examples=100, stateful_step_count=60, **_COMMON)
+PROFILE = os.environ.get("KVLIFE_HYPOTHESIS_PROFILE", "ci")
+
+
+@st.composite
+def engine_configs(draw) -> tuple[str, EngineConfig]:
+    variant = draw(st.sampled_from(AVAILABLE + ["plain"] * 3))
+    page_size = draw(st.sampled_from([4, 2, 1]))
+    pages = -(-MAX_CONTEXT // page_size)
+    fields = dict(BASE, model=draw(st.sampled_from(["null", "null", "tiny"])), page_size=page_size,
+                  num_kv_pages=draw(st.integers(2 * pages + 1, 3 * pages + 1)), max_running=draw(st.integers(1, 4)),
+                  max_prefill_tokens=draw(st.sampled_from([8, 64, 3])), prefix_cache=draw(st.booleans()))
+    fields.update(VARIANTS[variant])
+    return variant, EngineConfig(**fields)
+
+
+@st.composite
+def request_specs(draw) -> dict:
+    sampled = draw(st.integers(0, 4)) == 0
+    return dict(
+        prompt=draw(st.integers(0, len(PROMPTS) - 1)),
+        image=draw(st.sampled_from([None, None, 0, 1])) if "images" not in EXCLUDED else None,
+        max_new=draw(st.integers(1, REF_NEW)),
+        temperature=draw(st.sampled_from([0.7, 1.3])) if sampled else 0.0,
+        seed=draw(st.none() | st.integers(0, 2**20)),
+        stop_at=draw(st.none() | st.none() | st.integers(0, REF_NEW - 1)),
+        ignore_eos=draw(st.booleans()),
+        fault=draw(st.sampled_from(FAULTS)),
+        hook=draw(st.integers(0, 15)),
+    )
+
+
+class EngineChaos(RuleBasedStateMachine):
+    """One engine per example; see the module docstring for rules and invariants."""
+
+    backend = "asyncio"
+    built: list = []
+    oracle: Oracle = None  # type: ignore[assignment]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.driver: EngineDriver | None = None
+        self.count = 0
+
+    @initialize(drawn=engine_configs(), drain_at_end=st.booleans())
+    def start(self, drawn, drain_at_end) -> None:
+        self.variant, config = drawn
+        self.driver = EngineDriver(config, self.backend, drain_at_end=drain_at_end, built=self.built)
+        pages = (config.num_kv_pages - 1) // -(-MAX_CONTEXT // config.page_size)
+        self.stuck_budget = pages - 1  # each quarantine keeps one request's memory forever
+
+    def _key(self) -> tuple:
+        return self.variant, self.driver.config.model
+
+    def _reference(self, rec: Rec) -> list[int]:
+        return self.oracle.continuation(self._key(), VARIANTS[self.variant] | {"model": self.driver.config.model},
+                                        rec.prompt, rec.image)
+
+    def _make(self, spec: dict) -> Rec:
+        prompt = PROMPTS[spec["prompt"]]
+        image = None if spec["image"] is None else IMAGES[spec["image"]]
+        image_tokens = 0 if image is None else (image.shape[0] // 8) * (image.shape[1] // 8)
+        max_new = min(spec["max_new"], MAX_CONTEXT - len(prompt) - image_tokens)
+        fault, tags = spec["fault"], frozenset()
+        if fault == "release":
+            tags = frozenset({f"release:{self.driver.hook_names[spec['hook'] % len(self.driver.hook_names)]}"})
+        elif fault == "stuck" and self.stuck_budget > 0:
+            self.stuck_budget -= 1
+            tags = frozenset({"stuck"})
+        elif fault in ("step", "transfer"):
+            tags = frozenset({fault})
+        stop = ()
+        self.count += 1
+        rec = Rec(f"r{self.count}", prompt, image, SamplingParams(), tags)
+        if spec["stop_at"] is not None and spec["temperature"] == 0:
+            stop = (self._reference(rec)[spec["stop_at"]],)
+        rec.params = SamplingParams(max_new_tokens=max_new, temperature=spec["temperature"], seed=spec["seed"],
+                                    stop_token_ids=stop, ignore_eos=spec["ignore_eos"])
+        return rec
+
+    @rule(spec=request_specs())
+    def submit(self, spec) -> None:
+        self.driver.submit(self._make(spec))
+
+    @rule(specs=st.lists(request_specs(), min_size=3, max_size=8))
+    def burst(self, specs) -> None:
+        for spec in specs:
+            self.driver.submit(self._make(spec))
+
+    @rule(steps=st.integers(1, 8))
+    def run_steps(self, steps) -> None:
+        self.driver.run(steps)
+
+    @rule(pick=st.integers(0, 10**6), unknown=st.booleans())
+    def abort(self, pick, unknown) -> None:
+        ids = list(self.driver.recs)
+        self.driver.abort(f"unknown-{pick}" if unknown or not ids else ids[pick % len(ids)])
+
+    @precondition(lambda self: self.driver is not None and self.driver.recs)
+    @rule(pick=st.integers(0, 10**6), how=st.sampled_from(["close", "cancel"]))
+    def disconnect(self, pick, how) -> None:
+        recs = list(self.driver.recs.values())
+        self.driver.disconnect(recs[pick % len(recs)], how)
+
+    @rule()
+    def health_check(self) -> None:
+        self.driver.health_check()
+
+    @precondition(lambda self: self.driver is not None and self.driver.recs)
+    @rule(pick=st.integers(0, 10**6))
+    def duplicate_id(self, pick) -> None:
+        rid = list(self.driver.recs)[pick % len(self.driver.recs)]
+        if self.driver.in_flight(rid):
+            with pytest.raises(Exception, match="unique among requests in flight"):
+                self.driver.portal.call(self.driver.engine.generate, [1, 2], None, request_id=rid)
+
+    @rule()
+    def drain(self) -> None:
+        self.driver.drain()
+        self.driver.check_idle()
+
+    @invariant()
+    def engine_alive_and_pools_add_up(self) -> None:
+        if self.driver is not None:
+            self.driver.check_now()
+
+    def teardown(self) -> None:
+        if self.driver is None:
+            return
+        self.driver.close()
+        for rec in self.driver.recs.values():
+            self._check_stream(rec)
+        for result in self.driver.health:  # True, unless a step fault or the shutdown ended it
+            assert result is True or (isinstance(result, HealthCheckFailed) and (
+                self.driver.faults.steps_failed or not self.driver.drain_at_end)), result
+
+    def _check_stream(self, rec: Rec) -> None:
+        """The client's view: one final output or an exception, a legal reason, the greedy output alone."""
+        final = rec.final
+        request = self.driver.requests[rec.request_id]
+        if not rec.disconnected:
+            assert rec.error is None and final is not None, (rec.request_id, rec.error, rec.outputs[-1:])
+            assert [o.finished for o in rec.outputs].count(True) == 1
+            assert sum((o.new_token_ids for o in rec.outputs), []) == final.token_ids
+        reason = final.finish_reason if final is not None else request.finish_reason
+        assert reason is request.finish_reason
+        error = repr(request.error)
+        allowed = {FinishReason.LENGTH, FinishReason.STOP}
+        if rec.aborted or rec.disconnected:
+            allowed.add(FinishReason.ABORT)
+        if rec.request_id in self.driver.failed_ids or "missed its deadline" in error or "no page" in error:
+            allowed |= {FinishReason.ERROR, FinishReason.TRANSFER_FAILED}
+        if rec.tags & {"transfer", "stuck"}:
+            allowed.add(FinishReason.TRANSFER_FAILED)
+        if not self.driver.drain_at_end:
+            allowed.add(FinishReason.SHUTDOWN)
+        assert reason in allowed, (rec.request_id, reason, error, rec.tags)
+        if reason in (FinishReason.LENGTH, FinishReason.STOP) and rec.params.greedy and final is not None:
+            self._check_greedy(rec, final, reason)
+
+    def _check_greedy(self, rec: Rec, final, reason) -> None:
+        ref = self._reference(rec)
+        eos = set(self.driver.engine.model_config.stop_token_ids)
+        expected, want = [], FinishReason.LENGTH
+        for token in ref[: rec.params.max_new_tokens]:
+            expected.append(token)
+            if (token in eos and not rec.params.ignore_eos) or token in rec.params.stop_token_ids:
+                want = FinishReason.STOP
+                break
+        got = list(final.token_ids)
+        if got != expected:
+            i = next(i for i, (a, b) in enumerate(zip(got + [-1], expected + [-1])) if a != b)
+            tie = rec.image is None and i < min(len(got), len(expected)) and self.oracle.is_tie(
+                self._key(), rec.prompt, got, expected, i)
+            assert tie, f"{rec.request_id} {self._key()}: got {got}, alone {expected} (differs at {i})"
+            return
+        assert reason is want, (rec.request_id, reason, want)
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    oracle = Oracle(dict(BASE, max_context=64, page_size=4, num_kv_pages=40, max_running=2,
+                         max_prefill_tokens=64), REF_NEW)
+    yield oracle
+    oracle.close()
+
+
+def _run(backend: str, profile: str, built: list, oracle: Oracle) -> None:
+    machine = type(f"EngineChaos_{backend}", (EngineChaos,), {"backend": backend, "built": built, "oracle": oracle})
+    run_state_machine_as_test(machine, settings=settings.get_profile(profile))
+
+
+class TestVariants:
+    def test_variant_table(self):
+        """The plain engine is always in the table; excluded variants are listed with why."""
+        assert "plain" in AVAILABLE
+        for name, why in EXCLUDED.items():
+            print(f"stateful variant excluded: {name}: {why}")
+
+
+class TestStatefulEngine:
+    def test_asyncio(self, assert_engines_leave_pools_whole, oracle):
+        """Random rules against real engines on asyncio: nothing leaks, every invariant holds."""
+        _run("asyncio", f"kvlife-stateful-{PROFILE}", assert_engines_leave_pools_whole, oracle)
+
+    def test_trio(self, assert_engines_leave_pools_whole, oracle):
+        """A reduced profile of the same state machine on the trio backend."""
+        _run("trio", f"kvlife-stateful-{PROFILE}-trio", assert_engines_leave_pools_whole, oracle)
