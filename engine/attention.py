@@ -141,7 +141,8 @@ class PagedAttention:
                 decode_locs = meta.kv_locs[torch.tensor(decode_seqs, device=device)]
             decode_kv_lens = [meta.kv_lens[b] for b in decode_seqs]
             width = max(decode_kv_lens)
-            self._decode_locs = decode_locs[:, :width]
+            self._decode_locs = _GatherPlan(decode_locs[:, :width], kv.page_size)
+            width = self._decode_locs.width
             kv_lens = torch.tensor(decode_kv_lens, device=device)
             # [B, 1 (kv heads), 1 (query rows), width]: a decode query sees its whole context.
             self._decode_mask = (torch.arange(width, device=device) < kv_lens[:, None])[:, None, None, :]
@@ -152,7 +153,8 @@ class PagedAttention:
                 continue
             query_pos = torch.arange(kv_len - q_len, kv_len, device=device)
             mask = torch.arange(kv_len, device=device)[None, :] <= query_pos[:, None]
-            self._prefills.append((slice(starts[b], starts[b + 1]), meta.kv_locs[b, :kv_len], mask))
+            self._prefills.append((slice(starts[b], starts[b + 1]), _GatherPlan(meta.kv_locs[b : b + 1, :kv_len], 1),
+                                   mask[None, None]))
 
     @property
     def metadata(self) -> AttentionMetadata:
@@ -176,23 +178,47 @@ class PagedAttention:
             ).squeeze(1)
         for rows, locs, mask in self._prefills:
             q_rows = q[rows][None]
-            out[rows] = _attend_gathered(q_rows, k_buf, v_buf, locs[None], mask[None, None])[0]
+            out[rows] = _attend_gathered(q_rows, k_buf, v_buf, locs, mask)[0]
         return out
 
 
-def _attend_gathered(q: Tensor, k_buf: Tensor, v_buf: Tensor, locs: Tensor, mask: Tensor) -> Tensor:
-    """Attend `q` ``[B, Q, H, D]`` over the K/V at `locs` ``[B, L]``;
+class _GatherPlan:
+    """How to gather a batch's context K/V: whole pages when the locations are
+    page-aligned (they are for the engine's allocator), else token by token.
+
+    NOTE: gathering 16-token pages instead of single tokens moves the same
+    bytes in 16x fewer, 16x larger rows; on CPU that is most of a decode step.
+    """
+
+    def __init__(self, locs: Tensor, page_size: int) -> None:
+        self.locs = locs
+        self.page_size = 1
+        self.width = locs.shape[1]
+        if page_size > 1:
+            width = -(-self.width // page_size) * page_size
+            padded = F.pad(locs, (0, width - self.width))
+            pages = padded[:, ::page_size] // page_size
+            offsets = torch.arange(page_size, device=locs.device)
+            rebuilt = (pages[:, :, None] * page_size + offsets).reshape(locs.shape[0], width)[:, : self.width]
+            if bool((rebuilt == locs).all()):
+                self.locs, self.page_size, self.width = pages, page_size, width
+
+    def gather(self, buf: Tensor) -> Tensor:
+        """``[B, width, kv_heads, head_dim]`` rows of `buf` at the planned locations."""
+        batch = self.locs.shape[0]
+        rows = buf.view(-1, self.page_size, *buf.shape[1:]) if self.page_size > 1 else buf
+        return rows.index_select(0, self.locs.reshape(-1)).view(batch, self.width, *buf.shape[1:])
+
+
+def _attend_gathered(q: Tensor, k_buf: Tensor, v_buf: Tensor, locs: _GatherPlan, mask: Tensor) -> Tensor:
+    """Attend `q` ``[B, Q, H, D]`` over the K/V at `locs` (``[B, L]`` locations);
     `mask` is boolean, broadcastable to ``[B, 1, group * Q, L]`` where query
     row ``g * Q + i`` is head-group member g, query i. Returns ``[B, Q, H, D]``."""
     batch, q_len, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
     group = num_heads // num_kv_heads
-    # NOTE: index_select on flat locations is several times faster on CPU
-    # than advanced indexing with the 2-D `locs`.
-    flat_locs = locs.reshape(-1)
-    gathered_shape = (batch, locs.shape[1], num_kv_heads, head_dim)
-    keys = k_buf.index_select(0, flat_locs).view(gathered_shape).to(q.dtype).transpose(1, 2)  # [B, KVH, L, D]
-    values = v_buf.index_select(0, flat_locs).view(gathered_shape).to(q.dtype).transpose(1, 2)
+    keys = locs.gather(k_buf).to(q.dtype).transpose(1, 2)  # [B, KVH, L, D]
+    values = locs.gather(v_buf).to(q.dtype).transpose(1, 2)
     folded = q.view(batch, q_len, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
     folded = folded.reshape(batch, num_kv_heads, group * q_len, head_dim)
     if q_len > 1 and group > 1:
