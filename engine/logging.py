@@ -18,6 +18,21 @@ import structlog
 LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
 
+class _CurrentStderr:
+    """Writes to whatever `sys.stderr` is at write time.
+
+    NOTE: loggers are cached on first use, so binding `sys.stderr` itself would
+    keep writing to a stream that was swapped out (and closed) since, as
+    pytest's capsys does.
+    """
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(level: str = "info", *, json: bool = False, stream: TextIO | None = None) -> None:
     if level not in LEVELS:
         raise ValueError(f"level must be one of {sorted(LEVELS)}, got {level!r}")
@@ -30,6 +45,7 @@ def configure_logging(level: str = "info", *, json: bool = False, stream: TextIO
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(LEVELS[level]),
-        logger_factory=structlog.PrintLoggerFactory(stream or sys.stderr),
-        cache_logger_on_first_use=True,
+        logger_factory=structlog.PrintLoggerFactory(stream or _CurrentStderr()),
+        # NOTE: not cached: an embedding application (or a test) may reconfigure later.
+        cache_logger_on_first_use=False,
     )

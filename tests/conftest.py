@@ -4,6 +4,7 @@ checked after the test, and must be idle with every pool whole."""
 from __future__ import annotations
 
 import pytest
+import structlog
 import torch
 
 from engine import engine as engine_module
@@ -12,6 +13,13 @@ from engine import engine as engine_module
 # NOTE: the tiny model's ops are small; one intra-op thread avoids thread
 # hand-off stalls on a 2-core machine, where two threads made the suite ~4x slower.
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def default_structlog_config():
+    """A test that configures logging (the CLI does) must not hide debug events from the next."""
+    yield
+    structlog.reset_defaults()
 
 
 @pytest.fixture(autouse=True)
