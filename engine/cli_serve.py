@@ -13,6 +13,7 @@ one line per transition).
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -86,8 +87,12 @@ def server_settings_from_args(args: argparse.Namespace) -> Any:
 def run_serve(args: argparse.Namespace) -> int:
     """Build the config (InvalidConfig propagates to the CLI's error message), then serve until SIGTERM."""
     config = engine_config_from_serve_args(args)
+    try:
+        from engine.http_server import serve
+    except ImportError as exc:
+        print(f"kvlife serve needs the `serve` extra (pip install 'kvlife[serve]'): {exc}", file=sys.stderr)
+        return 2
     settings = server_settings_from_args(args)
-    from engine.http_server import serve
 
     return anyio.run(lambda: serve(config, args.host, args.port, log_json=args.log_json, log_level=args.log_level,
                                    settings=settings), backend="asyncio")

@@ -204,7 +204,7 @@ class PrefillWorker:
         return token
 
     def _finish(self, request: Request, job: TransferJob, reason: FinishReason, outcome: tuple) -> bool:
-        stuck = self.faults is not None and TRANSFER_FENCE in self.faults.stuck_fences
+        stuck = self.faults is not None and self.faults.fence_stuck(TRANSFER_FENCE, job.request_id)
         if stuck:  # the copy "never lands": both sides' fences miss their deadlines
             request.fences.append(ManualFence("kv_send", {"kv"}, timeout=self.fence_timeout))
         self.machine.finish(request, reason)

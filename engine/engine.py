@@ -162,8 +162,12 @@ class Engine:
         return True
 
     def _abandon(self, request_id: str) -> None:
-        """The client stopped listening: abort (safe from any thread or __del__)."""
-        self.loop.pending_aborts.append((request_id, FinishReason.ABORT))
+        """The client stopped listening: abort (safe from any thread or __del__).
+
+        NOTE: a request already released has nothing to abort; queueing one for
+        it would leave a stale entry behind while the engine idles."""
+        if request_id in self.loop.requests:
+            self.loop.pending_aborts.append((request_id, FinishReason.ABORT))
 
     async def health_check(self, timeout: float = 10.0) -> bool:
         """Run a one-token request through the whole path; True, or HealthCheckFailed."""

@@ -21,6 +21,8 @@ every injected fault with every pool whole.
   that KV transfer fail (TRANSFER_FAILED).
 - `stuck_fences`: fence names (e.g. "kv_transfer", "host_backup") whose
   copies never complete, so the fence misses its deadline and quarantines.
+  `stuck_fence_when(fence_name, request_id)` does the same for the fences
+  it returns True for; components ask `fence_stuck(name, request_id)`.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class FaultInjector:
     release_leaks: bool = False
     fail_transfer: Callable[[str], bool] | None = None
     stuck_fences: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset)
+    stuck_fence_when: Callable[[str, str], bool] | None = None
     steps_failed: int = 0
     releases_failed: int = 0
 
@@ -61,6 +64,10 @@ class FaultInjector:
     def release_fails(self, hook_name: str, request_id: str) -> bool:
         return hook_name in self.fail_release or (
             self.fail_release_when is not None and bool(self.fail_release_when(hook_name, request_id)))
+
+    def fence_stuck(self, fence_name: str, request_id: str) -> bool:
+        return fence_name in self.stuck_fences or (
+            self.stuck_fence_when is not None and bool(self.stuck_fence_when(fence_name, request_id)))
 
     def transfer_fails(self, request_id: str) -> bool:
         return self.fail_transfer is not None and bool(self.fail_transfer(request_id))

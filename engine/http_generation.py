@@ -52,11 +52,13 @@ class Chunk:
 
 def _holdback(text: str, stops: tuple[str, ...]) -> int:
     """Characters at the end of `text` not to send yet: a stop string's prefix, or U+FFFD."""
-    hold = len(text) - len(text.rstrip("\ufffd"))  # NOTE: an incomplete UTF-8 character decodes to U+FFFD
+    settled = text.rstrip("\ufffd")  # NOTE: an incomplete UTF-8 character decodes to U+FFFD
+    unsettled = len(text) - len(settled)
+    hold = unsettled
     for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), 0, -1):
-            if text.endswith(stop[:k]):
-                hold = max(hold, k)
+        for k in range(min(len(stop) - 1, len(settled)), 0, -1):
+            if settled.endswith(stop[:k]):
+                hold = max(hold, unsettled + k)
                 break
     return hold
 

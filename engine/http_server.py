@@ -40,7 +40,7 @@ import structlog
 import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -61,13 +61,16 @@ log = structlog.get_logger("kvlife.http")
 class ServerSettings:
     """Bounds and timeouts of the HTTP layer (the engine's own are in EngineConfig)."""
 
-    max_body_bytes: int = 1 << 20
-    max_prompt_tokens: int | None = None  # None: max_context - 1
-    max_inflight: int | None = None  # generation requests at once; None: max_running + max_queued
-    health_timeout: float = 10.0
-    retry_after_s: int = 1
+    max_body_bytes: int = attrs.field(default=1 << 20, validator=attrs.validators.ge(1))
+    #: None: max_context - 1
+    max_prompt_tokens: int | None = attrs.field(default=None, validator=attrs.validators.optional(
+        attrs.validators.ge(1)))
+    #: generation requests at once; None: max_running + max_queued
+    max_inflight: int | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.ge(1)))
+    health_timeout: float = attrs.field(default=10.0, validator=attrs.validators.gt(0))
+    retry_after_s: int = attrs.field(default=1, validator=attrs.validators.ge(0))
     served_model_name: str | None = None
-    graceful_timeout: float = 10.0
+    graceful_timeout: float = attrs.field(default=10.0, validator=attrs.validators.gt(0))
 
 
 def _error(status: int, message: str, *, field: str | None = None, limit: str | None = None,
@@ -98,12 +101,15 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> Starle
             raise HTTPError(413, f"body must be at most {settings.max_body_bytes} bytes", "body",
                             f"at most {settings.max_body_bytes} bytes")
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > settings.max_body_bytes:
-                raise HTTPError(413, f"body must be at most {settings.max_body_bytes} bytes", "body",
-                                f"at most {settings.max_body_bytes} bytes")
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > settings.max_body_bytes:
+                    raise HTTPError(413, f"body must be at most {settings.max_body_bytes} bytes", "body",
+                                    f"at most {settings.max_body_bytes} bytes")
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise HTTPError(499, "the client disconnected while sending the body") from None
         return parse_json(b"".join(chunks))
 
     async def generation_endpoint(request: Request, openai: bool) -> Response:
@@ -282,8 +288,12 @@ async def serve(config: EngineConfig, host: str, port: int, *, log_json: bool = 
     except OSError as exc:
         log.error("server.bind_failed", host=host, port=port, error=str(exc))
         return 1
-    engine = Engine(config)
-    app = create_app(engine, settings)
+    try:
+        engine = Engine(config)
+        app = create_app(engine, settings)
+    except BaseException:
+        sock.close()
+        raise
     server = _uvicorn_server(app, settings)
     stop, done = anyio.Event(), anyio.Event()
     engine_error: BaseException | None = None
@@ -296,6 +306,10 @@ async def serve(config: EngineConfig, host: str, port: int, *, log_json: bool = 
                 log.info("server.stopping", signal=signal.Signals(signum).name,
                          in_flight=sum(engine.requests_by_state().values()))
                 stop.set()
+
+    def stop_accepting() -> None:
+        app.state.kvlife["draining"] = True
+        server.should_exit = True
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(watch_signals)
@@ -311,10 +325,12 @@ async def serve(config: EngineConfig, host: str, port: int, *, log_json: bool = 
 
                     waiters.start_soon(until, stop)
                     waiters.start_soon(until, done)
-                app.state.kvlife["draining"] = True
-                server.should_exit = True  # stop accepting; leaving the engine ends what is in flight
+                if not stop.is_set():
+                    engine_error = RuntimeError("the HTTP server stopped on its own")
+                stop_accepting()  # leaving the engine then ends every request in flight with SHUTDOWN
         except Exception as exc:  # noqa: BLE001 - a leak at exit, or the engine failed: reported below
             engine_error = exc
+        stop_accepting()
         with anyio.move_on_after(settings.graceful_timeout + 5):
             await done.wait()
         tg.cancel_scope.cancel()
@@ -328,8 +344,8 @@ def _final_verdict(engine: Engine, engine_error: BaseException | None) -> int:
     except LeakError as exc:
         log.error("server.leak_check", verdict="leak", problems=exc.problems)
         return 1
-    pools = {name: {"capacity": s.capacity, "free": s.free, "evictable": s.evictable, "held": s.held}
-             for name, s in report.pools.items()}
+    pools = {name: {"capacity": s.capacity, "free": s.free, "evictable": s.evictable, "held": s.held,
+                    "quarantined": s.quarantined} for name, s in report.pools.items()}
     if engine_error is not None and not isinstance(engine_error, LeakError):
         log.error("server.engine_failed", error=repr(engine_error))
         log.info("server.leak_check", verdict="clean", pools=pools)

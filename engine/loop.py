@@ -72,6 +72,7 @@ class DecodeLoop:
         self.idle_event.set()
         self._was_idle = True
         self.step_running = False
+        self.closing = False  # set by shutdown: start no new step
 
     # ------------------------------------------------------------ the task
     async def run(self, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
@@ -83,6 +84,9 @@ class DecodeLoop:
         self._wake.set()
 
     async def iteration(self) -> None:
+        if self.closing:  # shutdown owns the requests now
+            await self._wait(None)
+            return
         self._drain_inbox()
         self._apply_aborts()
         self._release_finished()
@@ -330,7 +334,15 @@ class DecodeLoop:
 
     # ------------------------------------------------------------ shutdown
     async def shutdown(self) -> None:
-        """Finish every live request with SHUTDOWN and release all (call shielded)."""
+        """Finish every live request with SHUTDOWN and release all (call shielded).
+
+        NOTE: a model step in flight still reads its batch's tables and writes
+        their KV pages, so no new step starts and the one in flight is awaited
+        before anything is released (it is the in-flight-step fence).
+        """
+        self.closing = True
+        while self.step_running:
+            await anyio.sleep(0.005)
         self.inbox_send.close()
         self._drain_inbox()
         self.inbox.close()

@@ -6,8 +6,8 @@ for one step. For each layer and request, with p the new token's position::
     1. new K/V -> the reserved slot; its index key -> the index store;
        its K/V -> host (a side-stream copy on CUDA, fenced after the last layer)
     2. select top_k of tokens 0..p-1 by index score (recent window included)
-    3. LRU: hits keep their slot, misses are copied host -> least recently
-       used slots (`hisparse.lru`)
+    3. LRU (host bookkeeping): hits keep their slot, misses are copied
+       host -> least recently used slots (`hisparse.lru`)
     4. attend over the selected slots plus the reserved one
 
 `CompositeAttention` splits a mixed step: prefill rows (and any request
@@ -23,31 +23,45 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from hisparse import lru
 from hisparse.hooks import DEVICE_HOOK, HOST_HOOK, MAP_HOOK, DeviceBuffer, HostRecord, SlotMap
-from hisparse.selection import select
+from hisparse.selection import select_top
 
 if TYPE_CHECKING:
     from hisparse.state import HiSparseState
+
+#: more runs of pages than this and scoring gathers the context's index keys page-wise
+_MAX_RANGES = 8
 
 
 class _Row:
     """One request's share of a sparse step."""
 
-    __slots__ = ("request", "host", "buffer", "slot_map", "position", "context_dev", "context_host", "new_loc")
+    __slots__ = ("request", "host", "buffer", "slot_map", "position", "context_pages", "context_ranges",
+                 "context_np", "new_loc")
 
-    def __init__(self, request: Any, position: int) -> None:
+    def __init__(self, request: Any, position: int, page_size: int) -> None:
         self.request = request
         self.host: HostRecord = request.handles[HOST_HOOK].payload
         self.buffer: DeviceBuffer = request.handles[DEVICE_HOOK].payload
         self.slot_map: SlotMap = request.handles[MAP_HOOK].payload
         self.position = position
-        self.context_dev = self.host.locs_dev[:position]
-        self.context_host = self.host.locs[:position]
+        self.context_pages = self.host.pages_dev[: -(-position // page_size)]
+        # host rows [start, end) holding tokens 0..position-1, when they are a few runs
+        ranges, left = [], position
+        for first, count in self.host.runs:
+            if left <= 0 or len(ranges) > _MAX_RANGES:
+                break
+            n = min(count * page_size, left)
+            ranges.append((first * page_size, first * page_size + n))
+            left -= n
+        self.context_ranges = ranges if left <= 0 else None
+        self.context_np = self.host.locs_np[:position]
         self.new_loc = self.host.locs[position : position + 1]
 
 
@@ -56,11 +70,10 @@ class SparseDecodeAttention:
 
     def __init__(self, state: HiSparseState, requests: Sequence[Any], positions: Sequence[int]) -> None:
         self.state = state
-        self.rows = [_Row(r, p) for r, p in zip(requests, positions)]
+        self.rows = [_Row(r, p, state.host.page_size) for r, p in zip(requests, positions)]
         device = state.device
         for row in self.rows:
-            # the previous step's backup must be on the host before rows are read there,
-            # and out of the reserved slot before this step overwrites it
+            # the previous step's backup must be on the host before its rows are read there
             row.host.sync_backups()
             row.buffer.stamp += 1
         self._reserved = torch.stack([row.buffer.slots[-1] for row in self.rows])
@@ -69,46 +82,58 @@ class SparseDecodeAttention:
 
     def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         state = self.state
-        dev, host = state.device_pool, state.host
-        k_buf, v_buf = dev.k[layer_id], dev.v[layer_id]
-        k_buf.index_copy_(0, self._reserved, k.to(k_buf.dtype))
-        v_buf.index_copy_(0, self._reserved, v.to(v_buf.dtype))
+        buf, host = state.device_pool.kv[layer_id], state.host
+        new_kv = torch.stack((k, v), dim=1).to(buf.dtype)
+        buf.index_copy_(0, self._reserved, new_kv)
         index = host.index[layer_id]
         index.index_copy_(0, self._new_dev, state.projection.keys(k).to(index.dtype))
         with state.copier.side():
-            state.copier.to_host(host.k[layer_id], self._new_host, k_buf.index_select(0, self._reserved))
-            state.copier.to_host(host.v[layer_id], self._new_host, v_buf.index_select(0, self._reserved))
+            state.copier.to_host(host.kv[layer_id], self._new_host, new_kv)
         queries = state.projection.queries(q)
         selections = [self._select_and_swap(layer_id, row, queries[b]) for b, row in enumerate(self.rows)]
-        out = _attend_slots(q, k_buf, v_buf, [slots for _, slots in selections])
+        out = _attend_slots(q, buf, [slots for _, slots in selections])
         if state.trace is not None:
             for b, (row, (selected, _)) in enumerate(zip(self.rows, selections)):
                 state.trace.append({"request_id": row.request.request_id, "layer": layer_id,
-                                    "position": row.position, "selected": selected.cpu(),
+                                    "position": row.position, "selected": torch.from_numpy(selected.copy()),
                                     "q": q[b].detach().cpu(), "out": out[b].detach().cpu()})
         if layer_id == state.num_layers - 1:
             self._fence_backups()
         return out
 
-    def _select_and_swap(self, layer_id: int, row: _Row, query: Tensor) -> tuple[Tensor, Tensor]:
+    def _scores(self, layer_id: int, row: _Row, query: Tensor) -> Tensor:
+        """Index scores ``[p]`` of the row's context tokens."""
+        index = self.state.host.index[layer_id]
+        query = query.float()
+        if row.context_ranges is not None:  # read each run of pages in place
+            parts = [index[start:end].float() @ query for start, end in row.context_ranges]
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
+        # NOTE: whole pages at a time: a gather of page rows is several times faster than of token rows
+        keys = index.view(-1, self.state.host.page_size * index.shape[1]).index_select(0, row.context_pages)
+        return keys.view(-1, index.shape[1])[: row.position].float() @ query
+
+    def _select_and_swap(self, layer_id: int, row: _Row, query: Tensor) -> tuple[np.ndarray, Tensor]:
         """The row's selected positions, and the global slot ids of them then its reserved slot."""
         state = self.state
         cfg = state.config
-        index_keys = state.host.index[layer_id].index_select(0, row.context_dev)
-        selected = select(index_keys, query, top_k=cfg.top_k, recent=cfg.recent_window)
+        if row.position <= cfg.top_k:
+            selected = np.arange(row.position)
+        else:
+            scores = self._scores(layer_id, row, query)
+            # NOTE: on CUDA, the one host sync per layer: the LRU and the host gather run on the host
+            selected = select_top(scores, top_k=cfg.top_k, recent=cfg.recent_window).cpu().numpy()
         buffer = row.buffer
         local, miss = lru.assign(row.slot_map.table[layer_id], buffer.slot_token[layer_id],
                                  buffer.last_used[layer_id], selected, buffer.stamp)
-        missed = miss.nonzero().squeeze(1)  # NOTE: on CUDA, the one host sync per layer
-        slots = buffer.slots.index_select(0, local)
-        if missed.numel():
-            host_rows = row.context_host.index_select(0, selected.index_select(0, missed).cpu())
-            targets = slots.index_select(0, missed)
-            dev = state.device_pool
-            dev.k[layer_id].index_copy_(0, targets, state.copier.from_host(state.host.k[layer_id], host_rows))
-            dev.v[layer_id].index_copy_(0, targets, state.copier.from_host(state.host.v[layer_id], host_rows))
-        state.swapped_in += int(missed.numel())
-        return selected, torch.cat((slots, buffer.slots[-1:]))
+        slots = buffer.slots_np[local]
+        if miss.any():
+            host_rows = torch.from_numpy(row.context_np[selected[miss]])
+            targets = torch.from_numpy(slots[miss]).to(state.device)
+            buf = state.device_pool.kv[layer_id]
+            buf.index_copy_(0, targets, state.copier.from_host(state.host.kv[layer_id], host_rows))
+            state.swapped_in += host_rows.shape[0]
+        ids = torch.from_numpy(np.append(slots, buffer.slots_np[-1])).to(state.device)
+        return selected, ids
 
     def _fence_backups(self) -> None:
         copier = self.state.copier
@@ -116,13 +141,13 @@ class SparseDecodeAttention:
         for row in self.rows:
             row.host.backup_event = event
             row.host.on_host = row.position + 1
-            row.request.fences.append(copier.fence(self.state.backup_protects))
+            row.request.fences.append(copier.fence(self.state.backup_protects, row.request.request_id))
 
 
-def _attend_slots(q: Tensor, k_buf: Tensor, v_buf: Tensor, slot_ids: list[Tensor]) -> Tensor:
+def _attend_slots(q: Tensor, kv_buf: Tensor, slot_ids: list[Tensor]) -> Tensor:
     """Each query row ``q[b] [H, D]`` over the K/V in `slot_ids[b]`; ``[B, H, D]``."""
     batch, num_heads, head_dim = q.shape
-    num_kv_heads = k_buf.shape[1]
+    num_kv_heads = kv_buf.shape[2]
     group = num_heads // num_kv_heads
     width = max(ids.shape[0] for ids in slot_ids)
     mask = None
@@ -132,9 +157,9 @@ def _attend_slots(q: Tensor, k_buf: Tensor, v_buf: Tensor, slot_ids: list[Tensor
         ids = torch.nn.utils.rnn.pad_sequence(slot_ids, batch_first=True, padding_value=0)
         lens = torch.tensor([t.shape[0] for t in slot_ids], device=q.device)
         mask = (torch.arange(width, device=q.device) < lens[:, None])[:, None, None, :]
-    shape = (batch, width, num_kv_heads, head_dim)
-    keys = k_buf.index_select(0, ids.reshape(-1)).view(shape).to(q.dtype).transpose(1, 2)
-    values = v_buf.index_select(0, ids.reshape(-1)).view(shape).to(q.dtype).transpose(1, 2)
+    gathered = kv_buf.index_select(0, ids.reshape(-1)).view(batch, width, 2, num_kv_heads, head_dim).to(q.dtype)
+    keys = gathered[:, :, 0].transpose(1, 2)  # [B, KVH, W, D]
+    values = gathered[:, :, 1].transpose(1, 2)
     folded = q.view(batch, num_kv_heads, group, head_dim)
     out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask)
     return out.reshape(batch, num_heads, head_dim)

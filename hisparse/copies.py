@@ -8,7 +8,9 @@ pinned staging tensor, so the attention that reads them is ordered after.
 
 `BACKUP_FENCE` ("host_backup") names every fence made here; naming it in
 `FaultInjector.stuck_fences` makes those fences never complete, so a test can
-hold a request in STAGING and watch its abort quarantine at the deadline.
+hold a request in STAGING and watch its abort quarantine at the deadline. An
+injector with a `stuck_fence_when(fence_name, request_id)` predicate does the
+same for the requests it returns True for.
 """
 
 from __future__ import annotations
@@ -28,10 +30,10 @@ BACKUP_FENCE = "host_backup"
 class HostCopier:
     """Device <-> host copies for one engine, and the fences that guard them."""
 
-    def __init__(self, device: torch.device, *, fence_timeout: float, stuck: bool = False) -> None:
+    def __init__(self, device: torch.device, *, fence_timeout: float, faults: Any = None) -> None:
         self.device = device
         self.fence_timeout = fence_timeout
-        self.stuck = stuck
+        self.faults = faults
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
 
@@ -60,6 +62,8 @@ class HostCopier:
         if not self.cuda:
             dst.index_copy_(0, rows, src)
             return
+        if self.stream is not None:
+            src.record_stream(self.stream)  # `src` may come from the compute stream's allocations
         ids = rows.numpy()
         breaks = np.flatnonzero(np.diff(ids) != 1) + 1
         for start, end in zip(np.concatenate(([0], breaks)), np.concatenate((breaks, [len(ids)]))):
@@ -74,15 +78,32 @@ class HostCopier:
         torch.index_select(src, 0, rows, out=staged)
         return staged.to(self.device, non_blocking=True)
 
-    def fence(self, protects: Iterable[str]) -> CopyFence:
-        """A fence for the side-stream copies issued so far."""
-        if self.stuck:
+    def fence(self, protects: Iterable[str], request_id: str) -> CopyFence:
+        """A fence for the side-stream copies issued so far (for `request_id`)."""
+        if self._stuck(request_id):
             return ManualFence(BACKUP_FENCE, protects, timeout=self.fence_timeout)
         if self.stream is None:
             return CopyFence.completed(BACKUP_FENCE, protects)
         event = torch.cuda.Event()
         event.record(self.stream)
         return CopyFence.for_cuda_event(BACKUP_FENCE, protects, event, timeout=self.fence_timeout)
+
+    def drain(self) -> None:
+        """Wait for every side-stream copy issued so far (no-op on CPU).
+
+        NOTE: fences cover every copy of a step that completes; a step that
+        fails between layers leaves its first layers' backups unfenced, so
+        the host hook drains before freeing host pages.
+        """
+        if self.stream is not None:
+            self.stream.synchronize()
+
+    def _stuck(self, request_id: str) -> bool:
+        faults = self.faults
+        if faults is None:
+            return False
+        when = getattr(faults, "stuck_fence_when", None)
+        return BACKUP_FENCE in faults.stuck_fences or (when is not None and bool(when(BACKUP_FENCE, request_id)))
 
     def event(self) -> Any:
         """An event after the side stream's work so far (None on CPU), for host readers."""

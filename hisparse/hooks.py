@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import attrs
+import numpy as np
 import torch
 
 from hisparse import lru
@@ -41,16 +42,22 @@ HOST_HOOK, DEVICE_HOOK, MAP_HOOK = "hisparse_host", "hisparse_device", "hisparse
 class HostRecord:
     """The host hook's record: pages in token order and their token locations.
 
-    `locs[:len(pages) * page_size]` are valid (host rows, on the host);
-    `locs_dev` is the same on device (the same tensor on CPU). `on_host`
-    counts the leading tokens whose K/V has been copied in (or is being, under
-    a fence). `backup_event` (CUDA only) follows the latest decode backup, for
-    code that reads those rows on the host.
+    `locs[:len(pages) * page_size]` are valid (host rows, on the host, with
+    `locs_np` its numpy view); `locs_dev` is the same on device (the same
+    tensor on CPU); `pages_dev` holds the page ids on device, for page-wise
+    gathers of index keys; `runs` lists them as [first page, count] runs of
+    consecutive ids. `on_host` counts the leading tokens whose K/V has been
+    copied in (or is being, under a fence). `backup_event` (CUDA only)
+    follows the latest decode backup, for code that reads those rows on the
+    host.
     """
 
     pages: list[int]
     locs: torch.Tensor
+    locs_np: np.ndarray
     locs_dev: torch.Tensor
+    pages_dev: torch.Tensor
+    runs: list[list[int]] = attrs.field(factory=list)
     on_host: int = 0
     backup_event: Any = None
 
@@ -63,11 +70,12 @@ class HostRecord:
 @attrs.define(eq=False)
 class DeviceBuffer:
     """The device hook's record: N + 1 slots (the last reserved for the newest
-    token) and each layer's LRU state (see `hisparse.lru`)."""
+    token) and each layer's LRU state (see `hisparse.lru`, host memory)."""
 
     slots: torch.Tensor  # [N + 1] global slot ids on device
-    slot_token: torch.Tensor  # [layers, N + 1]
-    last_used: torch.Tensor  # [layers, N]
+    slots_np: np.ndarray  # the same on the host
+    slot_token: np.ndarray  # [layers, N]
+    last_used: np.ndarray  # [layers, N]
     stamp: int = 0
 
     @property
@@ -77,10 +85,10 @@ class DeviceBuffer:
 
 @attrs.define(eq=False)
 class SlotMap:
-    """The map hook's record: a row of the map table, [layers, max_context + 1]."""
+    """The map hook's record: a row of the map table, [layers, max_context]."""
 
     row: int
-    table: torch.Tensor
+    table: np.ndarray
 
 
 class _HiSparseHook(ResourceHook):
@@ -111,7 +119,9 @@ class HostPagesHook(_HiSparseHook):
         if pages is None:
             raise ResourceExhausted(f"need {need} HiSparse host pages, {host.allocator.num_free} free")
         locs = torch.zeros(self.state.max_context + host.page_size, dtype=torch.int64)
-        record = HostRecord([], locs, locs if not self.state.copier.cuda else locs.to(self.state.device))
+        locs_dev = locs if not self.state.copier.cuda else locs.to(self.state.device)
+        pages_dev = torch.zeros(host.pages_for(self.state.max_context), dtype=torch.int64, device=self.state.device)
+        record = HostRecord([], locs, locs.numpy(), locs_dev, pages_dev)
         self._extend(record, pages)
         self.state.ledger.hold(HOST_PAGES, request, need)
         return Handle(self.name, request.request_id, record, amount=need)
@@ -134,15 +144,26 @@ class HostPagesHook(_HiSparseHook):
 
     def _extend(self, record: HostRecord, pages: torch.Tensor) -> None:
         host = self.state.host
+        # NOTE: ascending, so consecutive pages are consecutive host rows: a staging copy
+        # is one copy per run, and scoring reads each run's index keys in place
+        pages = torch.sort(pages).values
+        for page in pages.tolist():
+            if record.runs and record.runs[-1][0] + record.runs[-1][1] == page:
+                record.runs[-1][1] += 1
+            else:
+                record.runs.append([page, 1])
         start = len(record.pages) * host.page_size
         locs = host.locations(pages)
         record.locs[start : start + locs.numel()] = locs
         if record.locs_dev is not record.locs:
-            record.locs_dev[start : start + locs.numel()].copy_(locs, non_blocking=False)
+            record.locs_dev[start : start + locs.numel()].copy_(locs)
+        first = len(record.pages)
+        record.pages_dev[first : first + pages.numel()].copy_(pages)
         record.pages.extend(pages.tolist())
 
     def release(self, request: Request, handle: Handle) -> None:
         record: HostRecord = handle.payload
+        self.state.copier.drain()
         self.state.ledger.drop(HOST_PAGES, request.request_id)
         self.state.host.allocator.free(torch.tensor(record.pages, dtype=torch.int64))
 
@@ -172,8 +193,9 @@ class DeviceBufferHook(_HiSparseHook):
         layers = state.num_layers
         buffer = DeviceBuffer(
             slots=ids.to(dev),
-            slot_token=torch.full((layers, size + 1), -1, dtype=torch.int64, device=dev),
-            last_used=torch.full((layers, size), -1, dtype=torch.int64, device=dev),
+            slots_np=ids.numpy(),
+            slot_token=np.full((layers, size), -1, dtype=np.int64),
+            last_used=np.full((layers, size), -1, dtype=np.int64),
         )
         n = request.kv_len
         kv = request.handles.get("kv")
@@ -189,15 +211,16 @@ class DeviceBufferHook(_HiSparseHook):
         src = state.kv_pool.slots.req_to_token[kv_slot, :n]
         dst = buffer.slots[:n]
         for layer in range(state.num_layers):
-            state.device_pool.k[layer].index_copy_(0, dst, state.kv_buffers.k[layer].index_select(0, src))
-            state.device_pool.v[layer].index_copy_(0, dst, state.kv_buffers.v[layer].index_select(0, src))
+            kv = torch.stack((state.kv_buffers.k[layer].index_select(0, src),
+                              state.kv_buffers.v[layer].index_select(0, src)), dim=1)
+            state.device_pool.kv[layer].index_copy_(0, dst, kv.to(state.device_pool.kv[layer].dtype))
         slot_map: SlotMap = request.handles[MAP_HOOK].payload
         lru.preload(slot_map.table, buffer.slot_token, buffer.last_used, n)
 
     def release(self, request: Request, handle: Handle) -> None:
         buffer: DeviceBuffer = handle.payload
         self.state.ledger.drop(DEVICE_SLOTS, request.request_id)
-        self.state.device_pool.allocator.free(buffer.slots.cpu())
+        self.state.device_pool.allocator.free(torch.from_numpy(buffer.slots_np))
 
 
 class SlotMapHook(_HiSparseHook):
@@ -214,7 +237,7 @@ class SlotMapHook(_HiSparseHook):
         if row is None:
             raise ResourceExhausted(f"all {maps.capacity} HiSparse slot maps are in use")
         table = maps.table[row]
-        table.fill_(-1)
+        table.fill(-1)
         self.state.ledger.hold(SLOT_MAPS, request, 1)
         return Handle(self.name, request.request_id, SlotMap(row, table), amount=1)
 

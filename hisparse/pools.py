@@ -1,18 +1,18 @@
 """HiSparse's three leak-checked pools.
 
-Memory layout (one tensor per layer for K, V and index keys)::
+Memory layout (one tensor per layer; K and V of a token side by side)::
 
     host pool  (pinned host memory on CUDA)       unit: pages of page_size tokens
-        k[layer], v[layer]: [num_pages * page_size, kv_heads, head_dim]
-        index[layer]:       [num_pages * page_size, index_dim]   (on device)
+        kv[layer]:    [num_pages * page_size, 2, kv_heads, head_dim]   (0: K, 1: V)
+        index[layer]: [num_pages * page_size, index_dim]               (on device)
         token location = page_id * page_size + offset_in_page; page 0 reserved
 
     device buffer pool (on device)                 unit: slots of one token
-        k[layer], v[layer]: [1 + num_slots, kv_heads, head_dim]
+        kv[layer]:    [1 + num_slots, 2, kv_heads, head_dim]
         slot 0 is the padding slot: padded attention rows read it, masked out
 
-    slot maps (on device)                          unit: one map per request
-        table: [num_maps, num_layers, max_context + 1]  token -> local slot, -1
+    slot maps (host memory: LRU bookkeeping)       unit: one map per request
+        table: [num_maps, num_layers, max_context]  token -> local slot, -1
 
 Each pool answers `stats()` from two independent views, its own free list
 and the ledger's record of what requests hold, so the leak check's
@@ -22,6 +22,7 @@ Only the hooks in `hisparse.hooks` allocate from or free into them.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from resources.ledger import Ledger, PoolStats
@@ -49,10 +50,8 @@ class HostKVPool:
         self.allocator = PageAllocator(num_tokens // page_size + 1, page_size)
         rows = self.allocator.num_pages * page_size
         pin = device.type == "cuda"
-        self.k = [torch.zeros((rows, num_kv_heads, head_dim), dtype=dtype, pin_memory=pin)
-                  for _ in range(num_layers)]
-        self.v = [torch.zeros((rows, num_kv_heads, head_dim), dtype=dtype, pin_memory=pin)
-                  for _ in range(num_layers)]
+        self.kv = [torch.zeros((rows, 2, num_kv_heads, head_dim), dtype=dtype, pin_memory=pin)
+                   for _ in range(num_layers)]
         self.index = [torch.zeros((rows, index_dim), dtype=dtype, device=device) for _ in range(num_layers)]
         self._offsets = torch.arange(page_size, dtype=torch.int64)
 
@@ -66,7 +65,7 @@ class HostKVPool:
     @property
     def bytes_per_token(self) -> int:
         """Host bytes of one token's K and V over all layers."""
-        return sum(t[0].numel() * t.element_size() for t in (*self.k, *self.v))
+        return sum(t[0].numel() * t.element_size() for t in self.kv)
 
     @property
     def index_bytes_per_token(self) -> int:
@@ -87,14 +86,13 @@ class DeviceBufferPool:
                  dtype: torch.dtype, device: torch.device, ledger: Ledger) -> None:
         self.ledger = ledger
         self.allocator = PageAllocator(num_slots + 1, 1)  # slot 0: padding
-        shape = (num_slots + 1, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        shape = (num_slots + 1, 2, num_kv_heads, head_dim)
+        self.kv = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     @property
     def bytes_per_slot(self) -> int:
         """Device bytes of one slot's K and V over all layers."""
-        return sum(t[0].numel() * t.element_size() for t in (*self.k, *self.v))
+        return sum(t[0].numel() * t.element_size() for t in self.kv)
 
     def stats(self) -> PoolStats:
         a = self.allocator
@@ -106,11 +104,10 @@ class SlotMapPool:
 
     name = SLOT_MAPS
 
-    def __init__(self, *, num_maps: int, num_layers: int, max_context: int, device: torch.device,
-                 ledger: Ledger) -> None:
+    def __init__(self, *, num_maps: int, num_layers: int, max_context: int, ledger: Ledger) -> None:
         self.ledger = ledger
         self.capacity = num_maps
-        self.table = torch.full((num_maps, num_layers, max_context + 1), -1, dtype=torch.int64, device=device)
+        self.table = np.full((num_maps, num_layers, max_context), -1, dtype=np.int64)
         self._free = list(range(num_maps - 1, -1, -1))
         self._in_use = [False] * num_maps
 
@@ -129,7 +126,7 @@ class SlotMapPool:
 
     @property
     def bytes_per_map(self) -> int:
-        return self.table[0].numel() * self.table.element_size()
+        return self.table[0].nbytes
 
     def stats(self) -> PoolStats:
         return _stats(self.name, self.ledger, self.capacity, len(self._free), "maps")

@@ -50,7 +50,13 @@ def select(index_keys: Tensor, query: Tensor, *, top_k: int, recent: int) -> Ten
     p = index_keys.shape[0]
     if p <= top_k:
         return torch.arange(p, device=index_keys.device)
-    scores = index_keys.float() @ query.float()
+    return select_top(index_keys.float() @ query.float(), top_k=top_k, recent=recent)
+
+
+def select_top(scores: Tensor, *, top_k: int, recent: int) -> Tensor:
+    """Positions (ascending) of the `recent` last tokens and the best-scoring
+    others, `top_k` in all, given ``scores [p]`` with p > top_k."""
+    p = scores.shape[0]
     if recent:
         scores[p - recent :] = float("inf")
     chosen = torch.topk(scores, top_k, sorted=False).indices

@@ -21,7 +21,7 @@ import structlog
 import torch
 
 from hisparse.config import HiSparseConfig
-from hisparse.copies import BACKUP_FENCE, HostCopier
+from hisparse.copies import HostCopier
 from hisparse.hooks import DEVICE_HOOK, HOST_HOOK, DeviceBuffer, HostRecord
 from hisparse.pools import DeviceBufferPool, HostKVPool, SlotMapPool
 from hisparse.selection import IndexProjection
@@ -55,14 +55,12 @@ class HiSparseState:
                                             num_layers=self.num_layers, num_kv_heads=kv_heads, head_dim=head_dim,
                                             dtype=dtype, device=device, ledger=ledger)
         self.maps = SlotMapPool(num_maps=max_running, num_layers=self.num_layers,
-                                max_context=engine_config.max_context, device=device, ledger=ledger)
-        faults = engine_config.faults
-        stuck = faults is not None and BACKUP_FENCE in faults.stuck_fences
-        self.copier = HostCopier(device, fence_timeout=engine_config.fence_timeout, stuck=stuck)
+                                max_context=engine_config.max_context, ledger=ledger)
+        self.copier = HostCopier(device, fence_timeout=engine_config.fence_timeout, faults=engine_config.faults)
         #: a staging copy reads KV pages and writes host pages
         self.staging_protects = frozenset({"kv", HOST_HOOK})
-        #: a decode backup reads the reserved device slot and writes host pages
-        self.backup_protects = frozenset({DEVICE_HOOK, HOST_HOOK})
+        #: a decode backup writes host pages (from the step's own K/V tensor)
+        self.backup_protects = frozenset({HOST_HOOK})
         #: tokens copied host -> device by swap-ins (for benchmarks)
         self.swapped_in = 0
         #: the host-pages hook (set by `install_hisparse`), which `grow` extends
@@ -103,13 +101,12 @@ class HiSparseState:
             with self.copier.side():
                 for layer in range(self.num_layers):
                     k = self.kv_buffers.k[layer].index_select(0, src)
-                    v = self.kv_buffers.v[layer].index_select(0, src)
+                    kv = torch.stack((k, self.kv_buffers.v[layer].index_select(0, src)), dim=1)
                     index = self.host.index[layer]
                     index.index_copy_(0, rows_dev, self.projection.keys(k).to(index.dtype))
-                    self.copier.to_host(self.host.k[layer], rows, k)
-                    self.copier.to_host(self.host.v[layer], rows, v)
+                    self.copier.to_host(self.host.kv[layer], rows, kv.to(self.host.kv[layer].dtype))
             record.on_host = end
-        request.fences.append(self.copier.fence(self.staging_protects))
+        request.fences.append(self.copier.fence(self.staging_protects, request.request_id))
         log.debug("hisparse.staged", request_id=request.request_id, tokens=end - start)
 
     # --------------------------------------------------------------- growth

@@ -41,15 +41,16 @@ class PageAllocator:
         self._stack = torch.arange(num_pages - 1, 0, -1, dtype=torch.int64)
         self._top = self.capacity  # number of free pages
         # NOTE: held by a caller; page 0 is reserved, never handed out, never held.
-        # The second half stays False: numpy wraps a negative id -k to 2*num_pages-k,
-        # so every foreign id reads "not held" or raises IndexError.
-        self._held = torch.zeros(2 * num_pages, dtype=torch.bool)
+        # One padding entry past the end stays False: a clipped lookup sends every
+        # negative id to page 0 and every id past the pool to the padding, so any
+        # foreign id reads "not held".
+        self._held = torch.zeros(num_pages + 1, dtype=torch.bool)
         self._in_use = self._held[:num_pages]
         self._stack_np = self._stack.numpy()
         self._held_np = self._held.numpy()
         self._in_use_np = self._held_np[:num_pages]
-        self._stamp = np.zeros(num_pages, dtype=np.int64)  # scratch for the duplicate check
-        self._iota = np.arange(num_pages, dtype=np.int64)
+        self._stamp = np.zeros(num_pages, dtype=np.int32)  # scratch for the duplicate check
+        self._iota = np.arange(num_pages, dtype=np.int32)
 
     @property
     def num_free(self) -> int:
@@ -85,11 +86,7 @@ class PageAllocator:
         if not pages.is_cpu or pages.dtype is not torch.int64 or pages.dim() != 1:
             pages = pages.detach().reshape(-1).to(dtype=torch.int64, device="cpu")
         ids = pages.numpy()
-        try:
-            held = self._held_np[ids]
-        except IndexError:
-            held = None
-        if held is None or np.count_nonzero(held) != n:
+        if n > self.capacity - self._top or np.count_nonzero(self._held_np.take(ids, mode="clip")) != n:
             self._raise_for(ids)
         iota = self._iota[:n]
         self._stamp[ids] = iota  # a repeated id keeps only its last position
@@ -107,4 +104,7 @@ class PageAllocator:
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 1 or hi >= self.num_pages:
             raise ForeignPage(f"page id out of range 1..{self.num_pages - 1}: {lo if lo < 1 else hi}")
-        raise DoubleFree(f"freeing pages not in use: {ids[~self._in_use_np[ids]].tolist()}")
+        not_held = ids[~self._in_use_np[ids]]
+        if not_held.size:
+            raise DoubleFree(f"freeing pages not in use: {not_held.tolist()}")
+        raise DoubleFree(f"page ids repeated within one free: {ids.tolist()}")

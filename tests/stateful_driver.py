@@ -38,6 +38,9 @@ QUIET = 0.1  # seconds without progress (and no step running) that mean "nothing
 class StepGate:
     """`stall_step` for lockstep runs: each model step takes one permit, or passes freely once opened.
 
+    The decode role's prefill worker is not gated: holding its steps would
+    hold transfers past their fences' (wall-clock) deadlines.
+
     A step never waits longer than `timeout`, so a forgotten gate slows a
     failing test down instead of hanging it.
     """
@@ -49,6 +52,8 @@ class StepGate:
         self.timeout = timeout
 
     def __call__(self, request_ids: Any) -> None:
+        if all(rid.startswith("prefill:") for rid in request_ids):
+            return  # the decode role's prefill worker runs freely: its transfers are deadline-fenced
         with self._cond:
             self.waiting += 1
             self._cond.notify_all()
@@ -109,8 +114,7 @@ class EngineDriver:
         self.failed_ids: set[str] = set()  # every request id in a batch whose step was made to fail
         self.faults = FaultInjector(stall_step=self.gate, fail_step=self._fail_step,
                                     fail_release_when=self._fail_release, fail_transfer=self._fail_transfer)
-        if hasattr(self.faults, "stuck_fence_when"):
-            self.faults.stuck_fence_when = lambda fence, rid: "stuck" in self._tags_of(rid)
+        self.faults.stuck_fence_when = lambda fence, rid: "stuck" in self._tags_of(rid)
         self.config = attrs.evolve(config, faults=self.faults)
         self.drain_at_end = drain_at_end
         self.built = built
@@ -224,7 +228,10 @@ class EngineDriver:
         return self.portal.call(self._abort, request_id)[1]
 
     def health_check(self) -> None:
-        self.portal.call(self.tg.start_soon, self._health)
+        self.portal.call(self._spawn, self._health)
+
+    def _spawn(self, func: Callable, *args: Any) -> None:
+        self.tg.start_soon(func, *args)  # NOTE: start_soon's task handle is awaitable; portal.call would await it
 
     def run(self, steps: int) -> None:
         """Let up to `steps` model steps through, then wait until the engine is parked or idle."""
@@ -259,6 +266,9 @@ class EngineDriver:
         self.gate.set_open(True)
         try:
             self.portal.call(self._wait_idle)
+        except AssertionError:
+            self.raise_if_crashed()
+            raise
         finally:
             self.gate.set_open(False)
 
@@ -269,7 +279,10 @@ class EngineDriver:
                 while not all(r.done for r in self.recs.values()):
                     await anyio.sleep(0.001)
         except TimeoutError:
-            raise AssertionError(f"not idle after {DEADLINE}s: {self.engine.requests_by_state()}") from None
+            worker = getattr(self.engine.parts, "prefill_worker", None)
+            jobs = None if worker is None else (len(worker.jobs), len(worker.requests))
+            raise AssertionError(f"not idle after {DEADLINE}s: {self.engine.requests_by_state()}, "
+                                 f"{self.engine.memory_report().as_dict()}, worker jobs/requests {jobs}") from None
 
     # ------------------------------------------------------------ checks
     def raise_if_crashed(self) -> None:

@@ -12,7 +12,7 @@ import torch
 from engine import Engine, SamplingParams
 from engine.build import build_parts
 from hisparse import DEVICE_SLOTS, HiSparseConfig
-from hisparse.attention import SparseDecodeAttention
+from hisparse.attention import SparseDecodeAttention, _Row
 from states import FinishReason, Request, RequestState
 from helpers import small_config
 
@@ -79,7 +79,7 @@ class TestSparseOracle:
                     record = request.handles["hisparse_host"].payload
                     rows = record.locs[: record.on_host]
                     snapshots[request.request_id] = [
-                        (state.host.k[i][rows].clone(), state.host.v[i][rows].clone(),
+                        (state.host.kv[i][rows, 0].clone(), state.host.kv[i][rows, 1].clone(),
                          state.host.index[i][rows].clone()) for i in range(state.num_layers)]
 
             engine.parts.machine.transition_observers.append(snapshot)
@@ -137,12 +137,18 @@ class TestDeviceBound:
                 out = backend.attend(layer, q, k, v)
                 host_rows = request.handles["hisparse_host"].payload.locs
                 rows = host_rows[torch.cat((state.trace[-1]["selected"], torch.tensor([p])))]
-                torch.testing.assert_close(out[0], _reference(q[0], state.host.k[layer][rows],
-                                                              state.host.v[layer][rows]), atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(out[0], _reference(q[0], state.host.kv[layer][rows, 0],
+                                                              state.host.kv[layer][rows, 1]), atol=1e-4, rtol=1e-4)
                 assert parts.ledger.holding(DEVICE_SLOTS, "long") == 65
             request.kv_len = p + 1
             request.output_token_ids.append(1)
         assert state.swapped_in >= 32 * state.num_layers
+        row = _Row(request, request.kv_len, state.host.page_size)
+        assert row.context_ranges is not None and len(row.context_ranges) <= 2
+        query = torch.randn(state.projection.dim, generator=gen)
+        in_place = backend._scores(1, row, query)
+        row.context_ranges = None  # the fragmented-pool path: gather the context's index keys page-wise
+        torch.testing.assert_close(backend._scores(1, row, query), in_place)
         assert state.device_bytes(request)["kv_buffer"] == 65 * state.device_pool.bytes_per_slot
         machine.finish(request, FinishReason.LENGTH)
         assert machine.try_release(request)

@@ -27,7 +27,7 @@ SPARSE = HiSparseConfig(top_k=8, device_buffer_size=16, recent_window=2, index_d
 def _engine(**overrides) -> Engine:
     overrides.setdefault("hisparse", SPARSE)
     engine = Engine(small_config(**overrides))
-    checks = engine.stats_checks = [0]
+    checks = engine.memory_checks_run = [0]
 
     def check(*_):
         engine.check_memory()  # raises LeakError if any pool fails free + evictable + held == capacity
@@ -61,7 +61,7 @@ class TestPoolsReported:
             await engine.wait_idle(5)
             report = engine.check_memory()
         assert {DEVICE_SLOTS, HOST_PAGES, SLOT_MAPS} <= set(report.pools)
-        assert engine.stats_checks[0] >= 8
+        assert engine.memory_checks_run[0] >= 8
 
 
 class TestNormalFinishes:
@@ -222,3 +222,18 @@ class TestRetraction:
             got = await run(engine)
         assert engine.stats.retractions > 0
         assert got == expected
+
+
+class TestDecodeRole:
+    @pytest.mark.asyncio
+    async def test_host_pages_at_transferring_and_same_output(self):
+        """Decode role: host pages are held from TRANSFERRING on; output equals the single engine's."""
+        async with _engine() as single:
+            expected = (await single.complete(PROMPT, SamplingParams(max_new_tokens=8))).token_ids
+        entered = []
+        async with _engine(disaggregation="decode") as engine:
+            engine.parts.machine.transition_observers.append(
+                lambda r, src, dst: entered.append("hisparse_host" in r.handles) if dst is S.TRANSFERRING else None)
+            final = await engine.complete(PROMPT, SamplingParams(max_new_tokens=8))
+        assert entered == [True] and final.token_ids == expected
+        assert engine.stats.transitions[("STAGING", "DECODING")] == 1

@@ -4,6 +4,7 @@ top-k selection with its recent window."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -39,21 +40,20 @@ class _ModelLRU:
         return local, miss
 
 
-class _TensorLRU:
-    """One layer's LRU state as the device buffer holds it, plus slot contents."""
+class _BufferLRU:
+    """One layer's LRU state as the device buffer keeps it, plus slot contents."""
 
     def __init__(self, num_slots: int, context: int, dim: int = 3) -> None:
-        self.map = torch.full((context + 1,), -1, dtype=torch.int64)
-        self.slot_token = torch.full((num_slots + 1,), -1, dtype=torch.int64)
-        self.last_used = torch.full((num_slots,), -1, dtype=torch.int64)
+        self.map = np.full(context, -1, dtype=np.int64)
+        self.slot_token = np.full(num_slots, -1, dtype=np.int64)
+        self.last_used = np.full(num_slots, -1, dtype=np.int64)
         self.slots = torch.full((num_slots, dim), float("nan"))
         self.host = torch.arange(context * dim, dtype=torch.float32).view(context, dim)
 
     def step(self, selected: list[int], stamp: int) -> tuple[list[int], list[bool]]:
-        sel = torch.tensor(selected, dtype=torch.int64)
+        sel = np.array(selected, dtype=np.int64)
         local, miss = lru.assign(self.map, self.slot_token, self.last_used, sel, stamp)
-        missed = miss.nonzero().squeeze(1)
-        self.slots[local[missed]] = self.host[sel[missed]]  # the swap-in
+        self.slots[torch.from_numpy(local[miss])] = self.host[torch.from_numpy(sel[miss])]  # the swap-in
         return local.tolist(), miss.tolist()
 
 
@@ -74,44 +74,42 @@ class TestLRUAgainstModel:
     def test_same_slots_and_misses_as_the_model(self, workload):
         """Every step picks the same slots and the same misses as the plain model."""
         num_slots, context, steps = workload
-        model, tensors = _ModelLRU(num_slots), _TensorLRU(num_slots, context)
+        model, buffer = _ModelLRU(num_slots), _BufferLRU(num_slots, context)
         for stamp, selected in enumerate(steps, start=1):
-            assert tensors.step(selected, stamp) == model.assign(selected, stamp)
-            assert tensors.slot_token[:num_slots].tolist() == model.slot_token
-            assert tensors.last_used.tolist() == model.last_used
+            assert buffer.step(selected, stamp) == model.assign(selected, stamp)
+            assert buffer.slot_token.tolist() == model.slot_token
+            assert buffer.last_used.tolist() == model.last_used
 
     @settings(max_examples=150, deadline=None)
     @given(_workloads())
     def test_never_serves_a_stale_slot(self, workload):
         """After each swap-in every selected token's slot holds that token's host K/V."""
         num_slots, context, steps = workload
-        tensors = _TensorLRU(num_slots, context)
+        buffer = _BufferLRU(num_slots, context)
         for stamp, selected in enumerate(steps, start=1):
-            local, _ = tensors.step(selected, stamp)
-            assert torch.equal(tensors.slots[local], tensors.host[selected])
+            local, _ = buffer.step(selected, stamp)
+            assert torch.equal(buffer.slots[local], buffer.host[selected])
 
     @settings(max_examples=150, deadline=None)
     @given(_workloads())
     def test_map_and_owners_agree(self, workload):
-        """token -> slot and slot -> token are inverse maps; the scratch entries stay clear."""
+        """token -> slot and slot -> token are inverse maps after every step."""
         num_slots, context, steps = workload
-        tensors = _TensorLRU(num_slots, context)
+        buffer = _BufferLRU(num_slots, context)
         for stamp, selected in enumerate(steps, start=1):
-            tensors.step(selected, stamp)
-            owners = tensors.slot_token[:num_slots].tolist()
-            mapped = {t: s for t, s in enumerate(tensors.map[:context].tolist()) if s >= 0}
-            assert mapped == {t: s for s, t in enumerate(owners) if t >= 0}
-            assert tensors.map[context] == -1 and tensors.slot_token[num_slots] == -1
+            buffer.step(selected, stamp)
+            mapped = {t: s for t, s in enumerate(buffer.map.tolist()) if s >= 0}
+            assert mapped == {t: s for s, t in enumerate(buffer.slot_token.tolist()) if t >= 0}
 
 
 class TestPreload:
     def test_preload_then_hits(self):
         """Preloaded tokens are hits in their own slots; every layer at once."""
-        maps = torch.full((2, 11), -1, dtype=torch.int64)
-        owners = torch.full((2, 7), -1, dtype=torch.int64)
-        used = torch.full((2, 6), -1, dtype=torch.int64)
+        maps = np.full((2, 10), -1, dtype=np.int64)
+        owners = np.full((2, 6), -1, dtype=np.int64)
+        used = np.full((2, 6), -1, dtype=np.int64)
         lru.preload(maps, owners, used, 4)
-        local, miss = lru.assign(maps[1], owners[1], used[1], torch.tensor([0, 3, 5]), 1)
+        local, miss = lru.assign(maps[1], owners[1], used[1], np.array([0, 3, 5]), 1)
         assert local.tolist() == [0, 3, 4] and miss.tolist() == [False, False, True]
 
 

@@ -5,6 +5,8 @@ The autouse fixture in conftest.py checks every engine's pools after each test.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from engine import SamplingParams
@@ -128,7 +130,7 @@ class TestAbort:
     @pytest.mark.asyncio
     async def test_abort_streaming_request(self):
         """POST /abort ends a running request with 'abort'; its stream gets the final event."""
-        slow = FaultInjector(fail_step=lambda ids: __import__("time").sleep(0.01))
+        slow = FaultInjector(fail_step=lambda ids: time.sleep(0.01))
         async with serving(faults=slow) as (engine, client):
             async with client.stream("POST", "/generate", json={
                     "input_ids": PROMPT, "rid": "victim", "stream": True,
@@ -228,7 +230,7 @@ class TestDebugMemory:
     @pytest.mark.asyncio
     async def test_owners_of_held_memory(self):
         """GET /debug/memory is memory_report() as JSON, naming the owner of held pages."""
-        slow = FaultInjector(fail_step=lambda ids: __import__("time").sleep(0.01))
+        slow = FaultInjector(fail_step=lambda ids: time.sleep(0.01))
         async with serving(faults=slow) as (engine, client):
             async with client.stream("POST", "/generate", json={
                     "input_ids": PROMPT, "rid": "holder", "stream": True,

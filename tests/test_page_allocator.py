@@ -88,7 +88,7 @@ class TestFree:
         assert _snapshot(alloc) == before
 
     @pytest.mark.parametrize(
-        "ids", [[0], [-1], [10], [3, 0], [3, 10], [-100], [3, 4, -25]], ids=str
+        "ids", [[0], [-1], [10], [3, 0], [3, 10], [-100], [3, 4, -25], [3, -17], [-13, 4], [3, 2**62]], ids=str
     )
     def test_foreign_ids_raise_and_change_nothing(self, ids):
         """Page 0, negative ids and ids past the pool are refused before anything moves."""
@@ -96,7 +96,7 @@ class TestFree:
         alloc.alloc(6)
         _assert_refused(alloc, torch.tensor(ids), ForeignPage)
 
-    @pytest.mark.parametrize("ids", [[8], [2, 8], [8, 2], [2, 2], [3, 4, 3]], ids=str)
+    @pytest.mark.parametrize("ids", [[8], [2, 8], [8, 2], [2, 2], [3, 4, 3], [2] * 7, [5] * 40], ids=str)
     def test_double_free_raises_and_changes_nothing(self, ids):
         """A free page, or a page named twice in one call, is refused atomically."""
         alloc = PageAllocator(10, 16)
@@ -161,16 +161,19 @@ class AllocatorModel(RuleBasedStateMachine):
         _assert_refused(self.alloc, torch.tensor(ids), DoubleFree)
 
     @precondition(lambda self: self.alloc is not None and self.held)
-    @rule(data=st.data())
-    def repeated_id(self, data):
+    @rule(data=st.data(), times=st.integers(2, 50))
+    def repeated_id(self, data, times):
         page = data.draw(st.sampled_from(sorted(self.held)))
-        _assert_refused(self.alloc, torch.tensor([page, page]), DoubleFree)
+        others = data.draw(st.lists(st.sampled_from(sorted(self.held)), max_size=3, unique=True))
+        ids = data.draw(st.permutations([page] * times + [p for p in others if p != page]))
+        _assert_refused(self.alloc, torch.tensor(ids), DoubleFree)
 
     @precondition(lambda self: self.alloc is not None)
     @rule(data=st.data())
     def foreign_id(self, data):
         n = self.alloc.num_pages
-        bad = data.draw(st.sampled_from([0, -1, -n, -2 * n, -2 * n - 1, n, n + 1, 2 * n, 10**9]))
+        far = st.sampled_from([-(2**62), 2**62])
+        bad = data.draw(st.one_of(st.integers(-3 * n, 0), st.integers(n, 3 * n), far))
         others = data.draw(st.lists(st.sampled_from(sorted(self.held | self.free)), max_size=3))
         ids = data.draw(st.permutations([bad, *others]))
         _assert_refused(self.alloc, torch.tensor(ids), ForeignPage)

@@ -1,0 +1,204 @@
+"""Soak: many short requests with aborts and disconnects; nothing may grow.
+
+    python benchmarks/bench_soak.py [--requests 100000] [--tiny-requests 10000]
+                                    [--out bench-results/soak.json]
+
+Two runs through the public API, each one engine for the whole run:
+
+1. `model="null"` (the no-compute runner: real pools, tables, machine and
+   batch tensors, no forward pass), `--requests` requests;
+2. the built-in tiny model, `--tiny-requests` requests.
+
+Requests are short (prompts 4-48 tokens, drawn from a few shared prefixes so
+the prefix cache fills and evicts; 1-16 new tokens) and come from
+`--clients` concurrent clients. 10% are aborted by the client with
+`engine.abort()` at a random point and 10% disconnect (the client closes its
+stream mid-way); the rest read to the end. Reported per run: requests/s,
+finish reasons, resident memory after warm-up and at the end (growth must
+stay under 5%), the size of every internal table at the end (all zero), and
+the leak check's verdict (`check_memory()` at idle plus every automatic
+idle check the loop ran).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import resource
+import sys
+import time
+from collections import Counter
+
+import anyio
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from engine.logging import configure_logging  # noqa: E402
+from resources import LeakError  # noqa: E402
+
+ABORT, DISCONNECT = "abort", "disconnect"
+
+
+def rss_mib() -> float:
+    """Resident set size now, MiB (/proc/self/status; ru_maxrss as a fallback)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def internal_tables(engine: Engine) -> dict[str, int]:
+    """Every per-request table the engine keeps; all must be empty when idle."""
+    loop, parts = engine.loop, engine.parts
+    tables = {
+        "loop.requests": len(loop.requests),
+        "loop.outputs": len(loop.outputs),
+        "loop.waiting": len(loop.waiting),
+        "loop.running": len(loop.running),
+        "loop.finished": len(loop.finished),
+        "loop.pending_aborts": len(loop.pending_aborts),
+        "loop.inbox": loop.inbox.statistics().current_buffer_used,
+        "ledger.requests": parts.ledger.num_tracked_requests,
+        "ledger.held": sum(parts.ledger.held(p.name) for p in parts.pools),
+        "kv.prefix_locks": len(parts.kv_pool.prefix_locks),
+        "kv.slots_in_use": parts.kv_pool.slots.capacity - parts.kv_pool.slots.num_free,
+        "kv.protected_prefix_pages": parts.kv_pool.radix.protected_pages if parts.kv_pool.radix else 0,
+        "hooks.quarantined": sum(len(getattr(h, "quarantined", ())) for h in parts.machine.hooks),
+    }
+    worker = getattr(parts, "prefill_worker", None)
+    if worker is not None:
+        tables["prefill_worker.requests"] = len(worker.requests)
+        tables["prefill_worker.jobs"] = len(worker.jobs)
+    return tables
+
+
+def _prompt(rng: random.Random, prefixes: list[list[int]]) -> list[int]:
+    prefix = rng.choice(prefixes)[: rng.randrange(0, 33)]
+    return prefix + [rng.randrange(256) for _ in range(rng.randrange(4, 17))]
+
+
+async def _client(engine: Engine, rng: random.Random, plan: str | None, prompt: list[int], n: int,
+                  request_id: str, reasons: Counter) -> None:
+    params = SamplingParams(max_new_tokens=n, ignore_eos=True)
+    stop_after = rng.randrange(0, n) if plan else n
+    async with engine.generate(prompt, params, request_id=request_id) as stream:
+        seen = 0
+        async for output in stream:
+            if output.finished:
+                reasons[output.finish_reason.name] += 1
+                return
+            seen += 1
+            if seen > stop_after:
+                if plan == ABORT:
+                    await engine.abort(request_id)  # keep reading: the final output says ABORT
+                    stop_after = n + 1
+                elif plan == DISCONNECT:
+                    reasons["DISCONNECTED"] += 1
+                    return  # leaving `async with` closes the stream: the engine aborts it
+
+
+async def soak(model: str, total: int, clients: int, seed: int, warmup: int) -> dict:
+    config = EngineConfig(model=model, page_size=16, num_kv_pages=1024, max_running=clients, max_context=128,
+                          max_prefill_tokens=1024, leak_check="raise", use_entry_points=False)
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(256) for _ in range(32)] for _ in range(8)]
+    reasons: Counter = Counter()
+    plans: Counter = Counter()
+    counter = iter(range(total))
+    marks: dict[str, float] = {}
+
+    async def worker(engine: Engine) -> None:
+        for i in counter:
+            if i == warmup:
+                gc.collect()
+                marks["warm_rss"], marks["warm_t"] = rss_mib(), time.perf_counter()
+            roll = rng.random()
+            plan = ABORT if roll < 0.1 else DISCONNECT if roll < 0.2 else None
+            plans[plan or "complete"] += 1
+            await _client(engine, rng, plan, _prompt(rng, prefixes), rng.randrange(1, 17), f"s{i}", reasons)
+
+    gc.collect()
+    start_rss = rss_mib()
+    async with Engine(config) as engine:
+        t0 = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            for _ in range(clients):
+                tg.start_soon(worker, engine)
+        wall = time.perf_counter() - t0
+        await engine.wait_idle(60)
+        gc.collect()
+        end_rss = rss_mib()
+        tables = internal_tables(engine)
+        try:
+            report = engine.check_memory()
+            verdict = "pass" if engine.stats.leak_check_failures == 0 else "FAIL (an idle check failed)"
+        except LeakError as exc:
+            report, verdict = exc.report, f"FAIL: {exc}"
+        stats = engine.stats
+    measured = total - warmup
+    warm_rss = marks.get("warm_rss", start_rss)
+    return {
+        "model": model,
+        "requests": total,
+        "clients": clients,
+        "seed": seed,
+        "wall_s": wall,
+        "requests_per_s": total / wall,
+        "requests_per_s_after_warmup": measured / (time.perf_counter() - marks["warm_t"]) if "warm_t" in marks
+        else None,
+        "tokens_generated": stats.tokens_generated,
+        "plans": dict(plans),
+        "client_outcomes": dict(reasons),
+        "engine_finishes": {f"{k}/{r}": v for (k, r), v in stats.finishes.items()},
+        "retractions": stats.retractions,
+        "rss_mib": {"start": start_rss, "after_warmup": warm_rss, "end": end_rss},
+        "rss_growth_pct": 100 * (end_rss - warm_rss) / warm_rss,
+        "internal_tables_at_end": tables,
+        "evictable_prefix_pages_at_end": report.pools["kv_pages"].evictable,
+        "idle_leak_checks": stats.leak_checks,
+        "leak_check": verdict,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=100_000)
+    parser.add_argument("--tiny-requests", type=int, default=10_000)
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="bench-results/soak.json")
+    args = parser.parse_args()
+    configure_logging("warning")
+    runs = []
+    for model, total in (("null", args.requests), ("tiny", args.tiny_requests)):
+        if total <= 0:
+            continue
+        result = anyio.run(soak, model, total, args.clients, args.seed, max(total // 20, min(total, 500)))
+        runs.append(result)
+        rss = result["rss_mib"]
+        nonzero = {k: v for k, v in result["internal_tables_at_end"].items() if v}
+        print(f"{model:>5}: {total} requests in {result['wall_s']:.1f}s = {result['requests_per_s']:.0f} req/s;"
+              f" RSS {rss['after_warmup']:.0f} -> {rss['end']:.0f} MiB ({result['rss_growth_pct']:+.2f}%);"
+              f" tables at end {nonzero or 'all zero'}; leak check {result['leak_check']}")
+        print(f"       client outcomes {result['client_outcomes']}; engine finishes {result['engine_finishes']}")
+    ok = all(r["leak_check"] == "pass" and r["rss_growth_pct"] < 5
+             and not any(r["internal_tables_at_end"].values()) for r in runs)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"runs": runs, "ok": ok, "torch": torch.__version__, "threads": torch.get_num_threads(),
+                   "python": sys.version.split()[0]}, f, indent=2)
+    print("soak", "PASSED" if ok else "FAILED", "->", args.out)
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
