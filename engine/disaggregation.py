@@ -186,6 +186,9 @@ class PrefillWorker:
         except Exception as exc:
             log.warning("transfer.failed", request_id=job.request_id, error=repr(exc))
             return self._finish(request, job, FinishReason.ERROR, ("failed", exc))
+        except BaseException:  # cancelled mid-job: finish it, so no fence is left to time out
+            self._finish(request, job, FinishReason.SHUTDOWN, ("failed", TransferFailed("engine shut down")))
+            raise
         return self._finish(request, job, FinishReason.LENGTH, ("ok", first_token))
 
     def _prefill(self, request: Request) -> int:
