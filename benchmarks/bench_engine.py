@@ -58,7 +58,6 @@ async def _decode_run(model: str, batch: int, new_tokens: int) -> dict:
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     async with engine:
         t0 = time.perf_counter()
-        iterations_before = 0
         async with anyio.create_task_group() as tg:
             for prompt in _prompts(batch):
                 tg.start_soon(engine.complete, prompt, params)

@@ -348,6 +348,7 @@ class DecodeLoop:
         self.inbox.close()
         for request in list(self.requests.values()):
             self.finish(request, FinishReason.SHUTDOWN)
+        self.pending_aborts.clear()  # every request they named has finished
         while self.finished:
             self._release_finished()
             if self.finished:

@@ -71,8 +71,12 @@ def _assert_whole(engine: Engine, *, quarantined: bool = False) -> None:
 
 
 def _buildable(**overrides) -> bool:
+    async def run() -> None:
+        async with Engine(small_config(model="null", **overrides)) as engine:
+            await engine.complete([1, 2, 3], SamplingParams(max_new_tokens=2))
+
     try:
-        Engine(small_config(model="null", **overrides))
+        anyio.run(run)
     except Exception:
         return False
     return True

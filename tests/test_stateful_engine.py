@@ -103,9 +103,9 @@ if IMAGES_WHY_NOT is not None:
 structlog.configure(**_saved)
 
 _COMMON = dict(deadline=None, print_blob=True, suppress_health_check=list(HealthCheck))
-settings.register_profile("kvlife-stateful-ci", max_examples=14, stateful_step_count=25, derandomize=True,
+settings.register_profile("kvlife-stateful-ci", max_examples=30, stateful_step_count=30, derandomize=True,
                           database=None, **_COMMON)
-settings.register_profile("kvlife-stateful-ci-trio", max_examples=5, stateful_step_count=20, derandomize=True,
+settings.register_profile("kvlife-stateful-ci-trio", max_examples=10, stateful_step_count=25, derandomize=True,
                           database=None, **_COMMON)
 settings.register_profile("kvlife-stateful-long", max_examples=400, stateful_step_count=60, **_COMMON)
 settings.register_profile("kvlife-stateful-long-trio", max_examples=100, stateful_step_count=60, **_COMMON)
