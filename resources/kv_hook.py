@@ -9,6 +9,11 @@ Release, in this order: insert the request's complete KV (its first
 cache did not take, unlock the matched prefix, free the request slot.
 Incomplete KV (aborted mid-prefill, failed transfer) is never cached,
 because `kv_len` only ever counts tokens whose KV is complete.
+
+NOTE: a request with images neither matches nor inserts prefixes. Its
+placeholder token ids are the same for every image, so token-keyed pages
+would hand one request's image KV to another request with a different
+image (caching them needs keys that include the image content).
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ class KVHook(ResourceHook):
             raise ResourceExhausted("no free request slot")
         prefix_pages: list[int] = []
         node = None
-        if kv.radix is not None and into is S.PREFILLING:
+        if kv.radix is not None and into is S.PREFILLING and not request.mm_inputs:
             # leave at least one token to compute: its logits give the next token
             prefix_pages, node = kv.radix.match(tokens[: len(tokens) - 1])
             kv.radix.lock(node)
@@ -98,7 +103,7 @@ class KVHook(ResourceHook):
         block: KVBlock = handle.payload
         own = block.pages[block.num_prefix_pages :]
         to_free = own
-        if kv.radix is not None:
+        if kv.radix is not None and not request.mm_inputs:  # NOTE: see the module docstring
             full = min(request.kv_len // kv.page_size, len(block.pages))
             if full > block.num_prefix_pages:
                 tokens = request.all_token_ids[: full * kv.page_size]
