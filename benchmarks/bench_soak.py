@@ -175,9 +175,11 @@ def main() -> None:
     parser.add_argument("--tiny-requests", type=int, default=10_000)
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--out", default="bench-results/soak.json")
     args = parser.parse_args()
     configure_logging("warning")
+    torch.set_num_threads(args.threads)
     runs = []
     for model, total in (("null", args.requests), ("tiny", args.tiny_requests)):
         if total <= 0:

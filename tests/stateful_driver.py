@@ -26,7 +26,7 @@ import anyio
 import attrs
 from anyio.from_thread import start_blocking_portal
 
-from engine import Engine, EngineConfig, SamplingParams
+from engine import Engine, EngineConfig, InvalidRequest, SamplingParams
 from engine.dense_reference import dense_forward
 from engine.faults import FaultInjector
 from states import Handle, RequestState
@@ -224,8 +224,21 @@ class EngineDriver:
         rec.disconnected = rec.disconnected or how
         self.portal.call(rec.scope.cancel if how == "cancel" else rec.stream.abandon)
 
-    def in_flight(self, request_id: str) -> bool:
-        return self.portal.call(self._abort, request_id)[1]
+    def submit_duplicate(self, request_id: str) -> None:
+        """A second request with the id of one still in flight is refused, and changes nothing."""
+        self.portal.call(self._duplicate, request_id)
+
+    def _duplicate(self, request_id: str) -> None:
+        if request_id not in self.engine.loop.requests:
+            return
+        before = len(self.engine.loop.requests)
+        try:
+            self.engine.generate([1, 2], request_id=request_id)
+        except InvalidRequest as exc:
+            assert "unique among requests in flight" in str(exc)
+        else:
+            raise AssertionError(f"a duplicate of {request_id!r} in flight was accepted")
+        assert len(self.engine.loop.requests) == before
 
     def health_check(self) -> None:
         self.portal.call(self._spawn, self._health)

@@ -45,7 +45,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from hypothesis.stateful import run_state_machine_as_test
 
-from engine import Engine, EngineConfig, HealthCheckFailed, InvalidRequest, SamplingParams
+from engine import Engine, EngineConfig, HealthCheckFailed, SamplingParams
 from hisparse import HiSparseConfig
 from states import FinishReason
 from stateful_driver import EngineDriver, Oracle, Rec
@@ -229,10 +229,7 @@ class EngineChaos(RuleBasedStateMachine):
     @precondition(lambda self: self.driver is not None and self.driver.recs)
     @rule(pick=st.integers(0, 10**6))
     def duplicate_id(self, pick) -> None:
-        rid = list(self.driver.recs)[pick % len(self.driver.recs)]
-        if self.driver.in_flight(rid):
-            with pytest.raises(InvalidRequest, match="unique among requests in flight"):
-                self.driver.portal.call(lambda: self.driver.engine.generate([1, 2], request_id=rid))
+        self.driver.submit_duplicate(list(self.driver.recs)[pick % len(self.driver.recs)])
 
     @rule()
     def drain(self) -> None:
