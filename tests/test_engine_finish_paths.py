@@ -12,21 +12,9 @@ import structlog
 from engine import Engine, HealthCheckFailed, SamplingParams
 from engine.faults import FaultInjector
 from states import FinishReason, RequestState
-from helpers import collect, small_config
+from helpers import abort_when_step_sees, collect, small_config
 
 PROMPT = [5, 17, 42, 99, 3, 8, 120, 77, 31]
-
-
-def _abort_when(engine: Engine, request_id: str, state: RequestState) -> None:
-    """Queue an abort for `request_id` the first time a step ends with it in `state`."""
-
-    def observer(batch, output):
-        request = engine.loop.requests.get(request_id)
-        if request is not None and request.state is state and not request.extras.get("abort_sent"):
-            request.extras["abort_sent"] = True
-            engine.loop.pending_aborts.append((request_id, FinishReason.ABORT))
-
-    engine.loop.step_observers.append(observer)
 
 
 class TestNormalFinishes:
@@ -97,7 +85,7 @@ class TestAborts:
     async def test_abort_running(self, state):
         """An abort applied in PREFILLING (chunked) or DECODING finishes ABORT."""
         async with Engine(small_config(max_prefill_tokens=4)) as engine:
-            _abort_when(engine, "r", state)
+            abort_when_step_sees(engine, "r", state)
             outputs = await collect(engine.generate(list(range(1, 30)), SamplingParams(max_new_tokens=40),
                                                      request_id="r"))
         assert outputs[-1].finish_reason is FinishReason.ABORT

@@ -18,7 +18,7 @@ import torch
 
 from engine import Engine, SamplingParams
 from engine.faults import FaultInjector
-from helpers import collect, small_config
+from helpers import abort_when_step_sees, collect, small_config
 from hisparse import HiSparseConfig
 from states import FinishReason, RequestState
 
@@ -55,16 +55,6 @@ class _Watch:
         self.forward_tokens += sum(s.num_tokens for s in batch)
 
 
-def _abort_on_step_in(engine: Engine, request_id: str, state: RequestState) -> None:
-    def observer(batch, output):
-        request = engine.loop.requests.get(request_id)
-        if request is not None and request.state is state and "abort_sent" not in request.extras:
-            request.extras["abort_sent"] = True
-            engine.loop.pending_aborts.append((request_id, FinishReason.ABORT))
-
-    engine.loop.step_observers.append(observer)
-
-
 async def _drive_every_path(engine: Engine, role: str, images: list) -> dict[str, FinishReason]:
     prompt = list(range(10, 31))
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
@@ -85,9 +75,9 @@ async def _drive_every_path(engine: Engine, role: str, images: list) -> dict[str
     stop_params = SamplingParams(max_new_tokens=6, stop_token_ids=[free.token_ids[2]])
     queued = engine.generate(prompt, params, request_id="abort-queued", mm_inputs=images)
     await engine.abort("abort-queued")  # applied right after the inbox is drained: QUEUED
-    _abort_on_step_in(engine, "abort-decoding", S.DECODING)
+    abort_when_step_sees(engine, "abort-decoding", S.DECODING)
     if role == "none":
-        _abort_on_step_in(engine, "abort-prefilling", S.PREFILLING)
+        abort_when_step_sees(engine, "abort-prefilling", S.PREFILLING)
     async with anyio.create_task_group() as tg:
         tg.start_soon(run, "stop", stop_params)
         tg.start_soon(run, "length-1", SamplingParams(max_new_tokens=1))
