@@ -184,7 +184,8 @@ def main() -> None:
     for model, total in (("null", args.requests), ("tiny", args.tiny_requests)):
         if total <= 0:
             continue
-        result = anyio.run(soak, model, total, args.clients, args.seed, max(total // 20, min(total, 500)))
+        warmup = min(max(total // 20, 500), total // 2)  # RSS is compared from here to the end
+        result = anyio.run(soak, model, total, args.clients, args.seed, warmup)
         runs.append(result)
         rss = result["rss_mib"]
         nonzero = {k: v for k, v in result["internal_tables_at_end"].items() if v}

@@ -11,7 +11,7 @@ import pytest
 
 from engine import SamplingParams
 from engine.faults import FaultInjector
-from states import RequestState as S
+from hisparse import HiSparseConfig
 from http_helpers import serving, stream_events
 
 PROMPT = [5, 17, 42, 99, 3, 8, 120, 77, 31]
@@ -191,14 +191,9 @@ class TestHealth:
     @pytest.mark.asyncio
     async def test_health_generate_decode_role(self):
         """In the decode role the health check goes QUEUED -> TRANSFERRING -> PREBUILT -> FINISHED."""
-        # NOTE: guard until the decode role lands; remove once it does.
         async with serving(disaggregation="decode") as (engine, client):
-            wired = getattr(engine.loop, "admit_into", None) is S.TRANSFERRING
-            if wired:
-                response = await client.get("/health_generate")
-                await engine.wait_idle(5)
-        if not wired:
-            pytest.skip("decode role not wired yet: EngineConfig(disaggregation='decode') still admits into PREFILLING")
+            response = await client.get("/health_generate")
+            await engine.wait_idle(5)
         assert response.status_code == 200
         assert engine.stats.transitions[("QUEUED", "TRANSFERRING")] == 1
         assert engine.stats.transitions[("TRANSFERRING", "PREBUILT")] == 1
@@ -207,19 +202,11 @@ class TestHealth:
     @pytest.mark.asyncio
     async def test_health_generate_hisparse(self):
         """With HiSparse the health check finishes at its first token and HiSparse pools stay whole."""
-        # NOTE: guard until HiSparse lands in the engine; remove once it does.
-        try:
-            from hisparse import HiSparseConfig
-        except ImportError as exc:
-            pytest.skip(f"hisparse.HiSparseConfig not built yet: {exc}")
         hisparse_config = HiSparseConfig(top_k=8, device_buffer_size=16, recent_window=4)
-        try:
-            async with serving(hisparse=hisparse_config) as (engine, client):
-                response = await client.get("/health_generate")
-                await engine.wait_idle(5)
-                memory = (await client.get("/debug/memory")).json()
-        except ImportError as exc:  # engine.build imports hisparse.integration
-            pytest.skip(f"HiSparse not wired into the engine yet: {exc}")
+        async with serving(hisparse=hisparse_config) as (engine, client):
+            response = await client.get("/health_generate")
+            await engine.wait_idle(5)
+            memory = (await client.get("/debug/memory")).json()
         assert response.status_code == 200
         assert engine.stats.finishes[("health_check", "LENGTH")] == 1
         assert set(memory["pools"]) > {"kv_pages", "request_slots"}
