@@ -113,14 +113,14 @@ class EngineDriver:
         self.tags: dict[str, frozenset[str]] = {}
         self.failed_ids: set[str] = set()  # every request id in a batch whose step was made to fail
         self.faults = FaultInjector(stall_step=self.gate, fail_step=self._fail_step,
-                                    fail_release_when=self._fail_release, fail_transfer=self._fail_transfer)
-        self.faults.stuck_fence_when = lambda fence, rid: "stuck" in self._tags_of(rid)
+                                    fail_release_when=self._fail_release, fail_transfer=self._fail_transfer,
+                                    stuck_fence_when=lambda fence, rid: "stuck" in self._tags_of(rid))
         self.config = attrs.evolve(config, faults=self.faults)
         self.drain_at_end = drain_at_end
         self.built = built
         self.recs: dict[str, Rec] = {}
         self.health: list[Any] = []  # True or the exception of each finished health check
-        self.released: Counter = Counter()
+        self.released: Counter = Counter()  # Request -> RELEASED transitions (ids repeat: a re-prefill's job)
         self.requests: dict[str, Any] = {}
         self.handles: dict[int, Handle] = {}
         self.violations: list[str] = []
@@ -173,7 +173,7 @@ class EngineDriver:
         for handle in request.handles.values():
             self.handles[id(handle)] = handle
         if dst is RequestState.RELEASED:
-            self.released[rid] += 1
+            self.released[request] += 1
         bad = {n: s for n, s in self.engine.memory_report().pools.items() if not s.adds_up}
         if bad:
             self.violations.append(f"{rid} {src.name}->{dst.name}: pools do not add up: {bad}")
@@ -199,9 +199,11 @@ class EngineDriver:
         rec.stream = self.engine.generate(list(rec.prompt), rec.params, request_id=rec.request_id, mm_inputs=mm)
         self.tg.start_soon(self._consume, rec)
 
-    def _abort(self, request_id: str) -> tuple[bool, bool]:
+    async def _abort(self, request_id: str) -> tuple[bool, bool]:
+        """(what abort() returned, whether the request was live): one step of the loop thread."""
         request = self.engine.loop.requests.get(request_id)
-        return request is not None and not request.is_finished, request is not None
+        expected = request is not None and not request.is_finished
+        return await self.engine.abort(request_id), expected
 
     def _snapshot(self) -> tuple:
         loop = self.engine.loop
@@ -214,8 +216,7 @@ class EngineDriver:
         self.recs[rec.request_id] = rec
 
     def abort(self, request_id: str) -> None:
-        expected, _ = self.portal.call(self._abort, request_id)
-        got = self.portal.call(self.engine.abort, request_id)
+        got, expected = self.portal.call(self._abort, request_id)
         assert got is expected, f"abort({request_id!r}) returned {got}, expected {expected}"
         if request_id in self.recs and got:
             self.recs[request_id].aborted = True
@@ -307,7 +308,7 @@ class EngineDriver:
         """After every rule: the engine runs, every pool adds up, nothing was released twice."""
         self.raise_if_crashed()
         assert not self.violations, self.violations[:3]
-        twice = [rid for rid, n in self.released.items() if n > 1]
+        twice = [r.request_id for r, n in self.released.items() if n > 1]
         assert not twice, f"released more than once: {twice}"
         report = self.portal.call(self.engine.memory_report)
         assert all(s.adds_up for s in report.pools.values()), report.as_dict()
@@ -334,7 +335,8 @@ class EngineDriver:
         assert not any(tables.values()), {k: len(v) for k, v in tables.items() if v}
         assert loop.stats.leak_check_failures == 0
         for rid in self.recs:
-            assert self.released[rid] == 1, f"{rid} released {self.released[rid]} times"
+            times = self.released[self.requests[rid]]
+            assert times == 1, f"{rid} released {times} times"
         held = [h for h in self.handles.values() if h.held]
         assert not held, f"handles still held at idle: {held[:5]}"
         bad_quarantine = [h for h in self.handles.values()

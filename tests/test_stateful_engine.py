@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import time
 
 import anyio
 import pytest
@@ -144,6 +145,7 @@ class EngineChaos(RuleBasedStateMachine):
 
     backend = "asyncio"
     variant_name = "plain"
+    examples = requests = 0  # counted per test run, printed by _run
     built: list = []
     oracle: Oracle = None  # type: ignore[assignment]
 
@@ -244,6 +246,8 @@ class EngineChaos(RuleBasedStateMachine):
     def teardown(self) -> None:
         if self.driver is None:
             return
+        type(self).examples += 1
+        type(self).requests += len(self.driver.recs)
         self.driver.close()
         for rec in self.driver.recs.values():
             self._check_stream(rec)
@@ -311,7 +315,10 @@ def _run(backend: str, variant: str, built: list, oracle: Oracle) -> None:
     machine = type(f"EngineChaos_{backend}_{variant}", (EngineChaos,),
                    {"backend": backend, "variant_name": variant, "built": built, "oracle": oracle})
     profile = f"kvlife-stateful-{PROFILE}" + ("-trio" if backend == "trio" else "")
+    started = time.perf_counter()
     run_state_machine_as_test(machine, settings=settings.get_profile(profile))
+    print(f"stateful {backend}/{variant} [{profile}]: {machine.examples} examples, {machine.requests} requests,"
+          f" {time.perf_counter() - started:.1f}s")
 
 
 class TestFoundByTheStateMachine:
