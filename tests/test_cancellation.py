@@ -70,22 +70,6 @@ def _assert_whole(engine: Engine, *, quarantined: bool = False) -> None:
     assert not engine.loop.outputs and not engine.loop.running and not engine.loop.finished
 
 
-def _buildable(**overrides) -> bool:
-    async def run() -> None:
-        async with Engine(small_config(model="null", **overrides)) as engine:
-            await engine.complete([1, 2, 3], SamplingParams(max_new_tokens=2))
-
-    try:
-        anyio.run(run)
-    except Exception:
-        return False
-    return True
-
-
-needs_decode = pytest.mark.skipif(not _buildable(disaggregation="decode"), reason="decode role not built")
-needs_hisparse = pytest.mark.skipif(not _buildable(hisparse=HISPARSE), reason="HiSparse not built")
-
-
 class TestConsumerCancelled:
     @pytest.mark.anyio
     async def test_cancelled_consumers_abort_their_requests(self, anyio_backend):
@@ -182,7 +166,6 @@ class TestEngineCancelledDuringStep:
         _assert_whole(engine)
 
 
-@needs_decode
 class TestExitDuringTransfer:
     @pytest.mark.anyio
     async def test_leaving_async_with_during_transfer(self, anyio_backend):
@@ -214,7 +197,6 @@ class TestExitDuringTransfer:
         assert owners and all(o.quarantined and o.request_id.endswith(final.request_id) for o in owners)
 
 
-@needs_hisparse
 class TestExitDuringStaging:
     @pytest.mark.anyio
     async def test_leaving_async_with_during_staging_copy(self, anyio_backend):
