@@ -20,10 +20,10 @@ as such by the report), every internal table is empty, and every request
 untouched by a fault produced the greedy output it has alone.
 
 Variants: `VARIANTS` maps a name to EngineConfig overrides; adding one is one
-line. At import each is built and run once; one that fails is excluded and
-listed in `EXCLUDED` (printed by `TestVariants`), never skipped silently:
-the state machine still runs over the rest. Images are a per-request option,
-on when the probe accepts an image.
+line. At import each is built and run once; one that fails is left out of
+the state machine (which still runs over the rest) and listed in `EXCLUDED`,
+and `TestVariants` fails naming it: never a silent skip. Images are a
+per-request option, on when the probe accepts an image.
 
 Profiles: ``KVLIFE_HYPOTHESIS_PROFILE=ci`` (default, derandomized, about a
 minute) or ``long`` (see docs/reliability.md); the trio run uses a reduced
