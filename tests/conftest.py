@@ -17,7 +17,9 @@ torch.set_num_threads(1)
 
 @pytest.fixture(autouse=True)
 def default_structlog_config():
-    """A test that configures logging (the CLI does) must not hide debug events from the next."""
+    """Every test starts on structlog's defaults (all levels), so capture_logs sees debug
+    events even after a test that configured a level filter (the CLI does)."""
+    structlog.reset_defaults()
     yield
     structlog.reset_defaults()
 

@@ -18,7 +18,7 @@ import anyio
 import pytest
 import torch
 
-from engine import Engine, EngineClosed, EngineConfig, InvalidConfig, InvalidRequest, SamplingParams
+from engine import Engine, EngineClosed, InvalidConfig, InvalidRequest, SamplingParams
 from helpers import small_config
 from hisparse import HiSparseConfig
 

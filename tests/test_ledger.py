@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import structlog
 from structlog.testing import capture_logs
 
 from resources import LeakError, Ledger, PoolStats, check_memory, memory_report
@@ -14,13 +13,6 @@ from states import FinishReason, Request, RequestState
 S = RequestState
 
 
-@pytest.fixture(autouse=True)
-def _log_every_level():
-    """capture_logs sees debug events only if no earlier test configured a level filter."""
-    config = structlog.get_config()
-    structlog.reset_defaults()
-    yield
-    structlog.configure(**config)
 
 
 class _Pool:

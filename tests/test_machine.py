@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import structlog
 from structlog.testing import capture_logs
 
 from resources import ManualFence, ResourceExhausted, ResourceHook, order_hooks
@@ -49,13 +48,6 @@ LEGAL = sorted(((a, b) for a, bs in TRANSITIONS.items() for b in bs), key=lambda
 ILLEGAL = [(a, b) for a in RequestState for b in RequestState if b not in TRANSITIONS[a]]
 
 
-@pytest.fixture(autouse=True)
-def _log_every_level():
-    """capture_logs sees debug events only if no earlier test configured a level filter."""
-    config = structlog.get_config()
-    structlog.reset_defaults()
-    yield
-    structlog.configure(**config)
 
 
 class _Hook(ResourceHook):
