@@ -97,13 +97,13 @@ def _transformers_run(batch: int, new_tokens: int) -> dict | None:
         from transformers import LlamaForCausalLM
     except ImportError:
         return None
-    from engine.checkpoint import save_checkpoint
-    from engine.model_config import ModelConfig
-    from engine.tiny_model import TinyLlama
+    from engine.model.checkpoint import save_checkpoint
+    from engine.model.model_config import ModelConfig
+    from engine.model.llama import LlamaModel
 
     with tempfile.TemporaryDirectory() as tmp:
         config = ModelConfig.tiny()
-        save_checkpoint(TinyLlama.from_seed(config, 0), config, tmp)
+        save_checkpoint(LlamaModel.from_seed(config, 0), config, tmp)
         model = LlamaForCausalLM.from_pretrained(tmp, torch_dtype=torch.float32).eval()
     ids = torch.tensor(_prompts(batch))
     with torch.inference_mode():

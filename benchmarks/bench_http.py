@@ -38,7 +38,7 @@ import httpx
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine.logging import configure_logging
-from engine.stats import percentile
+from engine.runtime.stats import percentile
 
 ENGINE_ARGS = {"max_running": 64, "num_kv_pages": 1024, "page_size": 16, "max_context": 512}
 
@@ -114,7 +114,7 @@ async def _http_client(client: httpx.AsyncClient, rng: random.Random, args, out:
 
 
 def _start_server(log_path: Path) -> tuple[subprocess.Popen, int]:
-    argv = [sys.executable, "-m", "engine.cli", "serve", "--port", "0", "--log-level", "info"]
+    argv = [sys.executable, "-m", "engine.cli.main", "serve", "--port", "0", "--log-level", "info"]
     for name, value in ENGINE_ARGS.items():
         argv += [f"--{name.replace('_', '-')}", str(value)]
     log_file = open(log_path, "w")  # noqa: SIM115 - the child writes it; closed with the process

@@ -13,7 +13,6 @@ from typing import Any
 import attrs
 
 from engine.errors import InvalidConfig, InvalidRequest
-from engine.faults import FaultInjector
 
 
 
@@ -101,7 +100,6 @@ class EngineConfig:
     use_entry_points: bool = attrs.field(default=True)
     fence_timeout: float = attrs.field(default=30.0)
     mm_cache_bytes: int = attrs.field(default=64 << 20, validator=_int_at_least(1))
-    faults: Any = attrs.field(default=None)
 
     def __attrs_post_init__(self) -> None:
         p = "EngineConfig"
@@ -122,8 +120,6 @@ class EngineConfig:
                "a list of resource hooks or hook factories")
         from hisparse.config import HiSparseConfig  # lazy: hisparse sits below engine
 
-        _check(InvalidConfig, p, "faults", self.faults, self.faults is None or isinstance(self.faults, FaultInjector),
-               "None or an engine.faults.FaultInjector")
         _check(InvalidConfig, p, "hisparse", self.hisparse,
                self.hisparse is None or isinstance(self.hisparse, HiSparseConfig), "None or a hisparse.HiSparseConfig")
         if self.hisparse is not None:

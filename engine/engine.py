@@ -21,23 +21,27 @@ from typing import Any
 
 import anyio
 
-from engine.build import build_parts
+from engine.runtime.assembly import build_parts
 from engine.config import EngineConfig, SamplingParams
 from engine.errors import EngineClosed, EngineOverloaded, HealthCheckFailed, InvalidConfig, InvalidRequest
-from engine.loop import DecodeLoop
+from engine.runtime.loop import DecodeLoop
 from engine.outputs import RequestOutput
 from engine.stream import RequestStream
+from engine.testing import FaultInjector
 from resources import MemoryReport, check_memory, memory_report
 from states import FinishReason, Request, RequestKind, RequestState
 
 
 class Engine:
-    def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
+    def __init__(self, config: EngineConfig | None = None, *, faults: FaultInjector | None = None,
+                 **overrides: Any) -> None:
         if config is not None and overrides:
             raise InvalidConfig("Engine(config, **overrides)", "either a config or field overrides, not both",
                                 sorted(overrides))
+        if faults is not None and not isinstance(faults, FaultInjector):
+            raise InvalidConfig("Engine.faults", "None or an engine.testing.FaultInjector", faults)
         self.config = config if config is not None else EngineConfig(**overrides)
-        self.parts = build_parts(self.config)
+        self.parts = build_parts(self.config, faults=faults)
         self.tokenizer = self.parts.tokenizer
         self.model_config = self.parts.model_config
         self.loop = DecodeLoop(
@@ -260,7 +264,7 @@ class Engine:
             raise InvalidRequest("mm_inputs", "a list of images", type(mm_inputs).__name__)
         images = list(mm_inputs or ())
         if images:
-            from engine.multimodal import prepare_images
+            from engine.model.vision import prepare_images
 
             token_ids = prepare_images(self.parts.model, self.model_config.image_token_id, token_ids, images)
             if len(token_ids) + params.max_new_tokens > cfg.max_context:

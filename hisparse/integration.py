@@ -1,4 +1,4 @@
-"""`install_hisparse`: what `engine.build` plugs in when HiSparse is on.
+"""`install_hisparse`: what `engine.runtime.assembly` plugs in when HiSparse is on.
 
 The returned `HiSparseInstall` carries:
 
@@ -10,8 +10,9 @@ The returned `HiSparseInstall` carries:
   STAGING and FINISHED (FINISHED so that an abort in STAGING keeps them
   until the staging copy's fence is done; TRANSFERRING because the KV hook
   acquires there in the decode role). STAGING -> DECODING releases them;
-- `attention_factory(runner)`: installs the composite attention and lets
-  the runner prepare sparse decode rows without a KV slot;
+- `attention_factory(dense)` and `slot_of(paged)`: the runner's attention
+  factory and slot lookup, built from the dense ones (sparse decode rows
+  need no KV slot);
 - `grow(request, num_tokens)`: the loop's per-step growth (host pages);
 - `on_transition`: a machine observer that starts the staging copy.
 
@@ -47,11 +48,13 @@ class HiSparseInstall:
     pools: list[Any]
     kv_scope: frozenset[RequestState]
 
-    def attention_factory(self, runner: Any) -> Callable[[Any, Any], Any]:
-        """Wrap `runner`'s dense factory; its sparse decode rows need no KV slot."""
-        paged_slot_of = runner.slot_of
-        runner.slot_of = lambda r: None if DEVICE_HOOK in r.handles else paged_slot_of(r)
-        return make_factory(self.state, runner.attention_factory)
+    def attention_factory(self, dense_factory: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+        """The runner's attention factory: sparse decode rows here, the rest to `dense_factory`."""
+        return make_factory(self.state, dense_factory)
+
+    def slot_of(self, paged_slot_of: Callable[[Request], int | None]) -> Callable[[Request], int | None]:
+        """The runner's slot lookup: sparse decode rows have no KV slot (their KV is in the buffer)."""
+        return lambda request: None if DEVICE_HOOK in request.handles else paged_slot_of(request)
 
     def grow(self, request: Request, num_tokens: int) -> bool:
         return self.state.grow(request, num_tokens)
@@ -61,10 +64,11 @@ class HiSparseInstall:
 
 
 def install_hisparse(*, config: Any, model_config: Any, device: torch.device, ledger: Any, kv_pool: Any,
-                     kv_buffers: Any) -> HiSparseInstall:
+                     kv_buffers: Any, faults: Any = None) -> HiSparseInstall:
     """Build HiSparse for an engine whose `config.hisparse` is a HiSparseConfig."""
     state = HiSparseState(config=config.hisparse, engine_config=config, model_config=model_config,
-                          device=device, ledger=ledger, kv_pool=kv_pool, kv_buffers=kv_buffers)
+                          device=device, ledger=ledger, kv_pool=kv_pool, kv_buffers=kv_buffers,
+                          faults=faults)
     host_hook = HostPagesHook(state)
     state.host_hook = host_hook
     hooks = [DeviceBufferHook(state), host_hook, SlotMapHook(state)]

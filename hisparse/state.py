@@ -25,6 +25,7 @@ from hisparse.copies import HostCopier
 from hisparse.hooks import DEVICE_HOOK, HOST_HOOK, DeviceBuffer, HostRecord
 from hisparse.pools import DeviceBufferPool, HostKVPool, SlotMapPool
 from hisparse.selection import IndexProjection
+from resources.kv_hook import KVHook
 from states import Request, RequestState
 
 log = structlog.get_logger("kvlife.hisparse")
@@ -34,7 +35,7 @@ class HiSparseState:
     """Shared by the hooks, the sparse attention and the loop's callbacks."""
 
     def __init__(self, *, config: HiSparseConfig, engine_config: Any, model_config: Any, device: torch.device,
-                 ledger: Any, kv_pool: Any, kv_buffers: Any) -> None:
+                 ledger: Any, kv_pool: Any, kv_buffers: Any, faults: Any = None) -> None:
         self.config = config
         self.device = device
         self.ledger = ledger
@@ -56,7 +57,7 @@ class HiSparseState:
                                             dtype=dtype, device=device, ledger=ledger)
         self.maps = SlotMapPool(num_maps=max_running, num_layers=self.num_layers,
                                 max_context=engine_config.max_context, ledger=ledger)
-        self.copier = HostCopier(device, fence_timeout=engine_config.fence_timeout, faults=engine_config.faults)
+        self.copier = HostCopier(device, fence_timeout=engine_config.fence_timeout, faults=faults)
         #: a staging copy reads KV pages and writes host pages
         self.staging_protects = frozenset({"kv", HOST_HOOK})
         #: a decode backup writes host pages (from the step's own K/V tensor)
@@ -95,8 +96,7 @@ class HiSparseState:
         record: HostRecord = request.handles[HOST_HOOK].payload
         start, end = record.on_host, request.kv_len
         if end > start:
-            block = request.handles["kv"].payload
-            src = self.kv_pool.slots.req_to_token[block.slot, start:end]
+            src = self.kv_pool.slots.req_to_token[KVHook.slot(request), start:end]
             rows, rows_dev = record.locs[start:end], record.locs_dev[start:end]
             with self.copier.side():
                 for layer in range(self.num_layers):

@@ -50,6 +50,12 @@ class KVHook(ResourceHook):
         if scope is not None:  # HiSparse narrows it: device pages only until staging is done
             self.scope = frozenset(scope)
 
+    # ------------------------------------------------------------ accessors
+    @staticmethod
+    def slot(request: Request) -> int:
+        """The request's row of the token table (the request must hold its KV)."""
+        return request.handles[KVHook.name].payload.slot
+
     # ------------------------------------------------------------- acquire
     def acquire(self, request: Request, into: RequestState) -> Handle:
         kv = self.kv

@@ -12,18 +12,18 @@ import anyio
 import httpx
 
 from engine import Engine
-from engine.http_server import ServerSettings, running_server
+from engine.serve.server import ServerSettings, running_server
 from helpers import small_config
 
 DEADLINE_S = 30
 
 
 @asynccontextmanager
-async def serving(settings: ServerSettings | None = None, *, deadline: float = DEADLINE_S,
+async def serving(settings: ServerSettings | None = None, *, deadline: float = DEADLINE_S, faults: Any = None,
                   **overrides: Any) -> AsyncIterator[tuple[Engine, httpx.AsyncClient]]:
     """A small engine behind a real uvicorn server on 127.0.0.1 (ephemeral port), and a client."""
     with anyio.fail_after(deadline):
-        async with Engine(small_config(**overrides)) as engine:
+        async with Engine(small_config(**overrides), faults=faults) as engine:
             async with running_server(engine, settings=settings) as url:
                 async with httpx.AsyncClient(base_url=url, timeout=10) as client:
                     yield engine, client

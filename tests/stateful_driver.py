@@ -27,8 +27,8 @@ import attrs
 from anyio.from_thread import start_blocking_portal
 
 from engine import Engine, EngineConfig, InvalidRequest, SamplingParams
-from engine.dense_reference import dense_forward
-from engine.faults import FaultInjector
+from engine.model.dense_reference import dense_forward
+from engine.testing import FaultInjector
 from states import Handle, RequestState
 
 DEADLINE = 60.0  # seconds any single wait may take before the engine is declared hung
@@ -115,7 +115,7 @@ class EngineDriver:
         self.faults = FaultInjector(stall_step=self.gate, fail_step=self._fail_step,
                                     fail_release_when=self._fail_release, fail_transfer=self._fail_transfer,
                                     stuck_fence_when=lambda fence, rid: "stuck" in self._tags_of(rid))
-        self.config = attrs.evolve(config, faults=self.faults)
+        self.config = config
         self.drain_at_end = drain_at_end
         self.built = built
         self.recs: dict[str, Rec] = {}
@@ -126,7 +126,7 @@ class EngineDriver:
         self.violations: list[str] = []
         self._portal_cm = start_blocking_portal(backend)
         self.portal = self._portal_cm.__enter__()
-        self.engine: Engine = self.portal.call(Engine, self.config)
+        self.engine: Engine = self.portal.call(lambda: Engine(self.config, faults=self.faults))
         machines = [self.engine.parts.machine]
         worker = getattr(self.engine.parts, "prefill_worker", None)
         if worker is not None:

@@ -1,4 +1,4 @@
-"""Tests for engine.attention: the metadata contract, PagedAttention against
+"""Tests for engine.model.attention: the metadata contract, PagedAttention against
 a naive per-head softmax, and the paged model forward against the dense
 full-recompute oracle."""
 
@@ -11,10 +11,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.attention import AttentionMetadata, PagedAttention
-from engine.dense_reference import dense_forward
-from engine.model_config import ModelConfig
-from engine.tiny_model import TinyLlama
+from engine.model.attention import AttentionMetadata, PagedAttention
+from engine.model.dense_reference import dense_forward
+from engine.model.model_config import ModelConfig
+from engine.model.llama import LlamaModel
 from resources.kv_buffers import KVBuffers
 
 PAGE_SIZE = 4
@@ -56,7 +56,7 @@ class _PagedSequence:
 
 
 def _run_paged_step(
-    model: TinyLlama, kv: KVBuffers, pages: _ScatteredPages, step: list[tuple[_PagedSequence, int]]
+    model: LlamaModel, kv: KVBuffers, pages: _ScatteredPages, step: list[tuple[_PagedSequence, int]]
 ) -> list[torch.Tensor]:
     """Forward `step` (sequence, new token count) pairs as one batch; returns
     each sequence's logits rows and advances its cached count."""
@@ -74,7 +74,7 @@ def _run_paged_step(
     return list(logits.split([count for _, count in step]))
 
 
-def _assert_matches_dense(model: TinyLlama, seq: _PagedSequence, count: int, logits: torch.Tensor) -> None:
+def _assert_matches_dense(model: LlamaModel, seq: _PagedSequence, count: int, logits: torch.Tensor) -> None:
     expected = dense_forward(model, seq.tokens[: seq.cached])[seq.cached - count :]
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
 
@@ -205,7 +205,7 @@ _COMPOSITIONS = [
 )
 def test_paged_forward_matches_dense_forward(config):
     """Chunked prefill and batched decode over scattered pages give the dense oracle's logits (atol 1e-4)."""
-    model = TinyLlama.from_seed(config, seed=3)
+    model = LlamaModel.from_seed(config, seed=3)
     rng = random.Random(5)
     sequences = [_PagedSequence([rng.randrange(256) for _ in range(40)]) for _ in range(4)]
     kv = _make_kv(config)

@@ -67,7 +67,6 @@ ENGINE_CONFIG = [
     ({"fence_timeout": NAN}, E + "fence_timeout", "finite"),
     ({"fence_timeout": INF}, E + "fence_timeout", "finite"),
     ({"fence_timeout": "1"}, E + "fence_timeout", "number"),
-    ({"faults": "chaos"}, E + "faults", "FaultInjector"),
 ]
 
 # Valid EngineConfig, rejected when the engine is built (nothing to allocate into yet).
@@ -206,6 +205,12 @@ class TestEngineConfigTable:
             Engine(small_config(**overrides))
         assert type(info.value) is InvalidConfig
         _assert_names(info.value, field, fragment)
+
+    def test_faults_must_be_an_injector(self):
+        """Engine(faults=...) takes only an engine.testing.FaultInjector."""
+        with pytest.raises(InvalidConfig) as info:
+            Engine(small_config(), faults="chaos")
+        _assert_names(info.value, "Engine.faults", "FaultInjector")
 
     def test_config_and_overrides_together(self):
         """Engine(config, **overrides) is ambiguous and raises instead of ignoring the overrides."""

@@ -17,7 +17,7 @@ import anyio
 import pytest
 
 from engine import Engine, HealthCheckFailed, SamplingParams
-from engine.faults import FaultInjector
+from engine.testing import FaultInjector
 from hisparse import HiSparseConfig
 from states import FinishReason, RequestState
 from helpers import collect, small_config
@@ -102,7 +102,7 @@ class TestConsumerCancelled:
         """A caller of complete() or health_check() cancelled during a held step leaves nothing behind."""
         held = _Held()
         with anyio.fail_after(DEADLINE):
-            async with Engine(small_config(faults=FaultInjector(stall_step=held))) as engine:
+            async with Engine(small_config(), faults=FaultInjector(stall_step=held)) as engine:
                 with anyio.move_on_after(0.2):
                     await engine.complete(PROMPT, LONG)
                 with anyio.move_on_after(0.2), pytest.raises(HealthCheckFailed):
@@ -121,7 +121,7 @@ class TestEngineCancelledDuringStep:
         streams = []
         with anyio.fail_after(DEADLINE):
             with anyio.CancelScope() as outer:
-                async with Engine(small_config(faults=FaultInjector(stall_step=held))) as engine:
+                async with Engine(small_config(), faults=FaultInjector(stall_step=held)) as engine:
                     streams = [engine.generate(PROMPT, LONG) for _ in range(3)]
                     await held.wait_entered()
                     held.release_later(0.3)  # the step finishes only after the cancellation
@@ -138,7 +138,7 @@ class TestEngineCancelledDuringStep:
         """Leaving `async with` while a step is in flight finishes every request SHUTDOWN after the step."""
         held = _Held()
         with anyio.fail_after(DEADLINE):
-            async with Engine(small_config(faults=FaultInjector(stall_step=held))) as engine:
+            async with Engine(small_config(), faults=FaultInjector(stall_step=held)) as engine:
                 stream = engine.generate(PROMPT, LONG, request_id="mid-step")
                 queued = [engine.generate(PROMPT, LONG) for _ in range(2)]  # admitted after the step, or not
                 await held.wait_entered()
@@ -157,7 +157,7 @@ class TestEngineCancelledDuringStep:
         held = _Held()
         faults = FaultInjector(stall_step=held, fail_step=lambda ids: held.entered.is_set())
         with anyio.fail_after(DEADLINE):
-            async with Engine(small_config(faults=faults)) as engine:
+            async with Engine(small_config(), faults=faults) as engine:
                 stream = engine.generate(PROMPT, LONG)
                 await held.wait_entered()
                 held.release_later(0.2)
@@ -171,9 +171,9 @@ class TestExitDuringTransfer:
     async def test_leaving_async_with_during_transfer(self, anyio_backend):
         """An engine left while a KV transfer is in flight waits for its fence, then frees the pages."""
         held = _Held()
-        config = small_config(model="null", disaggregation="decode", faults=FaultInjector(fail_transfer=held))
+        config = small_config(model="null", disaggregation="decode")
         with anyio.fail_after(DEADLINE):
-            async with Engine(config) as engine:
+            async with Engine(config, faults=FaultInjector(fail_transfer=held)) as engine:
                 stream = engine.generate(PROMPT, LONG, request_id="moving")
                 await held.wait_entered()
                 assert engine.loop.requests["moving"].state is RequestState.TRANSFERRING
@@ -186,9 +186,9 @@ class TestExitDuringTransfer:
     async def test_transfer_that_never_lands(self, anyio_backend):
         """A transfer whose fence misses its deadline fails the request; its pages are quarantined, not freed."""
         faults = FaultInjector(stuck_fences={"kv_transfer"})
-        config = small_config(model="null", disaggregation="decode", fence_timeout=0.3, faults=faults)
+        config = small_config(model="null", disaggregation="decode", fence_timeout=0.3)
         with anyio.fail_after(DEADLINE):
-            async with Engine(config) as engine:
+            async with Engine(config, faults=faults) as engine:
                 final = await engine.complete(PROMPT, SamplingParams(max_new_tokens=4))
                 await engine.wait_idle(DEADLINE)
                 _assert_whole(engine, quarantined=True)
@@ -202,9 +202,9 @@ class TestExitDuringStaging:
     async def test_leaving_async_with_during_staging_copy(self, anyio_backend):
         """Requests left in STAGING by a copy that never completes are quarantined at the deadline, no hang."""
         faults = FaultInjector(stuck_fences={"host_backup"})
-        config = small_config(model="null", hisparse=HISPARSE, fence_timeout=0.3, faults=faults)
+        config = small_config(model="null", hisparse=HISPARSE, fence_timeout=0.3)
         with anyio.fail_after(DEADLINE):
-            async with Engine(config) as engine:
+            async with Engine(config, faults=faults) as engine:
                 streams = [engine.generate(PROMPT, LONG) for _ in range(2)]
                 while not any(r.state is RequestState.STAGING for r in engine.loop.requests.values()):
                     await anyio.sleep(0.005)
@@ -216,9 +216,9 @@ class TestExitDuringStaging:
     async def test_staging_copy_that_never_completes(self, anyio_backend):
         """A staging copy past its deadline finishes the request (no hang) and quarantines its memory."""
         faults = FaultInjector(stuck_fences={"host_backup"})
-        config = small_config(model="null", hisparse=HISPARSE, fence_timeout=0.3, faults=faults)
+        config = small_config(model="null", hisparse=HISPARSE, fence_timeout=0.3)
         with anyio.fail_after(DEADLINE):
-            async with Engine(config) as engine:
+            async with Engine(config, faults=faults) as engine:
                 final = await engine.complete(PROMPT, SamplingParams(max_new_tokens=4))
                 await engine.wait_idle(DEADLINE)
                 _assert_whole(engine, quarantined=True)

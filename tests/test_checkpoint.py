@@ -1,4 +1,4 @@
-"""Tests for engine.checkpoint: save/load round trips, clear errors for
+"""Tests for engine.model.checkpoint: save/load round trips, clear errors for
 broken directories, and (when transformers is installed) agreement with
 Hugging Face's own Llama/Qwen2 implementation."""
 
@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from engine.dense_reference import dense_forward
-from engine.model_config import ModelConfig, RopeScaling
-from engine.tiny_model import TinyLlama
-from engine.tokenizer import ByteTokenizer, HFTokenizer
+from engine.model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from engine.model.dense_reference import dense_forward
+from engine.model.model_config import ModelConfig, RopeScaling
+from engine.model.llama import LlamaModel
+from engine.model.tokenizer import ByteTokenizer, HFTokenizer
 
 _PROMPT = [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]
 
@@ -31,8 +31,8 @@ _VARIANTS = {
 }
 
 
-def _save(tmp_path: Path, config: ModelConfig, seed: int = 0) -> tuple[TinyLlama, Path]:
-    model = TinyLlama.from_seed(config, seed=seed)
+def _save(tmp_path: Path, config: ModelConfig, seed: int = 0) -> tuple[LlamaModel, Path]:
+    model = LlamaModel.from_seed(config, seed=seed)
     return model, save_checkpoint(model, config, tmp_path / "ckpt")
 
 

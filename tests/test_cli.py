@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from engine.cli import main
+from engine.cli.main import main
 
 
 class TestRun:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import Engine, SamplingParams
-from engine.faults import FaultInjector
+from engine.testing import FaultInjector
 from helpers import collect, small_config
 from hisparse import HiSparseConfig
 from states import FinishReason
@@ -49,7 +49,7 @@ class TestTransferFailures:
     async def test_failed_transfer_is_not_cached(self):
         """TRANSFER_FAILED: the incomplete KV never enters the prefix cache; both sides release all."""
         faults = FaultInjector(fail_transfer=lambda rid: rid == "doomed")
-        async with Engine(small_config(disaggregation="decode", faults=faults)) as engine:
+        async with Engine(small_config(disaggregation="decode"), faults=faults) as engine:
             final = await engine.complete(PROMPTS[1], SamplingParams(max_new_tokens=4), request_id="doomed")
             await engine.wait_idle(10)
             pools = engine.check_memory().pools
@@ -61,8 +61,8 @@ class TestTransferFailures:
     async def test_stuck_copy_quarantines_instead_of_freeing(self):
         """A copy that never lands: the aborted request's pages are quarantined, never reused, and named."""
         faults = FaultInjector(stuck_fences={"kv_transfer"})
-        config = small_config(disaggregation="decode", faults=faults, fence_timeout=0.3)
-        async with Engine(config) as engine:
+        config = small_config(disaggregation="decode", fence_timeout=0.3)
+        async with Engine(config, faults=faults) as engine:
             stream = engine.generate(PROMPTS[1], SamplingParams(max_new_tokens=4), request_id="stuck")
             with anyio.move_on_after(0.1):
                 await collect(stream)  # never lands: cancelling the consumer aborts the request

@@ -10,7 +10,7 @@ import pytest
 import structlog
 
 from engine import Engine, HealthCheckFailed, SamplingParams
-from engine.faults import FaultInjector
+from engine.testing import FaultInjector
 from states import FinishReason, RequestState
 from helpers import abort_when_step_sees, collect, small_config
 
@@ -128,7 +128,7 @@ class TestFailures:
     async def test_model_step_error(self):
         """A step that raises finishes its batch with ERROR; the engine keeps serving."""
         faults = FaultInjector(fail_step=lambda ids: "bad" in ids)
-        async with Engine(small_config(faults=faults)) as engine:
+        async with Engine(small_config(), faults=faults) as engine:
             bad = await engine.complete(PROMPT, SamplingParams(max_new_tokens=5), request_id="bad")
             good = await engine.complete(PROMPT, SamplingParams(max_new_tokens=5), request_id="good")
         assert bad.finish_reason is FinishReason.ERROR and "injected" in bad.error
@@ -138,7 +138,7 @@ class TestFailures:
     async def test_release_hook_raises(self):
         """A release hook that raises does not stop the others; the pool is marked suspect."""
         faults = FaultInjector(fail_release={"timing"})
-        async with Engine(small_config(faults=faults)) as engine:
+        async with Engine(small_config(), faults=faults) as engine:
             with structlog.testing.capture_logs() as logs:
                 final = await engine.complete(PROMPT, SamplingParams(max_new_tokens=3))
                 await engine.wait_idle(5)
@@ -150,7 +150,7 @@ class TestFailures:
     async def test_health_check_fails_with_reason(self):
         """A health check whose step fails raises HealthCheckFailed naming why, with no leak."""
         faults = FaultInjector(fail_step=lambda ids: any(i.startswith("health") for i in ids))
-        async with Engine(small_config(faults=faults)) as engine:
+        async with Engine(small_config(), faults=faults) as engine:
             with pytest.raises(HealthCheckFailed, match="ERROR"):
                 await engine.health_check(timeout=10)
             await engine.wait_idle(5)

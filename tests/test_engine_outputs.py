@@ -7,10 +7,10 @@ import anyio
 import pytest
 
 from engine import Engine, SamplingParams
-from engine.checkpoint import save_checkpoint
-from engine.dense_reference import dense_forward
-from engine.model_config import ModelConfig
-from engine.tiny_model import TinyLlama
+from engine.model.checkpoint import save_checkpoint
+from engine.model.dense_reference import dense_forward
+from engine.model.model_config import ModelConfig
+from engine.model.llama import LlamaModel
 from helpers import small_config
 
 PROMPTS = [[7, 3, 99, 12], list(range(40, 71)), [5] * 13, list(range(200, 209)) * 3]
@@ -39,7 +39,7 @@ async def _run_all(engine: Engine, prompts, n: int) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def expected():
-    model = TinyLlama.from_seed(ModelConfig.tiny(), 0)
+    model = LlamaModel.from_seed(ModelConfig.tiny(), 0)
     return [_dense_greedy(model, p, 12) for p in PROMPTS]
 
 
@@ -107,7 +107,7 @@ class TestCheckpoint:
     async def test_engine_serves_a_local_checkpoint(self, tmp_path, expected):
         """A checkpoint written to disk and loaded by path generates what the seeded model does."""
         config = ModelConfig.tiny()
-        save_checkpoint(TinyLlama.from_seed(config, 0), config, tmp_path)
+        save_checkpoint(LlamaModel.from_seed(config, 0), config, tmp_path)
         async with Engine(small_config(model=str(tmp_path))) as engine:
             got = await _run_all(engine, PROMPTS[:2], 12)
         assert got == expected[:2]

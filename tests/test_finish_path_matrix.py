@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from engine import Engine, SamplingParams
-from engine.faults import FaultInjector
+from engine.testing import FaultInjector
 from helpers import abort_when_step_sees, collect, small_config
 from hisparse import HiSparseConfig
 from states import FinishReason, RequestState
@@ -27,9 +27,9 @@ MATRIX = list(itertools.product(["none", "decode"], [False, True], [False, True]
 IMAGE = torch.arange(16 * 16 * 3, dtype=torch.int64).remainder(251).to(torch.uint8).view(16, 16, 3)
 
 
-def _config(role: str, hisparse: bool, model: str, faults: FaultInjector):
+def _config(role: str, hisparse: bool, model: str):
     hs = HiSparseConfig(top_k=16, device_buffer_size=24, recent_window=4) if hisparse else None
-    return small_config(model=model, disaggregation=role, hisparse=hs, faults=faults, max_context=192)
+    return small_config(model=model, disaggregation=role, hisparse=hs, max_context=192)
 
 
 class _Watch:
@@ -104,7 +104,7 @@ async def test_every_finish_path_releases_everything(role, hisparse, with_images
         return request_id == "transfer-failed"
 
     faults = FaultInjector(fail_step=lambda ids: "error" in ids, fail_transfer=abort_while_transferring)
-    engine = holder["engine"] = Engine(_config(role, hisparse, model, faults))
+    engine = holder["engine"] = Engine(_config(role, hisparse, model), faults=faults)
     watch = _Watch(engine)
     images = [IMAGE] if with_images else []
     with anyio.fail_after(120):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import Engine, SamplingParams
-from engine.build import build_parts
+from engine.runtime.assembly import build_parts
 from hisparse import DEVICE_SLOTS, HiSparseConfig
 from hisparse.attention import SparseDecodeAttention, _Row
 from states import FinishReason, Request, RequestState

@@ -13,7 +13,7 @@ import pytest
 import structlog
 
 from engine import Engine, HealthCheckFailed, SamplingParams
-from engine.faults import FaultInjector
+from engine.testing import FaultInjector
 from hisparse import DEVICE_SLOTS, HOST_PAGES, SLOT_MAPS, HiSparseConfig
 from resources import KV_PAGES
 from states import FinishReason, RequestState
@@ -24,9 +24,9 @@ PROMPT = list(range(3, 33))  # 30 tokens: longer than the 16-slot buffer, so dec
 SPARSE = HiSparseConfig(top_k=8, device_buffer_size=16, recent_window=2, index_dim=16)
 
 
-def _engine(**overrides) -> Engine:
+def _engine(faults=None, **overrides) -> Engine:
     overrides.setdefault("hisparse", SPARSE)
-    engine = Engine(small_config(**overrides))
+    engine = Engine(small_config(**overrides), faults=faults)
     checks = engine.memory_checks_run = [0]
 
     def check(*_):

@@ -9,9 +9,9 @@ import pytest
 import structlog
 import torch
 
-from engine.build import build_parts
+from engine.runtime.assembly import build_parts
 from engine.config import SamplingParams
-from engine.faults import FaultInjector
+from engine.testing import FaultInjector
 from hisparse import DEVICE_SLOTS, HOST_PAGES, SLOT_MAPS, HiSparseConfig
 from resources import KV_PAGES, REQUEST_SLOTS, check_memory
 from states import FinishReason, Request, RequestState
@@ -20,11 +20,11 @@ from helpers import small_config
 S = RequestState
 
 
-def _make_parts(**overrides):
+def _make_parts(faults=None, **overrides):
     fields = dict(model="null", hisparse=HiSparseConfig(top_k=4, device_buffer_size=8, recent_window=1,
                                                         index_dim=8))
     fields.update(overrides)
-    return build_parts(small_config(**fields))
+    return build_parts(small_config(**fields), faults=faults)
 
 
 def _state(parts):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.cli import build_parser, main
-from engine.cli_serve import engine_config_from_serve_args, server_settings_from_args
+from engine.cli.main import build_parser, main
+from engine.cli.serve_command import engine_config_from_serve_args, server_settings_from_args
 
 
 def _parse(*argv: str):
@@ -48,6 +48,6 @@ class TestServeArguments:
 
     def test_invalid_engine_option_message(self, capsys, monkeypatch):
         """An invalid engine option exits 2 with EngineConfig's own message, before anything binds."""
-        monkeypatch.setattr("engine.cli.configure_logging", lambda *args, **kwargs: None)  # keep global logging
+        monkeypatch.setattr("engine.cli.main.configure_logging", lambda *args, **kwargs: None)  # keep global logging
         assert main(["serve", "--page-size", "0"]) == 2
         assert "EngineConfig.page_size must be an integer >= 1, got 0" in capsys.readouterr().err

@@ -10,7 +10,7 @@ import time
 import anyio
 import pytest
 
-from engine.faults import FaultInjector
+from engine.testing import FaultInjector
 from http_helpers import StepGate, serving
 
 PROMPT = [5, 17, 42, 99, 3, 8, 120, 77, 31]

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from engine import SamplingParams
-from engine.faults import FaultInjector
+from engine.testing import FaultInjector
 from hisparse import HiSparseConfig
 from http_helpers import serving, stream_events
 

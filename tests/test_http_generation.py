@@ -1,10 +1,10 @@
-"""Text streaming rules of engine.http_generation: what is held back until it is settled."""
+"""Text streaming rules of engine.serve.generation: what is held back until it is settled."""
 
 from __future__ import annotations
 
 import pytest
 
-from engine.http_generation import _holdback
+from engine.serve.generation import _holdback
 
 
 class TestHoldback:

@@ -6,7 +6,7 @@ import anyio
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.faults import FaultInjector
+from engine.testing import FaultInjector
 from http_helpers import StepGate, serving, stream_events
 
 PROMPT = [5, 17, 42, 99, 3, 8]

@@ -13,7 +13,7 @@ import pytest
 
 from http_helpers import parse_sse
 
-SERVE = [sys.executable, "-m", "engine.cli", "serve", "--port", "0", "--max-running", "8", "--page-size", "16",
+SERVE = [sys.executable, "-m", "engine.cli.main", "serve", "--port", "0", "--max-running", "8", "--page-size", "16",
          "--num-kv-pages", "160", "--max-context", "2048"]
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from engine.faults import FaultInjector
-from engine.http_server import ServerSettings
+from engine.testing import FaultInjector
+from engine.serve.server import ServerSettings
 from http_helpers import StepGate, serving
 
 PROMPT = [5, 17, 42, 99, 3]

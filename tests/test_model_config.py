@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model_config import ModelConfig, RopeScaling, VisionConfig
+from engine.model.model_config import ModelConfig, RopeScaling, VisionConfig
 
 _LLAMA3_CONFIG = {
     "model_type": "llama",

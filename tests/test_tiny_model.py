@@ -1,4 +1,4 @@
-"""Tests for engine.tiny_model and engine.dense_reference: seeded weights,
+"""Tests for engine.model.llama and engine.model.dense_reference: seeded weights,
 non-degenerate greedy output, RoPE, MoE routing, image embeddings."""
 
 from __future__ import annotations
@@ -6,23 +6,23 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.dense_reference import DenseCausalAttention, dense_forward
-from engine.model_config import ModelConfig
-from engine.tiny_model import TinyLlama, apply_rope
-from engine.tokenizer import ByteTokenizer
+from engine.model.dense_reference import DenseCausalAttention, dense_forward
+from engine.model.model_config import ModelConfig
+from engine.model.llama import LlamaModel, apply_rope
+from engine.model.tokenizer import ByteTokenizer
 
 
 @pytest.fixture(scope="module")
-def tiny() -> TinyLlama:
-    return TinyLlama.from_seed(ModelConfig.tiny(), seed=0)
+def tiny() -> LlamaModel:
+    return LlamaModel.from_seed(ModelConfig.tiny(), seed=0)
 
 
 @pytest.fixture(scope="module")
-def tiny_moe() -> TinyLlama:
-    return TinyLlama.from_seed(ModelConfig.tiny_moe(), seed=0)
+def tiny_moe() -> LlamaModel:
+    return LlamaModel.from_seed(ModelConfig.tiny_moe(), seed=0)
 
 
-def _greedy(model: TinyLlama, prompt: list[int], steps: int) -> list[int]:
+def _greedy(model: LlamaModel, prompt: list[int], steps: int) -> list[int]:
     ids = list(prompt)
     for _ in range(steps):
         ids.append(int(dense_forward(model, ids)[-1].argmax()))
@@ -37,23 +37,23 @@ def _image(height: int, width: int, seed: int = 0) -> torch.Tensor:
 class TestFromSeed:
     def test_same_seed_gives_same_weights(self):
         """Two models from the same config and seed have identical state dicts."""
-        first = TinyLlama.from_seed(ModelConfig.tiny(), seed=4).state_dict()
-        second = TinyLlama.from_seed(ModelConfig.tiny(), seed=4).state_dict()
+        first = LlamaModel.from_seed(ModelConfig.tiny(), seed=4).state_dict()
+        second = LlamaModel.from_seed(ModelConfig.tiny(), seed=4).state_dict()
         assert first.keys() == second.keys()
         assert all(torch.equal(first[name], second[name]) for name in first)
 
     def test_different_seeds_give_different_weights(self):
         """Changing the seed changes the weights."""
-        first = TinyLlama.from_seed(ModelConfig.tiny(), seed=4).state_dict()
-        second = TinyLlama.from_seed(ModelConfig.tiny(), seed=5).state_dict()
+        first = LlamaModel.from_seed(ModelConfig.tiny(), seed=4).state_dict()
+        second = LlamaModel.from_seed(ModelConfig.tiny(), seed=5).state_dict()
         assert not torch.equal(
             first["model.layers.0.self_attn.q_proj.weight"], second["model.layers.0.self_attn.q_proj.weight"]
         )
 
     def test_dtype_override_casts_the_same_weights(self):
         """from_seed(dtype=bfloat16) holds the float32 weights cast to bfloat16, and its forward runs."""
-        full = TinyLlama.from_seed(ModelConfig.tiny(), seed=4)
-        half = TinyLlama.from_seed(ModelConfig.tiny(), seed=4, dtype=torch.bfloat16)
+        full = LlamaModel.from_seed(ModelConfig.tiny(), seed=4)
+        half = LlamaModel.from_seed(ModelConfig.tiny(), seed=4, dtype=torch.bfloat16)
         assert half.dtype == torch.bfloat16
         weight = "model.layers.1.mlp.up_proj.weight"
         assert torch.equal(half.state_dict()[weight], full.state_dict()[weight].to(torch.bfloat16))
@@ -66,7 +66,7 @@ class TestGreedy:
     @pytest.mark.parametrize("config", [ModelConfig.tiny(), ModelConfig.tiny_moe()], ids=["dense", "moe"])
     def test_greedy_output_is_varied(self, config, prompt):
         """32 greedy tokens from the seeded model contain at least 8 distinct ids."""
-        model = TinyLlama.from_seed(config, seed=0)
+        model = LlamaModel.from_seed(config, seed=0)
         output = _greedy(model, ByteTokenizer().encode(prompt, add_bos=True), 32)
         assert len(set(output)) >= 8, output
 
@@ -83,7 +83,7 @@ class TestGreedy:
 class TestRope:
     def test_scores_depend_only_on_relative_position(self):
         """q·k after RoPE is the same for positions (p, p') and (p + s, p' + s)."""
-        model = TinyLlama.from_seed(ModelConfig.tiny(), seed=0)
+        model = LlamaModel.from_seed(ModelConfig.tiny(), seed=0)
         gen = torch.Generator().manual_seed(0)
         q, k = torch.randn(2, 1, 1, 64, generator=gen)
 
@@ -98,13 +98,14 @@ class TestRope:
 
 class TestMoE:
     def test_routing_counts_sum_to_tokens_times_layers_times_top_k(self, tiny_moe):
-        """last_routing has one [T, top_k] tensor per layer; expert counts sum to T * layers * top_k."""
+        """A forward's routing has one [T, top_k] tensor per layer; expert counts sum to T * layers * top_k."""
         config = tiny_moe.config
         tokens = 11
-        dense_forward(tiny_moe, list(range(tokens)))
-        assert len(tiny_moe.last_routing) == config.num_layers
+        routings: list = []
+        dense_forward(tiny_moe, list(range(tokens)), routing=routings)
+        assert len(routings) == config.num_layers
         counts = torch.zeros(config.num_experts, dtype=torch.long)
-        for routing in tiny_moe.last_routing:
+        for routing in routings:
             assert routing.shape == (tokens, config.num_experts_per_tok)
             assert all(len(set(row)) == config.num_experts_per_tok for row in routing.tolist())
             counts += torch.bincount(routing.flatten(), minlength=config.num_experts)
@@ -126,9 +127,10 @@ class TestMoE:
                 assert set(chosen.tolist()) == set(torch.topk(logits, moe.top_k).indices.tolist())
 
     def test_dense_model_records_no_routing(self, tiny):
-        """A dense model's last_routing is empty after a forward."""
-        dense_forward(tiny, [1, 2, 3])
-        assert tiny.last_routing == []
+        """A dense model appends no routing during a forward."""
+        routings: list = []
+        dense_forward(tiny, [1, 2, 3], routing=routings)
+        assert routings == []
 
 
 class TestVision:
@@ -174,6 +176,6 @@ class TestVision:
 
     def test_model_without_vision_rejects_images(self):
         """A model configured without a vision projector raises ValueError for images."""
-        model = TinyLlama.from_seed(ModelConfig.tiny(vision=None), seed=0)
+        model = LlamaModel.from_seed(ModelConfig.tiny(vision=None), seed=0)
         with pytest.raises(ValueError, match="vision"):
             model.num_image_tokens(_image(8, 8))

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.model_config import ModelConfig
-from engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from engine.model.model_config import ModelConfig
+from engine.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 
 class TestByteTokenizer:

@@ -9,9 +9,11 @@ state dict loads as is; the MoE FFN follows Qwen-MoE names
 (``mlp.gate`` router, ``mlp.experts.{e}.{gate,up,down}_proj``) and the vision
 projector is ``vision_projector.proj``.
 
-The model is stateless between calls except for `TinyLlama.last_routing`:
-after every forward it holds, per MoE layer in order, the ``[T, top_k]``
-expert ids each token was routed to (an empty list for a dense model).
+The model is stateless between calls: a forward given a `routing` list
+appends to it, per MoE layer in order, the ``[T, top_k]`` expert ids each
+token was routed to (nothing for a dense model). NOTE: the list belongs to
+the caller, so two threads running forwards of one model (the decode loop
+and an in-process prefill worker) never see each other's routing.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.attention import AttentionBackend
-from engine.model_config import ModelConfig, RopeScaling, VisionConfig
+from engine.model.attention import AttentionBackend
+from engine.model.model_config import ModelConfig, RopeScaling, VisionConfig
 
 
 class RMSNorm(nn.Module):
@@ -210,7 +212,7 @@ class DecoderStack(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class TinyLlama(nn.Module):
+class LlamaModel(nn.Module):
     """A Llama/Qwen2-style causal LM whose attention is delegated per layer to
     an `AttentionBackend` (paged for the engine, dense for the oracle)."""
 
@@ -223,7 +225,6 @@ class TinyLlama(nn.Module):
         )
         self.vision_projector = None if config.vision is None else VisionProjector(config.vision, config.hidden_size)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
-        self.last_routing: list[Tensor] = []
 
     @classmethod
     def from_seed(
@@ -233,7 +234,7 @@ class TinyLlama(nn.Module):
         *,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
-    ) -> TinyLlama:
+    ) -> LlamaModel:
         """Random weights that depend only on `config` and `seed`: drawn on
         the CPU in float32 from a seeded generator, then moved to `device`
         (default CPU) and cast to `dtype` (default `config.dtype`).
@@ -297,22 +298,21 @@ class TinyLlama(nn.Module):
         input_embeds: Tensor | None = None,
         *,
         output_rows: Tensor | None = None,
+        routing: list[Tensor] | None = None,
     ) -> Tensor:
         """Float32 logits ``[T, vocab]`` for the step's T tokens (only the
         `output_rows` of them, in that order, when given).
 
         `input_ids` and `positions` are LongTensors ``[T]``; `input_embeds`
-        ``[T, hidden]``, when given, replaces the embedding lookup. Sets
-        `last_routing`.
+        ``[T, hidden]``, when given, replaces the embedding lookup. Also
+        appends each MoE layer's routed expert ids to `routing` when given.
         """
         hidden = self.model.embed_tokens(input_ids) if input_embeds is None else input_embeds.to(self.dtype)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
-        routing: list[Tensor] = []
         for layer in self.model.layers:
             hidden, layer_routing = layer(hidden, cos, sin, attention)
-            if layer_routing is not None:
+            if layer_routing is not None and routing is not None:
                 routing.append(layer_routing)
-        self.last_routing = routing
         if output_rows is not None:
             hidden = hidden[output_rows]
         hidden = self.model.norm(hidden)

@@ -22,103 +22,20 @@ outcome and its fence.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Protocol
+from typing import Any
 
 import anyio
-import attrs
 import structlog
-import torch
 
-from engine.scheduler import ScheduledSeq
-from resources import KVBuffers, ManualFence, ResourceExhausted, ResourceHook
-from states import FinishReason, Handle, Request, RequestState
+from engine.disagg.kv_transfer_hook import TRANSFER_FENCE, TransferJob
+from engine.disagg.transfer import TransferBackend, TransferFailed
+from engine.runtime.scheduler import ScheduledSeq
+from resources import ManualFence, ResourceExhausted
+from resources.kv_hook import KVHook
+from states import FinishReason, Request, RequestState
 
 S = RequestState
 log = structlog.get_logger("kvlife.disaggregation")
-TRANSFER_FENCE = "kv_transfer"
-
-
-class TransferFailed(RuntimeError):
-    """A KV transfer did not complete."""
-
-
-class TransferBackend(Protocol):
-    def send(self, src: KVBuffers, src_locs: torch.Tensor, dst_locs: torch.Tensor, request_id: str) -> None:
-        """Copy the K/V at `src_locs` of every layer to `dst_locs` on the receiving
-        side; return when the copy has landed, raise TransferFailed if it cannot."""
-
-
-class LoopbackTransfer:
-    """In-process transfer: a real copy between two engines' KV buffers."""
-
-    def __init__(self, dst: KVBuffers, faults: Any = None) -> None:
-        self.dst = dst
-        self.faults = faults
-        self.stream = torch.cuda.Stream() if dst.k[0].is_cuda else None
-
-    def send(self, src: KVBuffers, src_locs: torch.Tensor, dst_locs: torch.Tensor, request_id: str) -> None:
-        if self.faults is not None and self.faults.transfer_fails(request_id):
-            raise TransferFailed(f"injected transfer failure for {request_id!r}")
-        dst_locs = dst_locs.to(self.dst.k[0].device)
-        if self.stream is None:
-            self._copy(src, src_locs, dst_locs)
-            return
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
-            self._copy(src, src_locs, dst_locs)
-        event = torch.cuda.Event()
-        event.record(self.stream)
-        event.synchronize()
-
-    def _copy(self, src: KVBuffers, src_locs: torch.Tensor, dst_locs: torch.Tensor) -> None:
-        for layer in range(src.num_layers):
-            self.dst.k[layer].index_copy_(0, dst_locs, src.k[layer][src_locs].to(self.dst.k[layer].dtype))
-            self.dst.v[layer].index_copy_(0, dst_locs, src.v[layer][src_locs].to(self.dst.v[layer].dtype))
-
-
-@attrs.define(eq=False)
-class TransferJob:
-    request_id: str
-    token_ids: list[int]
-    params: Any
-    mm_inputs: list
-    dst_locs: torch.Tensor
-    fence: ManualFence
-    cancelled: bool = False
-    #: set by the worker: ("ok", first_token) or ("failed", error)
-    outcome: tuple[str, Any] | None = None
-
-
-class KVTransferHook(ResourceHook):
-    """Owns a decode request's transfer job while it is TRANSFERRING."""
-
-    name = "kv_transfer"
-    acquire_on = frozenset({S.TRANSFERRING})
-    scope = frozenset({S.TRANSFERRING})
-    before = ("kv",)
-
-    def __init__(self, worker: "PrefillWorker", kv_pool: Any, fence_timeout: float, faults: Any = None) -> None:
-        super().__init__()
-        self.worker = worker
-        self.kv_pool = kv_pool
-        self.fence_timeout = fence_timeout
-        self.faults = faults
-
-    def acquire(self, request: Request, into: RequestState) -> Handle:
-        slot = request.handles["kv"].payload.slot
-        dst_locs = self.kv_pool.slots.req_to_token[slot, : request.num_tokens].clone()
-        fence = ManualFence(TRANSFER_FENCE, {"kv"}, timeout=self.fence_timeout)
-        job = TransferJob(request.request_id, request.all_token_ids, request.params, list(request.mm_inputs),
-                          dst_locs, fence)
-        request.fences.append(fence)
-        self.worker.submit(job)
-        return Handle(self.name, request.request_id, job, amount=request.num_tokens)
-
-    def release(self, request: Request, handle: Handle) -> None:
-        job: TransferJob = handle.payload
-        if job.outcome is None:
-            job.cancelled = True  # the worker skips the send; the fence still guards the pages
-            self.worker.wake()
 
 
 class PrefillWorker:
@@ -179,7 +96,7 @@ class PrefillWorker:
             self.machine.advance(request, S.PREBUILT, reason="prefilled")
             if job.cancelled:
                 return self._finish(request, job, FinishReason.ABORT, ("failed", TransferFailed("cancelled")))
-            slot = request.handles["kv"].payload.slot
+            slot = KVHook.slot(request)
             src_locs = self.parts.kv_pool.slots.req_to_token[slot, : request.num_prompt_tokens]
             await anyio.to_thread.run_sync(self.transfer.send, self.parts.kv_buffers, src_locs, job.dst_locs,
                                            job.request_id)

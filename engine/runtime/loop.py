@@ -25,9 +25,10 @@ import anyio
 import anyio.lowlevel
 import structlog
 
+from engine.disagg.kv_transfer_hook import KVTransferHook
 from engine.outputs import RequestOutput
-from engine.scheduler import ScheduledSeq, Scheduler
-from engine.stats import EngineStats
+from engine.runtime.scheduler import ScheduledSeq, Scheduler
+from engine.runtime.stats import EngineStats
 from resources import LeakError, ResourceExhausted
 from states import FinishReason, Request, RequestMachine, RequestState
 
@@ -160,7 +161,7 @@ class DecodeLoop:
         for request in list(self.running):
             if request.state is not S.TRANSFERRING:
                 continue
-            job = request.handles["kv_transfer"].payload
+            job = KVTransferHook.job(request)
             if job.outcome is None or not job.fence.done():
                 missed = self._missed_fence(request)
                 if missed is not None:  # the copy is presumed lost: fail it; its pages quarantine

@@ -3,7 +3,7 @@
 A directory holds ``config.json`` (Hugging Face format, read by
 `ModelConfig.from_hf_config`), one or more ``*.safetensors`` files whose
 tensor names are Hugging Face's (``model.embed_tokens.weight``,
-``model.layers.{i}.self_attn.q_proj.weight`` ...; see `engine.tiny_model`),
+``model.layers.{i}.self_attn.q_proj.weight`` ...; see `engine.model.llama`),
 and optionally ``tokenizer.json``; without it the byte tokenizer is used,
 which only fits models with a byte-level vocabulary.
 
@@ -20,9 +20,9 @@ from pathlib import Path
 import attrs
 import torch
 
-from engine.model_config import ModelConfig
-from engine.tiny_model import TinyLlama
-from engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from engine.model.model_config import ModelConfig
+from engine.model.llama import LlamaModel
+from engine.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
@@ -41,7 +41,7 @@ def load_checkpoint(
     path: str | Path,
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
-) -> tuple[TinyLlama, ModelConfig, Tokenizer]:
+) -> tuple[LlamaModel, ModelConfig, Tokenizer]:
     """The model (in eval mode, on `device`, cast to `dtype` or else the
     config's dtype), its config and its tokenizer, read from `path`."""
     from safetensors.torch import load_file
@@ -59,7 +59,7 @@ def load_checkpoint(
     target_dtype = config.torch_dtype
 
     with torch.device("meta"):
-        model = TinyLlama(config)
+        model = LlamaModel(config)
     expected = model.state_dict()
     loaded: dict[str, torch.Tensor] = {}
     for weight_file in weight_files:
@@ -94,7 +94,7 @@ def load_checkpoint(
     return model, config, tokenizer
 
 
-def save_checkpoint(model: TinyLlama, config: ModelConfig, path: str | Path) -> Path:
+def save_checkpoint(model: LlamaModel, config: ModelConfig, path: str | Path) -> Path:
     """Write `model` as ``config.json`` + ``model.safetensors`` under `path`
     (created if needed), in the format `load_checkpoint` and Hugging Face
     read. Returns the directory."""

@@ -1,9 +1,9 @@
-"""`kvlife serve`: the HTTP server's command line (registered by engine.cli).
+"""`kvlife serve`: the HTTP server's command line (registered by engine.cli.main).
 
     kvlife serve [--host 127.0.0.1] [--port 30000] [engine options] [server options]
 
 Engine options are the EngineConfig fields, shared with `kvlife run` through
-`engine.cli.add_engine_options`, plus the ones only a server needs
+`engine.cli.main.add_engine_options`, plus the ones only a server needs
 (`--max-queued`, `--fence-timeout`, HiSparse's `--hisparse-top-k` and
 `--hisparse-device-buffer-size`); EngineConfig validates them with its own
 messages. Logs are JSON lines at info by default (`--log-level debug` adds
@@ -59,7 +59,7 @@ def add_serve_parser(subparsers: Any, add_engine_options: Callable[[argparse.Arg
 
 def engine_config_from_serve_args(args: argparse.Namespace) -> Any:
     """The EngineConfig `kvlife serve` runs: engine options as given, leak_check 'log' unless set."""
-    from engine.cli import engine_config_from_args
+    from engine.cli.main import engine_config_from_args
 
     overrides: dict[str, Any] = {name: getattr(args, name) for name, _, _ in _EXTRA_ENGINE_OPTIONS
                                  if getattr(args, name, None) is not None}
@@ -77,7 +77,7 @@ def engine_config_from_serve_args(args: argparse.Namespace) -> Any:
 
 
 def server_settings_from_args(args: argparse.Namespace) -> Any:
-    from engine.http_server import ServerSettings
+    from engine.serve.server import ServerSettings
 
     return ServerSettings(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                           max_inflight=args.max_inflight, health_timeout=args.health_timeout,
@@ -88,7 +88,7 @@ def run_serve(args: argparse.Namespace) -> int:
     """Build the config (InvalidConfig propagates to the CLI's error message), then serve until SIGTERM."""
     config = engine_config_from_serve_args(args)
     try:
-        from engine.http_server import serve
+        from engine.serve.server import serve
     except ImportError as exc:
         print(f"kvlife serve needs the `serve` extra (pip install 'kvlife[serve]'): {exc}", file=sys.stderr)
         return 2

@@ -9,12 +9,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from engine.model_config import BYTE_BOS_ID, BYTE_EOS_ID, BYTE_IMAGE_ID, BYTE_PAD_ID, TINY_VOCAB_SIZE
+from engine.model.model_config import BYTE_BOS_ID, BYTE_EOS_ID, BYTE_IMAGE_ID, BYTE_PAD_ID, TINY_VOCAB_SIZE
 
 if TYPE_CHECKING:
     import tokenizers
 
-    from engine.model_config import ModelConfig
+    from engine.model.model_config import ModelConfig
 
 
 @runtime_checkable

@@ -1,5 +1,5 @@
 """The correctness oracle: a plain full-recompute causal forward of one
-sequence, no paging, no cache, nothing shared with `engine.attention` but
+sequence, no paging, no cache, nothing shared with `engine.model.attention` but
 the `AttentionBackend` protocol.
 
 The engine's paged forward (and its greedy output) must equal this.
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from engine.tiny_model import TinyLlama
+from engine.model.llama import LlamaModel
 
 
 class DenseCausalAttention:
@@ -29,10 +29,12 @@ class DenseCausalAttention:
         return out.transpose(0, 1)
 
 
-def dense_forward(model: TinyLlama, token_ids: Sequence[int] | Tensor, input_embeds: Tensor | None = None) -> Tensor:
+def dense_forward(model: LlamaModel, token_ids: Sequence[int] | Tensor, input_embeds: Tensor | None = None,
+                  routing: list[Tensor] | None = None) -> Tensor:
     """Float32 logits ``[L, vocab]`` of `model` over the whole sequence
-    `token_ids` (positions 0..L-1), recomputed from scratch."""
+    `token_ids` (positions 0..L-1), recomputed from scratch; MoE routing is
+    appended to `routing` when given."""
     ids = torch.as_tensor(token_ids, dtype=torch.long, device=model.device)
     positions = torch.arange(ids.shape[0], device=model.device)
     with torch.inference_mode():
-        return model(ids, positions, DenseCausalAttention(), input_embeds)
+        return model(ids, positions, DenseCausalAttention(), input_embeds, routing=routing)

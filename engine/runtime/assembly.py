@@ -21,11 +21,13 @@ import torch
 
 from engine.config import EngineConfig
 from engine.errors import InvalidConfig
-from engine.model_config import ModelConfig
-from engine.model_runner import ModelRunner, NoComputeRunner
-from engine.scheduler import Scheduler
-from engine.tiny_model import TinyLlama
-from engine.tokenizer import ByteTokenizer
+from engine.testing import FaultInjector
+from engine.model.attention import PagedAttention
+from engine.model.model_config import ModelConfig
+from engine.model.runner import ModelRunner, NoComputeRunner
+from engine.runtime.scheduler import Scheduler
+from engine.model.llama import LlamaModel
+from engine.model.tokenizer import ByteTokenizer
 from resources import (
     KVBuffers,
     KVHook,
@@ -70,9 +72,9 @@ def load_model(config: EngineConfig, device: torch.device):
     dtype = getattr(torch, config.dtype)
     if config.model in BUILTIN_MODELS:
         model_config = BUILTIN_MODELS[config.model]()
-        model = TinyLlama.from_seed(model_config, config.seed, device=device, dtype=dtype)
+        model = LlamaModel.from_seed(model_config, config.seed, device=device, dtype=dtype)
         return model_config, model, ByteTokenizer.for_config(model_config)
-    from engine.checkpoint import CheckpointError, load_checkpoint
+    from engine.model.checkpoint import CheckpointError, load_checkpoint
 
     try:
         model, model_config, tokenizer = load_checkpoint(config.model, device=device, dtype=dtype)
@@ -82,8 +84,9 @@ def load_model(config: EngineConfig, device: torch.device):
     return model_config, model, tokenizer
 
 
-def build_parts(config: EngineConfig, *, model_bundle: tuple | None = None,
+def build_parts(config: EngineConfig, *, faults: FaultInjector | None = None, model_bundle: tuple | None = None,
                 expert_distribution: Any = None) -> EngineParts:
+    """Every part of an engine for `config`; `faults` (tests only) injects failures."""
     try:
         device = torch.device(config.device)
     except RuntimeError as exc:
@@ -101,16 +104,17 @@ def build_parts(config: EngineConfig, *, model_bundle: tuple | None = None,
     kv_pool = KVPool(num_pages=config.num_kv_pages, page_size=config.page_size, max_running=config.max_running,
                      max_context=config.max_context, device=device, ledger=ledger,
                      prefix_cache=config.prefix_cache)
-    runner_cls = NoComputeRunner if config.model == "null" else ModelRunner
-    runner = runner_cls(model, kv_buffers, kv_pool.slots, device, slot_of=lambda r: r.handles["kv"].payload.slot,
-                        faults=config.faults)
+    kv_hook_scope = None
+    slot_of = KVHook.slot
+    attention_factory = PagedAttention.factory(kv_buffers)
+    embedder = None
     before_kv: list = []
     after_kv: list = []
     pools: list = [*kv_pool.pools]
     step_observers: list = []
 
     if model_config.is_moe:
-        from engine.moe_records import ExpertDistribution, MoERecordHook, record_step
+        from resources.moe_records import ExpertDistribution, MoERecordHook, record_step
 
         if expert_distribution is None:
             expert_distribution = ExpertDistribution(model_config.num_layers, model_config.num_experts)
@@ -124,39 +128,49 @@ def build_parts(config: EngineConfig, *, model_bundle: tuple | None = None,
         from hisparse.integration import install_hisparse
 
         hisparse = install_hisparse(config=config, model_config=model_config, device=device, ledger=ledger,
-                                    kv_pool=kv_pool, kv_buffers=kv_buffers)
+                                    kv_pool=kv_pool, kv_buffers=kv_buffers, faults=faults)
         before_kv.extend(hisparse.hooks)
         pools.extend(hisparse.pools)
+        kv_hook_scope = hisparse.kv_scope
+        slot_of = hisparse.slot_of(slot_of)
+        attention_factory = hisparse.attention_factory(attention_factory)
 
     worker = None
     if config.disaggregation == "decode":
-        from engine.disaggregation import KVTransferHook, LoopbackTransfer, PrefillWorker, PrefixedPool
+        from engine.disagg.kv_transfer_hook import KVTransferHook
+        from engine.disagg.prefill_worker import PrefillWorker, PrefixedPool
+        from engine.disagg.transfer import LoopbackTransfer
 
         prefill_config = attrs.evolve(config, disaggregation="none", hisparse=None)
-        prefill_parts = build_parts(prefill_config, model_bundle=(model_config, model, tokenizer),
+        prefill_parts = build_parts(prefill_config, faults=faults, model_bundle=(model_config, model, tokenizer),
                                     expert_distribution=expert_distribution)
-        worker = PrefillWorker(prefill_parts, LoopbackTransfer(kv_buffers, config.faults), faults=config.faults,
+        worker = PrefillWorker(prefill_parts, LoopbackTransfer(kv_buffers, faults), faults=faults,
                                fence_timeout=config.fence_timeout)
         before_kv.append(KVTransferHook(worker, kv_pool, config.fence_timeout))
         pools.extend(PrefixedPool("prefill.", p, prefill_parts.ledger) for p in prefill_parts.pools)
 
     if getattr(model, "vision_projector", None) is not None and model_config.image_token_id is not None:
-        from engine.multimodal import MultimodalCache, MultimodalHook, make_embedder
+        from engine.model.vision import make_embedder, projector
+        from resources.multimodal_cache import MultimodalCache, MultimodalHook
 
         mm_cache = MultimodalCache(config.mm_cache_bytes, ledger)
-        after_kv.append(MultimodalHook(mm_cache, model))
+        mm_hook = MultimodalHook(mm_cache, projector(model))
+        after_kv.append(mm_hook)
         pools.append(mm_cache)
-        runner.embedder = make_embedder(model, model_config.image_token_id)
+        embedder = make_embedder(model, model_config.image_token_id, mm_hook.embeddings)
 
-    kv_hook = KVHook(kv_pool, scope=hisparse.kv_scope if hisparse else None)
+    runner_cls = NoComputeRunner if config.model == "null" else ModelRunner
+    runner = runner_cls(model, kv_buffers, kv_pool.slots, device, slot_of=slot_of,
+                        attention_factory=attention_factory, embedder=embedder, faults=faults)
+    kv_hook = KVHook(kv_pool, scope=kv_hook_scope)
     plugins = build_plugin_hooks(config.resources, PluginContext(ledger, device, config),
                                  use_entry_points=config.use_entry_points)
     timing = TimingHook()
     hooks = [*before_kv, kv_hook, *after_kv, *plugins, timing]
     timing.after = tuple(h.name for h in hooks if h is not timing)
     ordered = order_hooks(hooks)
-    if config.faults is not None:
-        ordered = config.faults.wrap_hooks(ordered)
+    if faults is not None:
+        ordered = faults.wrap_hooks(ordered)
     machine = RequestMachine(ordered)
     machine.release_error_observers.append(lambda hook, request, exc: ledger.suspect.add(hook.pool or hook.name))
     for hook in plugins:
@@ -169,7 +183,6 @@ def build_parts(config: EngineConfig, *, model_bundle: tuple | None = None,
     if worker is not None:
         parts.admit_into = RequestState.TRANSFERRING
     if hisparse is not None:
-        runner.attention_factory = hisparse.attention_factory(runner)
         parts.after_prefill = RequestState.STAGING
         parts.grow = hisparse.grow
         machine.transition_observers.append(hisparse.on_transition)  # entering STAGING starts the host copy

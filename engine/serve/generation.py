@@ -24,7 +24,7 @@ import anyio
 import attrs
 import structlog
 
-from engine.http_schemas import MAX_STOP_CHARS, GenerateBody
+from engine.serve.schemas import MAX_STOP_CHARS, GenerateBody
 from engine.outputs import RequestOutput
 
 log = structlog.get_logger("kvlife.http")

@@ -17,12 +17,15 @@ from typing import Any
 import attrs
 import torch
 
-from engine.attention import AttentionMetadata, PagedAttention
-from engine.sampling import sample
-from engine.scheduler import ScheduledSeq
+from engine.model.attention import AttentionMetadata, PagedAttention
+from engine.model.sampling import sample
+from engine.runtime.scheduler import ScheduledSeq
 from resources.kv_buffers import KVBuffers
 from resources.request_slots import RequestSlots
 from states import Request
+
+
+AttentionFactory = Callable[[Sequence[ScheduledSeq], AttentionMetadata], Any]
 
 
 @attrs.define
@@ -53,7 +56,8 @@ class ModelRunner:
         slots: RequestSlots,
         device: torch.device,
         *,
-        slot_of: Callable[[Request], int],
+        slot_of: Callable[[Request], int | None],
+        attention_factory: AttentionFactory | None = None,
         embedder: Callable[[Sequence[ScheduledSeq], torch.Tensor], torch.Tensor | None] | None = None,
         faults: Any = None,
     ) -> None:
@@ -62,12 +66,11 @@ class ModelRunner:
         self.kv = kv
         self.slots = slots
         self.device = device
+        #: the request's row of the token table; None for rows whose backend keeps their KV itself
         self.slot_of = slot_of
         self.embedder = embedder
-        #: (seqs, metadata) -> AttentionBackend; HiSparse replaces it
-        self.attention_factory: Callable[[Sequence[ScheduledSeq], AttentionMetadata], Any] = (
-            lambda seqs, meta: PagedAttention(self.kv, meta)
-        )
+        #: (seqs, metadata) -> AttentionBackend for one step
+        self.attention_factory: AttentionFactory = attention_factory or PagedAttention.factory(kv)
 
     def prepare(self, seqs: Sequence[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """input ids [T], positions [T] and attention metadata for the batch."""
@@ -110,9 +113,10 @@ class ModelRunner:
         rows, params, out_pos = self._sampling_rows(seqs)
         embeds = self.embedder(seqs, ids) if self.embedder is not None else None
         attention = self.attention_factory(seqs, meta)
-        logits = self.model(ids, positions, attention, embeds, output_rows=rows)
+        routing: list[torch.Tensor] = []
+        logits = self.model(ids, positions, attention, embeds, output_rows=rows, routing=routing)
         tokens = sample(logits, params, out_pos) if params else []
-        return StepOutput(tokens, list(getattr(self.model, "last_routing", [])))
+        return StepOutput(tokens, routing)
 
     def _inject_faults(self, seqs: Sequence[ScheduledSeq]) -> None:
         if self.faults is not None:

@@ -23,7 +23,7 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
 }
 
-#: ``model_type`` values whose weights `engine.checkpoint` knows how to load.
+#: ``model_type`` values whose weights `engine.model.checkpoint` knows how to load.
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "kvlife_moe"})
 
 #: Byte-level vocabulary of the tiny model: 256 bytes, then the specials.

@@ -1,6 +1,6 @@
 """Fault injection: an off-by-default, documented way to make things fail.
 
-Pass `EngineConfig(faults=FaultInjector(...))`. Tests and users' own chaos
+Pass `Engine(config, faults=FaultInjector(...))`. Tests and users' own chaos
 tests use it instead of patching internals; the engine must come out of
 every injected fault with every pool whole.
 

@@ -10,10 +10,10 @@ Routes (bodies and answers in docs/http.md):
     POST /abort             abort by request id (404 if unknown or already finished)
     GET  /health            liveness, makes no request
     GET  /health_generate   `engine.health_check()` through the whole path: 200 or 503
-    GET  /metrics           Prometheus text (engine.metrics.EngineCollector)
+    GET  /metrics           Prometheus text (engine.serve.metrics.EngineCollector)
     GET  /debug/memory      `memory_report()` as JSON, with owners
 
-Bad bodies are rejected by engine.http_schemas before the engine is called
+Bad bodies are rejected by engine.serve.schemas before the engine is called
 (400 naming the field and the limit, 413 for a body over the bound); a full
 queue answers 503 with Retry-After. A client that disconnects, while its
 request is queued, running or streaming, aborts it: the stream is abandoned
@@ -47,11 +47,11 @@ from starlette.routing import Route
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import EngineClosed, EngineOverloaded, HealthCheckFailed, InvalidRequest
-from engine.http_generation import EventStream, Generation, HTTPError, completion_events, completion_json
-from engine.http_generation import generate_events, generate_json, run_to_end
-from engine.http_schemas import Limits, parse_abort, parse_completion, parse_generate, parse_json
+from engine.serve.generation import EventStream, Generation, HTTPError, completion_events, completion_json
+from engine.serve.generation import generate_events, generate_json, run_to_end
+from engine.serve.schemas import Limits, parse_abort, parse_completion, parse_generate, parse_json
 from engine.logging import configure_logging
-from engine.metrics import EngineCollector
+from engine.serve.metrics import EngineCollector
 from resources import LeakError
 
 log = structlog.get_logger("kvlife.http")

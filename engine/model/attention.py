@@ -25,7 +25,7 @@ length of that KV head, so `scaled_dot_product_attention` sees
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import attrs
@@ -156,9 +156,10 @@ class PagedAttention:
             self._prefills.append((slice(starts[b], starts[b + 1]), _GatherPlan(meta.kv_locs[b : b + 1, :kv_len], 1),
                                    mask[None, None]))
 
-    @property
-    def metadata(self) -> AttentionMetadata:
-        return self._meta
+    @classmethod
+    def factory(cls, kv: KVBuffers) -> Callable[[Sequence[object], AttentionMetadata], PagedAttention]:
+        """The runner's attention factory: one `PagedAttention` per step over `kv`."""
+        return lambda seqs, meta: cls(kv, meta)
 
     def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         k_buf, v_buf = self._kv.k[layer_id], self._kv.v[layer_id]

@@ -1,64 +1,35 @@
-"""Multimodal inputs: image validation, the embedding cache and its hook.
+"""The multimodal embedding cache and the hook that references it.
 
-Images are uint8 ``[H, W, 3]`` tensors. A prompt's image placeholder tokens
-(the tokenizer's `image_token_id`) are expanded so each image gets one
-placeholder per patch; a prompt without placeholders gets them prepended.
-
-The embedding cache holds projector outputs keyed by content hash, under a
-byte budget. The `multimodal` hook takes one reference per image of the
-request from admission to RELEASED (kept through RETRACTED, so a re-prefill
-reuses the embeddings) and drops them at release. Unreferenced entries stay
-cached and are evicted least-recently-used when a new entry needs room.
+The embedding cache holds vision-projector outputs keyed by content hash,
+under a byte budget. The `multimodal` hook takes one reference per image of
+the request from admission to RELEASED (kept through RETRACTED, so a
+re-prefill reuses the embeddings) and drops them at release. Unreferenced
+entries stay cached and are evicted least-recently-used when a new entry
+needs room: that eviction, not a release, is how unowned memory leaves.
 
 Accounting (pool ``mm_embeddings``, in bytes): free = budget - bytes cached;
 evictable = bytes of unreferenced entries; held = bytes of referenced ones.
 The ledger counts each request's references, so a leak names its owner.
+The model side (placeholder expansion, embedding substitution) lives in
+`engine.model.vision`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable
 from typing import Any
 
 import attrs
 import torch
 
-from engine.errors import InvalidRequest
-from resources import Ledger, Owner, PoolStats, ResourceExhausted, ResourceHook
+from resources.contract import ResourceExhausted, ResourceHook
+from resources.ledger import Ledger, Owner, PoolStats
 from states import HELD_STATES, Handle, Request, RequestState
 
 S = RequestState
 MM_POOL = "mm_embeddings"
-
-
-def prepare_images(model: Any, image_token_id: int | None, token_ids: list[int],
-                   images: Sequence[Any]) -> list[int]:
-    """Validate `images` and return the prompt with one placeholder per patch."""
-    if image_token_id is None or getattr(model, "vision_projector", None) is None:
-        raise InvalidRequest("mm_inputs", "empty: this model takes no images", list(images))
-    vision = model.config.vision
-    limit = (f"a uint8 [H, W, 3] torch tensor with H and W positive multiples of {vision.patch_size}"
-             f" up to {vision.max_image_size}")
-    counts = []
-    for i, image in enumerate(images):
-        if not isinstance(image, torch.Tensor):
-            raise InvalidRequest(f"mm_inputs[{i}]", limit, type(image).__name__)
-        try:
-            counts.append(model.num_image_tokens(image))
-        except ValueError:
-            raise InvalidRequest(f"mm_inputs[{i}]", limit, f"{image.dtype} {list(image.shape)}") from None
-    marks = [i for i, t in enumerate(token_ids) if t == image_token_id]
-    if not marks:
-        return [image_token_id] * sum(counts) + token_ids
-    if len(marks) != len(images):
-        raise InvalidRequest("prompt", f"one image placeholder per image ({len(images)})", len(marks))
-    out: list[int] = []
-    images_iter = iter(counts)
-    for t in token_ids:
-        out.extend([image_token_id] * next(images_iter) if t == image_token_id else [t])
-    return out
 
 
 def image_key(image: torch.Tensor) -> str:
@@ -134,10 +105,10 @@ class MultimodalHook(ResourceHook):
     scope = HELD_STATES
     pool = MM_POOL
 
-    def __init__(self, cache: MultimodalCache, model: Any) -> None:
+    def __init__(self, cache: MultimodalCache, project: Callable[[torch.Tensor], torch.Tensor]) -> None:
         super().__init__()
         self.cache = cache
-        self.model = model
+        self._project = project
 
     def acquire(self, request: Request, into: RequestState) -> Handle | None:
         if not request.mm_inputs:
@@ -161,29 +132,7 @@ class MultimodalHook(ResourceHook):
             self.cache.unreference(key)
         self.cache.ledger.drop(MM_POOL, request.request_id)
 
-    @torch.inference_mode()
-    def _project(self, image: torch.Tensor) -> torch.Tensor:
-        return self.model.vision_projector(image)
-
-
-def make_embedder(model: Any, image_token_id: int, hook_name: str = "multimodal"):
-    """The runner's `embedder`: token embeddings with image rows substituted, or
-    None when no request in the batch has images (the common, fast path)."""
-
-    def embed(seqs, ids: torch.Tensor) -> torch.Tensor | None:
-        if not any(hook_name in s.request.handles for s in seqs):
-            return None
-        embeds = model.model.embed_tokens(ids)
-        offset = 0
-        for s in seqs:
-            handle = s.request.handles.get(hook_name)
-            if handle is not None and s.start < s.request.num_prompt_tokens:
-                prompt = s.request.prompt_token_ids
-                marks = [i for i, t in enumerate(prompt) if t == image_token_id]
-                for row, pos in enumerate(marks):
-                    if s.start <= pos < s.start + s.num_tokens:
-                        embeds[offset + pos - s.start] = handle.payload[1][row].to(embeds.dtype)
-            offset += s.num_tokens
-        return embeds
-
-    return embed
+    def embeddings(self, request: Request) -> torch.Tensor | None:
+        """The request's image embeddings, all images' patches in order; None without images."""
+        handle = request.handles.get(self.name)
+        return None if handle is None else handle.payload[1]

@@ -18,7 +18,7 @@ import anyio
 
 from engine.config import EngineConfig, SamplingParams
 from engine.engine import Engine
-from engine.stats import percentile
+from engine.runtime.stats import percentile
 from resources import LeakError
 
 

@@ -61,7 +61,7 @@ def _progress(done: int, total: int) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from engine.workload import format_report, run_workload
+    from engine.cli.workload import format_report, run_workload
 
     # A deliberately small pool by default, so the run shows queueing and retraction.
     defaults = {"num_kv_pages": 160, "max_context": 1024, "leak_check": "log"}
@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     try:
-        from engine.cli_serve import add_serve_parser
+        from engine.cli.serve_command import add_serve_parser
     except ImportError:
         pass
     else:

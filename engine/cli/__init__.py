@@ -1,0 +1,1 @@
+"""`kvlife` and its subcommands, and the built-in workload of `kvlife run`."""

@@ -1,0 +1,2 @@
+"""The HTTP server: the only package that imports starlette, uvicorn and
+prometheus_client."""
