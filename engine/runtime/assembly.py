@@ -26,8 +26,7 @@ from engine.model.attention import PagedAttention
 from engine.model.model_config import ModelConfig
 from engine.model.runner import ModelRunner, NoComputeRunner
 from engine.runtime.scheduler import Scheduler
-from engine.model.llama import LlamaModel
-from engine.model.tokenizer import ByteTokenizer
+from engine.model.loading import load_model
 from resources import (
     KVBuffers,
     KVHook,
@@ -39,9 +38,6 @@ from resources import (
     order_hooks,
 )
 from states import RequestMachine, RequestState
-
-BUILTIN_MODELS = {"tiny": ModelConfig.tiny, "tiny-moe": ModelConfig.tiny_moe, "null": ModelConfig.tiny}
-
 
 @attrs.define
 class EngineParts:
@@ -65,23 +61,6 @@ class EngineParts:
     step_observers: list = attrs.field(factory=list)
     expert_distribution: Any = None
     prefill_worker: Any = None
-
-
-def load_model(config: EngineConfig, device: torch.device):
-    """(model config, model, tokenizer) for `config.model`."""
-    dtype = getattr(torch, config.dtype)
-    if config.model in BUILTIN_MODELS:
-        model_config = BUILTIN_MODELS[config.model]()
-        model = LlamaModel.from_seed(model_config, config.seed, device=device, dtype=dtype)
-        return model_config, model, ByteTokenizer.for_config(model_config)
-    from engine.model.checkpoint import CheckpointError, load_checkpoint
-
-    try:
-        model, model_config, tokenizer = load_checkpoint(config.model, device=device, dtype=dtype)
-    except CheckpointError as exc:
-        raise InvalidConfig("EngineConfig.model", "'tiny', 'tiny-moe', 'null' or a checkpoint directory",
-                            config.model) from exc
-    return model_config, model, tokenizer
 
 
 def build_parts(config: EngineConfig, *, faults: FaultInjector | None = None, model_bundle: tuple | None = None,
