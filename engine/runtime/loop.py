@@ -115,6 +115,7 @@ class DecodeLoop:
             self._apply_step(batch, output)
         finally:
             self.step_running = False
+            self.stats.on_step(time.monotonic())
         await anyio.lowlevel.checkpoint()
 
     async def _wait(self, timeout: float | None) -> None:
@@ -153,7 +154,10 @@ class DecodeLoop:
                 break
             self.waiting.remove(request)
             request.extras["admitted_seq"] = next(self._admitted)
-            request.extras.setdefault("cached_tokens", request.kv_len)
+            if "cached_tokens" not in request.extras:  # first admission
+                request.extras["cached_tokens"] = request.kv_len
+                queried = request.num_prompt_tokens - 1 if self.admit_into is S.PREFILLING else 0
+                self.stats.on_admit(request, time.monotonic(), request.kv_len, queried)
             self.running.append(request)
 
     def _land_transfers(self) -> None:

@@ -10,43 +10,90 @@ from collections import Counter, deque
 
 import attrs
 
-from states import Request, RequestState
+from states import Request, RequestKind, RequestState
 
 _SAMPLES = 100_000
 
 
+class SampleWindow:
+    """The latest latency samples (seconds) and how many were ever recorded.
+
+    A scraper folds in the `total - seen` newest samples since its last look;
+    the window keeps far more than arrive between two scrapes.
+    """
+
+    __slots__ = ("samples", "total")
+
+    def __init__(self) -> None:
+        self.samples: deque[float] = deque(maxlen=_SAMPLES)
+        self.total = 0
+
+    def add(self, value: float) -> None:
+        self.samples.append(value)
+        self.total += 1
+
+
 @attrs.define
 class EngineStats:
+    """Counters by request kind where it matters: health checks never count as
+    traffic (tokens, prompt tokens, latencies), only in `finishes`.
+
+    `last_progress` is the monotonic time of the latest model step that
+    completed (or failed) or token that was accepted: a health endpoint reads
+    "making progress" from it, not from whether a slot is free.
+    """
+
     transitions: Counter = attrs.field(factory=Counter)  # (src, dst) names -> count
     finishes: Counter = attrs.field(factory=Counter)  # (kind, reason) names -> count
     submitted: int = 0
     retractions: int = 0
     tokens_generated: int = 0
+    prompt_tokens: int = 0  # prompt tokens of admitted NORMAL requests (each admission once)
+    prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache at admission
+    prefix_hit_tokens: int = 0  # of those, tokens found cached
     leak_checks: int = 0
     leak_check_failures: int = 0
     step_errors: int = 0
-    ttft: deque = attrs.field(factory=lambda: deque(maxlen=_SAMPLES))
-    itl: deque = attrs.field(factory=lambda: deque(maxlen=_SAMPLES))
-    ttft_total: int = 0  # samples ever appended to `ttft` (the window keeps the latest)
-    itl_total: int = 0  # samples ever appended to `itl`
+    steps: int = 0
+    last_progress: float | None = None
+    ttft: SampleWindow = attrs.field(factory=SampleWindow)  # arrival -> first token
+    itl: SampleWindow = attrs.field(factory=SampleWindow)  # between consecutive tokens
+    e2e: SampleWindow = attrs.field(factory=SampleWindow)  # arrival -> final output
+    queue: SampleWindow = attrs.field(factory=SampleWindow)  # arrival -> first admission
 
     def on_transition(self, request: Request, src: RequestState, dst: RequestState) -> None:
         self.transitions[(src.name, dst.name)] += 1
         if dst is RequestState.FINISHED and request.finish_reason is not None:
             self.finishes[(request.kind.value, request.finish_reason.name)] += 1
+            if request.kind is RequestKind.NORMAL and request.history:
+                self.e2e.add(request.history[-1][1] - request.arrival_time)
         elif dst is RequestState.RETRACTED:
             self.retractions += 1
 
+    def on_admit(self, request: Request, now: float, cached_tokens: int, queried_tokens: int) -> None:
+        """A request's first admission (not a re-admission after retraction)."""
+        if request.kind is not RequestKind.NORMAL:
+            return
+        self.queue.add(now - request.arrival_time)
+        self.prompt_tokens += request.num_prompt_tokens
+        self.prefix_query_tokens += queried_tokens
+        self.prefix_hit_tokens += cached_tokens
+
+    def on_step(self, now: float) -> None:
+        self.steps += 1
+        self.last_progress = now
+
     def on_token(self, request: Request, now: float) -> None:
-        self.tokens_generated += 1
+        self.last_progress = now
         last = request.extras.get("last_token_time")
-        if last is None:
-            self.ttft.append(now - request.arrival_time)
-            self.ttft_total += 1
-        else:
-            self.itl.append(now - last)
-            self.itl_total += 1
         request.extras["last_token_time"] = now
+        if request.kind is not RequestKind.NORMAL:
+            return
+        self.tokens_generated += 1
+        if last is None:
+            self.ttft.add(now - request.arrival_time)
+        else:
+            self.itl.add(now - last)
 
 
 def percentile(samples, q: float) -> float | None:

@@ -7,8 +7,8 @@
 Nothing is counted twice: counters are read from `engine.stats` (the loop's
 own counts), gauges from `engine.requests_by_state()` and
 `engine.memory_report()`. The latency histograms fold in the samples the
-loop recorded since the previous scrape (`stats.ttft_total` and
-`stats.itl_total` say how many were recorded; the sample windows keep the
+loop recorded since the previous scrape (`stats.ttft.total` and
+`stats.itl.total` say how many were recorded; the sample windows keep the
 most recent 100,000, far more than arrive between two scrapes).
 
 Label values are lower case: ``reason="length"``, ``state="decoding"``,
@@ -116,7 +116,7 @@ class EngineCollector(Collector):
             counter.add_metric([], value)
             yield counter
 
-        self._ttft.fold(stats.ttft, stats.ttft_total)
-        self._itl.fold(stats.itl, stats.itl_total)
+        self._ttft.fold(stats.ttft.samples, stats.ttft.total)
+        self._itl.fold(stats.itl.samples, stats.itl.total)
         yield self._ttft.metric(f"{p}_time_to_first_token_seconds", "Time from arrival to first output token.")
         yield self._itl.metric(f"{p}_inter_token_latency_seconds", "Time between consecutive output tokens.")
