@@ -1,158 +1,347 @@
-"""Engine benchmark: decode throughput, engine overhead, and transformers side by side.
+"""Engine benchmark: kvlife against transformers `generate()` and the floor, one checkpoint, one process.
 
-    python benchmarks/bench_engine.py [--batches 1 8 32 128] [--out bench-results/engine.json]
+    python benchmarks/bench_engine.py [--batches 1 8 32 128] [--repeat 3] [--threads 1]
+        [--new-tokens 64] [--prompt-len 128] [--out bench-results/engine.json] [--quick]
 
-1. Decode throughput of the tiny model through the whole engine (tokens/s of
-   decode steps) at each batch size, 128-token prompts.
-2. Engine overhead: the same loop with `model="null"` (NoComputeRunner: the
-   pools, tables, machine and batch tensors are real, the forward pass is
-   skipped): microseconds of engine work per request per decode step, and
-   as a share of the tiny model's step at the same batch.
-3. Per-request lifecycle cost (QUEUED -> ... -> RELEASED, one token) with no compute.
-4. transformers `generate()` on the same weights, same prompts, when installed.
+1. One checkpoint, written by transformers' `save_pretrained`: the anchor tiny
+   Llama (hidden 256, 4 layers, 4 heads / 4 KV heads, MLP 1024, vocab
+   32,000, untied, fp32), random weights from `torch.manual_seed(0)`.
+2. Loaded into transformers (`LlamaForCausalLM.from_pretrained`) and into
+   kvlife (`EngineConfig(model=DIR)`) in this process; both run with the same
+   torch thread count (`--threads`, printed).
+3. Per batch size B: B seeded random prompts of `--prompt-len` tokens, greedy,
+   `--new-tokens` new tokens each (transformers: no EOS, `min_new_tokens`;
+   kvlife: `ignore_eos`), and the same with one new token. *e2e tok/s* =
+   B * new tokens / wall time (prefill included); *decode tok/s* =
+   B * (new tokens - 1) / (wall(new tokens) - wall(1)), the same arithmetic for
+   both; *step ms* = that difference / (new tokens - 1).
+4. The floor: the same weights through nothing but the matmuls a decode step
+   needs (per layer q/k/v, o, gate/up, down, then the LM head), back to back
+   on a [B, hidden] input, no attention, no norms, no Python around them but
+   the loop; in the checkpoint's layout (`F.linear`) and in the layout kvlife
+   packs at load, the faster of the two quoted.
+5. Memory bandwidth, in the same run: a copy and a sum of a 64 MiB tensor
+   (in the last-level cache here) and of a 1 GiB one.
+
+Repeats are interleaved (transformers, kvlife, floor, rotating the order each
+repeat) and every ratio is taken within one repeat; the table prints the
+median and the range over repeats. Greedy ids are compared on every repeat.
+kvlife's own split of a decode step comes from the runner's step timings:
+*engine work* = the inter-token interval minus the forward pass and sampling.
+Prints the tables and writes JSON (`--out`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
+import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import anyio
 import torch
+import torch.nn.functional as F
 
-from engine import Engine, EngineConfig, SamplingParams
-from engine.logging import configure_logging
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-PROMPT_LEN = 128
+from benchmarks.machine import fmt, header, loadavg, machine_info, median_range  # noqa: E402
+from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from engine.logging import configure_logging  # noqa: E402
+
+PAGE = 16
+ANCHOR = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+              intermediate_size=1024, vocab_size=32000, tie_word_embeddings=False, max_position_embeddings=4096,
+              # kvlife's byte tokenizer wants its special ids at 256..; the prompts are ids, never text
+              bos_token_id=256, eos_token_id=257, pad_token_id=258)
 
 
-def _prompts(batch: int, seed: int = 0) -> list[list[int]]:
+def write_checkpoint(directory: Path) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**ANCHOR, torch_dtype="float32")).eval()
+    model.save_pretrained(directory)
+    return directory
+
+
+def make_prompts(batch: int, length: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(0, 256) for _ in range(PROMPT_LEN)] for _ in range(batch)]
+    return [[rng.randrange(3, ANCHOR["vocab_size"]) for _ in range(length)] for _ in range(batch)]
 
 
-def _config(model: str, batch: int, new_tokens: int) -> EngineConfig:
-    per_request = -(-(PROMPT_LEN + new_tokens) // 16) + 1
-    return EngineConfig(model=model, max_running=max(batch, 1), num_kv_pages=batch * per_request + 16,
-                        max_context=PROMPT_LEN + new_tokens + 16, max_prefill_tokens=4096,
+# ------------------------------------------------------------ transformers
+class HFGenerate:
+    def __init__(self, directory: Path) -> None:
+        from transformers import LlamaForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        self.model = LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+
+    def run(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
+        from transformers import GenerationConfig
+
+        ids = torch.tensor(prompts)
+        config = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                  eos_token_id=None, pad_token_id=0)
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+            wall = time.perf_counter() - t0
+        return wall, out[:, ids.shape[1]:].tolist()
+
+
+# ------------------------------------------------------------------ kvlife
+def engine_config(directory: Path, batch: int, prompt_len: int, new_tokens: int) -> EngineConfig:
+    per_request = -(-(prompt_len + new_tokens) // PAGE) + 1
+    return EngineConfig(model=str(directory), max_running=batch, num_kv_pages=batch * per_request + 2,
+                        max_context=prompt_len + new_tokens + PAGE, max_prefill_tokens=4096,
                         prefix_cache=False, leak_check="raise", use_entry_points=False)
 
 
-async def _decode_run(model: str, batch: int, new_tokens: int) -> dict:
-    """Decode steps only: prefill all requests, then time the steps that follow."""
-    engine = Engine(_config(model, batch, new_tokens))
-    step_times: list[tuple[float, int]] = []
-    original_step = engine.loop.runner.step
-
-    def timed_step(seqs):
-        t0 = time.perf_counter()
-        out = original_step(seqs)
-        step_times.append((time.perf_counter() - t0, len(seqs), all(s.num_tokens == 1 for s in seqs)))
-        return out
-
-    engine.loop.runner.step = timed_step
+async def kvlife_run(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dict:
+    runner = engine.parts.runner
+    runner.timings = []
+    itl_before = engine.stats.itl.total
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    async with engine:
-        t0 = time.perf_counter()
-        async with anyio.create_task_group() as tg:
-            for prompt in _prompts(batch):
-                tg.start_soon(engine.complete, prompt, params)
-        wall = time.perf_counter() - t0
-        await engine.wait_idle(30)
-        engine.check_memory()
-    decode = [(dt, n) for dt, n, is_decode in step_times if is_decode and n == batch]
-    decode_time = sum(dt for dt, _ in decode)
-    loop_decode_tokens = sum(n for _, n in decode)
+    outputs: list = [None] * len(prompts)
+
+    async def one(i: int) -> None:
+        outputs[i] = await engine.complete(prompts[i], params)
+
+    t0 = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for i in range(len(prompts)):
+            tg.start_soon(one, i)
+    wall = time.perf_counter() - t0
+    await engine.wait_idle(30)
+    engine.check_memory()
+    new_itl = engine.stats.itl.total - itl_before
+    itl = list(engine.stats.itl.samples)[-new_itl:] if new_itl else []
+    decode = [t for t in runner.timings if t.decode_only and t.batch == len(prompts)]
+    runner.timings = None
     return {
-        "batch": batch,
-        "decode_steps": len(decode),
-        "step_ms": 1000 * decode_time / max(len(decode), 1),
-        "decode_tokens_per_s": loop_decode_tokens / decode_time if decode_time else None,
-        "end_to_end_tokens_per_s": batch * new_tokens / wall,
         "wall_s": wall,
+        "ids": [o.token_ids for o in outputs],
+        "itl_ms": 1e3 * statistics.median(itl) if itl else None,
+        "prepare_ms": 1e3 * statistics.median(t.prepare_s for t in decode) if decode else None,
+        "forward_ms": 1e3 * statistics.median(t.forward_s for t in decode) if decode else None,
     }
 
 
-async def _lifecycles(n: int) -> float:
-    """µs per request lifecycle (one token, no compute), through the public API."""
-    engine = Engine(EngineConfig(model="null", max_running=64, num_kv_pages=512, use_entry_points=False))
-    params = SamplingParams(max_new_tokens=1)
-    async with engine:
-        t0 = time.perf_counter()
-        for i in range(0, n, 64):
-            async with anyio.create_task_group() as tg:
-                for j in range(64):
-                    tg.start_soon(engine.complete, [1 + (i + j) % 200, 2, 3, 4], params)
-        elapsed = time.perf_counter() - t0
-        engine.check_memory()
-    return 1e6 * elapsed / n
+# ------------------------------------------------------------------- floor
+class Floor:
+    """The decode step's matmuls alone, on the checkpoint's weights."""
+
+    def __init__(self, directory: Path) -> None:
+        from safetensors.torch import load_file
+
+        w = load_file(str(Path(directory) / "model.safetensors"))
+        self.linear: list[list[torch.Tensor]] = []  # checkpoint layout [out, in], one per projection
+        self.packed: list[list[torch.Tensor]] = []  # q/k/v and gate/up stacked, stored [in, out]
+        for i in range(ANCHOR["num_hidden_layers"]):
+            p = f"model.layers.{i}."
+            attn = [w[p + f"self_attn.{n}_proj.weight"] for n in "qkvo"]
+            mlp = [w[p + f"mlp.{n}_proj.weight"] for n in ("gate", "up", "down")]
+            self.linear.append(attn + mlp)
+            self.packed.append([torch.cat(attn[:3]).t().contiguous(), attn[3].t().contiguous(),
+                                torch.cat(mlp[:2]).t().contiguous(), mlp[2].t().contiguous()])
+        self.head = w["lm_head.weight"]
+        self.head_t = self.head.t().contiguous()
+        self.nbytes = sum(t.numel() * 4 for t in w.values() if t.dim() == 2) - w["model.embed_tokens.weight"].numel() * 4
+        self.hidden, self.q, self.mlp = ANCHOR["hidden_size"], ANCHOR["hidden_size"], ANCHOR["intermediate_size"]
+
+    def step_linear(self, x: torch.Tensor) -> torch.Tensor:
+        for q, k, v, o, gate, up, down in self.linear:
+            a = F.linear(x, q)
+            F.linear(x, k)
+            F.linear(x, v)
+            x = F.linear(a, o)
+            g = F.linear(x, gate)
+            F.linear(x, up)
+            x = F.linear(g, down)
+        return F.linear(x, self.head)
+
+    def step_packed(self, x: torch.Tensor) -> torch.Tensor:
+        for qkv, o, gate_up, down in self.packed:
+            a = torch.mm(x, qkv)[:, : self.q]
+            x = torch.mm(a, o)
+            g = torch.mm(x, gate_up)[:, : self.mlp]
+            x = torch.mm(g, down)
+        return torch.mm(x, self.head_t)
+
+    def run(self, batch: int, steps: int = 30) -> dict:
+        x = torch.randn(batch, self.hidden)
+        out = {}
+        with torch.inference_mode():
+            for name, step in (("linear", self.step_linear), ("packed", self.step_packed)):
+                for _ in range(3):
+                    step(x)
+                times = []
+                for _ in range(steps):
+                    t0 = time.perf_counter()
+                    step(x)
+                    times.append(time.perf_counter() - t0)
+                out[f"{name}_ms"] = 1e3 * statistics.median(times)
+        out["step_ms"] = min(out["linear_ms"], out["packed_ms"])
+        return out
 
 
-def _transformers_run(batch: int, new_tokens: int) -> dict | None:
-    try:
-        from transformers import LlamaForCausalLM
-    except ImportError:
-        return None
-    from engine.model.checkpoint import save_checkpoint
-    from engine.model.model_config import ModelConfig
-    from engine.model.llama import LlamaModel
-
-    with tempfile.TemporaryDirectory() as tmp:
-        config = ModelConfig.tiny()
-        save_checkpoint(LlamaModel.from_seed(config, 0), config, tmp)
-        model = LlamaForCausalLM.from_pretrained(tmp, torch_dtype=torch.float32).eval()
-    ids = torch.tensor(_prompts(batch))
-    with torch.inference_mode():
-        model.generate(ids[:, :8], max_new_tokens=2, do_sample=False)  # warm-up
-        t0 = time.perf_counter()
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                       do_sample=False, pad_token_id=0)
-        wall = time.perf_counter() - t0
-    return {"batch": batch, "end_to_end_tokens_per_s": batch * new_tokens / wall, "wall_s": wall}
+def bandwidth() -> dict:
+    """GB/s of a copy (bytes read + written) and a sum (bytes read), 64 MiB and 1 GiB."""
+    out = {}
+    for label, nbytes in (("64MiB", 64 << 20), ("1GiB", 1 << 30)):
+        a = torch.ones(nbytes // 4)
+        b = torch.empty_like(a)
+        copy, total = [], []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            b.copy_(a)
+            copy.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            a.sum()
+            total.append(time.perf_counter() - t0)
+        out[f"copy_{label}_GBps"] = 2 * nbytes / statistics.median(copy) / 1e9
+        out[f"sum_{label}_GBps"] = nbytes / statistics.median(total) / 1e9
+        del a, b
+    return out
 
 
-def main() -> None:
+# ------------------------------------------------------------------- main
+async def bench_batch(args, directory: Path, hf: HFGenerate, floor: Floor, batch: int) -> dict:
+    prompts = make_prompts(batch, args.prompt_len)
+    n = args.new_tokens
+    runs = []
+    async with Engine(engine_config(directory, batch, args.prompt_len, n)) as engine:
+        await kvlife_run(engine, prompts[:1], 2)  # warm-up, both
+        hf.run(prompts[:1], 2)
+        for rep in range(args.repeat):
+            order = ["hf", "kvlife", "floor"]
+            order = order[rep % 3:] + order[: rep % 3]
+            run: dict = {"order": order, "load": loadavg()}
+            for who in order:
+                if who == "hf":
+                    wall_1, _ = hf.run(prompts, 1)
+                    wall_n, ids = hf.run(prompts, n)
+                    run["hf"] = {"wall_1_s": wall_1, "wall_s": wall_n, "ids": ids}
+                elif who == "kvlife":
+                    one = await kvlife_run(engine, prompts, 1)
+                    run["kvlife"] = await kvlife_run(engine, prompts, n)
+                    run["kvlife"]["wall_1_s"] = one["wall_s"]
+                else:
+                    run["floor"] = floor.run(batch)
+            for who in ("hf", "kvlife"):
+                r = run[who]
+                r["e2e_tok_s"] = batch * n / r["wall_s"]
+                r["step_ms"] = 1e3 * (r["wall_s"] - r["wall_1_s"]) / (n - 1)
+                r["decode_tok_s"] = batch / r["step_ms"] * 1e3
+            kv = run["kvlife"]
+            run["greedy_equal"] = sum(a == b for a, b in zip(kv["ids"], run["hf"]["ids"]))
+            run["x_hf_e2e"] = kv["e2e_tok_s"] / run["hf"]["e2e_tok_s"]
+            run["x_hf_decode"] = kv["decode_tok_s"] / run["hf"]["decode_tok_s"]
+            run["x_floor"] = run["floor"]["step_ms"] / kv["step_ms"]
+            if kv["forward_ms"] is not None and kv["itl_ms"]:
+                run["engine_work_share"] = 1 - kv["forward_ms"] / kv["itl_ms"]
+            for who in ("hf", "kvlife"):
+                del run[who]["ids"]
+            runs.append(run)
+            print(f"  batch {batch} repeat {rep + 1}: x HF e2e {run['x_hf_e2e']:.2f}, decode {run['x_hf_decode']:.2f}, "
+                  f"x floor {run['x_floor']:.2f}, greedy equal {run['greedy_equal']}/{batch}, load {run['load']}",
+                  flush=True)
+    return summarize(batch, runs)
+
+
+def summarize(batch: int, runs: list[dict]) -> dict:
+    def stat(get):
+        values = [get(r) for r in runs]
+        values = [v for v in values if v is not None]
+        return median_range(values) if values else None
+
+    return {
+        "batch": batch,
+        "hf_e2e_tok_s": stat(lambda r: r["hf"]["e2e_tok_s"]),
+        "kvlife_e2e_tok_s": stat(lambda r: r["kvlife"]["e2e_tok_s"]),
+        "x_hf_e2e": stat(lambda r: r["x_hf_e2e"]),
+        "hf_decode_tok_s": stat(lambda r: r["hf"]["decode_tok_s"]),
+        "kvlife_decode_tok_s": stat(lambda r: r["kvlife"]["decode_tok_s"]),
+        "x_hf_decode": stat(lambda r: r["x_hf_decode"]),
+        "hf_step_ms": stat(lambda r: r["hf"]["step_ms"]),
+        "kvlife_step_ms": stat(lambda r: r["kvlife"]["step_ms"]),
+        "floor_step_ms": stat(lambda r: r["floor"]["step_ms"]),
+        "floor_linear_ms": stat(lambda r: r["floor"]["linear_ms"]),
+        "floor_packed_ms": stat(lambda r: r["floor"]["packed_ms"]),
+        "x_floor": stat(lambda r: r["x_floor"]),
+        "kvlife_itl_ms": stat(lambda r: r["kvlife"]["itl_ms"]),
+        "kvlife_prepare_ms": stat(lambda r: r["kvlife"]["prepare_ms"]),
+        "kvlife_forward_ms": stat(lambda r: r["kvlife"]["forward_ms"]),
+        "engine_work_share": stat(lambda r: r.get("engine_work_share")),
+        "greedy_equal": [r["greedy_equal"] for r in runs],
+        "runs": runs,
+    }
+
+
+def print_tables(rows: list[dict], info: dict, bw: dict, floor_mib: float) -> None:
+    print(f"\n{header(info)}; load at end {info['load_at_end']}")
+    print(f"bandwidth: copy {bw['copy_64MiB_GBps']:.1f} GB/s (64 MiB), {bw['copy_1GiB_GBps']:.1f} GB/s (1 GiB); "
+          f"sum {bw['sum_64MiB_GBps']:.1f} / {bw['sum_1GiB_GBps']:.1f} GB/s; decode weights {floor_mib:.1f} MiB")
+    print("\nnew tokens/s, median (range) over repeats; ratios taken within each repeat")
+    print(f"{'batch':>5} | {'HF e2e':>20} | {'kvlife e2e':>20} | {'x HF e2e':>16} | {'HF decode':>20} | "
+          f"{'kvlife decode':>20} | {'x HF decode':>16} | greedy equal")
+    for r in rows:
+        print(f"{r['batch']:>5} | {fmt(r['hf_e2e_tok_s']):>20} | {fmt(r['kvlife_e2e_tok_s']):>20} | "
+              f"{fmt(r['x_hf_e2e'], 2):>16} | {fmt(r['hf_decode_tok_s']):>20} | {fmt(r['kvlife_decode_tok_s']):>20} | "
+              f"{fmt(r['x_hf_decode'], 2):>16} | {'/'.join(map(str, r['greedy_equal']))} of {r['batch']}")
+    print("\ndecode step, ms: HF and kvlife from wall(n) - wall(1); floor = the matmuls alone; "
+          "engine work = kvlife's inter-token interval minus forward + sampling")
+    print(f"{'batch':>5} | {'HF step':>18} | {'kvlife step':>18} | {'floor':>18} | {'x floor':>16} | "
+          f"{'kvlife ITL':>18} | {'forward':>18} | {'prepare':>14} | {'engine work':>18}")
+    for r in rows:
+        share = r["engine_work_share"]
+        share_s = "-" if share is None else (f"{100 * share['median']:.1f}% ({100 * share['min']:.1f}-"
+                                             f"{100 * share['max']:.1f})")
+        print(f"{r['batch']:>5} | {fmt(r['hf_step_ms'], 2):>18} | {fmt(r['kvlife_step_ms'], 2):>18} | "
+              f"{fmt(r['floor_step_ms'], 2):>18} | {fmt(r['x_floor'], 2):>16} | {fmt(r['kvlife_itl_ms'], 2):>18} | "
+              f"{fmt(r['kvlife_forward_ms'], 2):>18} | {fmt(r['kvlife_prepare_ms'], 2):>14} | {share_s:>18}")
+
+
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads, the same for every engine")
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--lifecycles", type=int, default=2048)
+    parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--out", default="bench-results/engine.json")
-    args = parser.parse_args()
+    parser.add_argument("--quick", action="store_true", help="batches 1 and 8, 2 repeats, 16 new tokens (smoke run)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.batches, args.repeat, args.new_tokens = [1, 8], 2, 16
+    torch.set_num_threads(args.threads)
     configure_logging("warning")
-    rows = []
-    for batch in args.batches:
-        tiny = anyio.run(_decode_run, "tiny", batch, args.new_tokens)
-        null = anyio.run(_decode_run, "null", batch, args.new_tokens)
-        hf = _transformers_run(batch, args.new_tokens)
-        rows.append({
-            "batch": batch,
-            "tiny": tiny,
-            "no_compute": null,
-            "engine_us_per_request_step": 1000 * null["step_ms"] / batch,
-            "engine_share_of_step": null["step_ms"] / tiny["step_ms"],
-            "transformers": hf,
-            "speedup_vs_transformers": None if hf is None else
-            tiny["end_to_end_tokens_per_s"] / hf["end_to_end_tokens_per_s"],
-        })
-    lifecycle_us = anyio.run(_lifecycles, args.lifecycles)
-    print(f"{'batch':>5} {'step ms':>8} {'decode tok/s':>12} {'e2e tok/s':>10} {'HF tok/s':>9} {'x HF':>6}"
-          f" {'engine us/req/step':>19} {'engine share':>12}")
-    for r in rows:
-        hf = r["transformers"]
-        print(f"{r['batch']:>5} {r['tiny']['step_ms']:>8.2f} {r['tiny']['decode_tokens_per_s']:>12.0f}"
-              f" {r['tiny']['end_to_end_tokens_per_s']:>10.0f} {hf['end_to_end_tokens_per_s'] if hf else float('nan'):>9.0f}"
-              f" {r['speedup_vs_transformers'] or float('nan'):>6.2f} {r['engine_us_per_request_step']:>19.1f}"
-              f" {100 * r['engine_share_of_step']:>11.1f}%")
-    print(f"request lifecycle through the public API, no compute: {lifecycle_us:.0f} us")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"rows": rows, "lifecycle_us": lifecycle_us, "prompt_len": PROMPT_LEN,
-                   "new_tokens": args.new_tokens, "torch": torch.__version__,
-                   "threads": torch.get_num_threads()}, f, indent=2)
+    info = machine_info()
+    print(header(info), flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = write_checkpoint(Path(tmp) / "anchor-llama")
+        hf, floor = HFGenerate(directory), Floor(directory)
+        bw = bandwidth()
+        rows = [anyio.run(bench_batch, args, directory, hf, floor, batch) for batch in args.batches]
+    bw_end = bandwidth()
+    info["load_at_end"] = loadavg()
+    print_tables(rows, info, bw, floor.nbytes / 2**20)
+    results = {"machine": info, "bandwidth_start": bw, "bandwidth_end": bw_end,
+               "workload": {"model": ANCHOR, "dtype": "float32", "prompt_len": args.prompt_len,
+                            "new_tokens": args.new_tokens, "repeat": args.repeat, "threads": args.threads,
+                            "floor_weight_bytes": floor.nbytes},
+               "rows": rows}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"wrote {out}")
+    return results
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ benchmark and the soak use it to measure everything but the model.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,6 +36,17 @@ class StepOutput:
     tokens: list[int]
     #: per MoE layer, the routed expert ids [T, top_k] of the step's tokens
     routing: list[torch.Tensor] = attrs.field(factory=list)
+
+
+@attrs.frozen
+class StepTiming:
+    """Where one step's time went (seconds): building the batch's tensors, and
+    the forward pass with sampling (the model's own work)."""
+
+    batch: int
+    decode_only: bool
+    prepare_s: float
+    forward_s: float
 
 
 def token_range(request: Request, start: int, end: int) -> list[int]:
@@ -71,6 +83,8 @@ class ModelRunner:
         self.embedder = embedder
         #: (seqs, metadata) -> AttentionBackend for one step
         self.attention_factory: AttentionFactory = attention_factory or PagedAttention.factory(kv)
+        #: when a list, each step appends `StepTiming` (benchmarks read it; None: no timing at all)
+        self.timings: list[StepTiming] | None = None
 
     def prepare(self, seqs: Sequence[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """input ids [T], positions [T] and attention metadata for the batch."""
@@ -109,13 +123,18 @@ class ModelRunner:
     @torch.inference_mode()
     def step(self, seqs: Sequence[ScheduledSeq]) -> StepOutput:
         self._inject_faults(seqs)
+        t0 = time.perf_counter() if self.timings is not None else 0.0
         ids, positions, meta = self.prepare(seqs)
         rows, params, out_pos = self._sampling_rows(seqs)
         embeds = self.embedder(seqs, ids) if self.embedder is not None else None
         attention = self.attention_factory(seqs, meta)
+        t1 = time.perf_counter() if self.timings is not None else 0.0
         routing: list[torch.Tensor] = []
         logits = self.model(ids, positions, attention, embeds, output_rows=rows, routing=routing)
         tokens = sample(logits, params, out_pos) if params else []
+        if self.timings is not None:
+            self.timings.append(StepTiming(len(seqs), all(s.num_tokens == 1 for s in seqs), t1 - t0,
+                                           time.perf_counter() - t1))
         return StepOutput(tokens, routing)
 
     def _inject_faults(self, seqs: Sequence[ScheduledSeq]) -> None:

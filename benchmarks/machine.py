@@ -1,0 +1,68 @@
+"""What every benchmark states beside its figures: the machine, torch's
+threads and the load while it ran.
+
+The development VMs are shared (2 cores, several sessions), so a figure
+without the load it was measured under means little; ratios measured in one
+run, side by side, are what the benchmarks quote.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+
+import torch
+
+
+def loadavg() -> str:
+    """The 1-, 5- and 15-minute load averages, as /proc/loadavg gives them."""
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "unknown"
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine_info() -> dict:
+    return {
+        "cpu": cpu_model(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "load_at_start": loadavg(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def header(info: dict) -> str:
+    """One line for the top of a benchmark's printout."""
+    return (f"{info['cpu']}, {info['cpus']} CPUs, torch {info['torch']}, {info['torch_threads']} torch thread(s), "
+            f"load {info['load_at_start']} at start")
+
+
+def median_range(values: list[float]) -> dict:
+    ordered = sorted(values)
+    n = len(ordered)
+    mid = ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+    return {"median": mid, "min": ordered[0], "max": ordered[-1], "runs": n}
+
+
+def fmt(stat: dict | None, digits: int = 0) -> str:
+    """``median (min-max)`` of a `median_range` result."""
+    if stat is None:
+        return "-"
+    return f"{stat['median']:,.{digits}f} ({stat['min']:,.{digits}f}-{stat['max']:,.{digits}f})"
