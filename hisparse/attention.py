@@ -198,12 +198,7 @@ def make_factory(state: HiSparseState, dense_factory: Callable[[Sequence[Any], A
         device = meta.out_locs.device
         dense_rows = torch.tensor([t for b in dense for t in range(starts[b], starts[b + 1])], device=device)
         sparse_rows = torch.tensor([starts[b] for b in sparse], device=device)
-        dense_meta = type(meta)(
-            out_locs=meta.out_locs.index_select(0, dense_rows),
-            q_lens=[meta.q_lens[b] for b in dense],
-            kv_lens=[meta.kv_lens[b] for b in dense],
-            kv_locs=meta.kv_locs.index_select(0, torch.tensor(dense, device=device)),
-        )
+        dense_meta = meta.select(dense)
         return CompositeAttention(dense_factory([seqs[b] for b in dense], dense_meta), backend, dense_rows,
                                   sparse_rows)
 

@@ -4,6 +4,7 @@ full-recompute oracle."""
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -124,6 +125,90 @@ class TestAttentionMetadata:
         """out_locs must hold exactly sum(q_lens) entries."""
         with pytest.raises(ValueError, match="out_locs"):
             AttentionMetadata(out_locs=torch.tensor([4, 5]), q_lens=[1], kv_lens=[2], kv_locs=torch.tensor([[4, 5]]))
+
+
+def _paged_context(shapes, num_pages: int, gen: torch.Generator):
+    """Page-aligned contexts on shuffled pages 1..: (kv_pages [B, P], locations per sequence)."""
+    order = (torch.randperm(num_pages - 1, generator=gen) + 1).tolist()
+    rows, locs = [], []
+    for q_len, old in shapes:
+        n = old + q_len
+        pages = [order.pop() for _ in range(-(-n // PAGE_SIZE))]
+        rows.append(pages)
+        locs.append(torch.tensor([pages[i // PAGE_SIZE] * PAGE_SIZE + i % PAGE_SIZE for i in range(n)]))
+    width = max(len(r) for r in rows)
+    return torch.tensor([r + [0] * (width - len(r)) for r in rows]), locs
+
+
+class TestPagedMetadata:
+    def test_context_must_be_given_exactly_once(self):
+        """Neither or both of kv_locs and kv_pages raise ValueError."""
+        with pytest.raises(ValueError, match="exactly one"):
+            AttentionMetadata(out_locs=torch.tensor([4]), q_lens=[1], kv_lens=[1])
+        with pytest.raises(ValueError, match="exactly one"):
+            AttentionMetadata(out_locs=torch.tensor([4]), q_lens=[1], kv_lens=[1], kv_locs=torch.tensor([[4]]),
+                              kv_pages=torch.tensor([[1]]), page_size=4)
+
+    def test_pages_must_cover_the_longest_context(self):
+        """kv_pages columns * page_size below the longest context raise ValueError."""
+        with pytest.raises(ValueError, match="columns"):
+            AttentionMetadata(out_locs=torch.tensor([4]), q_lens=[1], kv_lens=[5], kv_pages=torch.tensor([[1]]),
+                              page_size=4)
+
+    def test_select_keeps_the_chosen_sequences(self):
+        """select(seqs) keeps those sequences' new-token locations, lengths and context rows, in that order."""
+        meta = AttentionMetadata.from_locations([torch.tensor([8, 9, 10]), torch.tensor([20, 21]),
+                                                 torch.tensor([4, 5, 6, 7])], [2, 1, 3])
+        part = meta.select([2, 0])
+        assert part.out_locs.tolist() == [5, 6, 7, 9, 10]
+        assert part.q_lens == (3, 2) and part.kv_lens == (4, 3)
+        assert part.kv_locs.tolist() == [[4, 5, 6, 7], [8, 9, 10, 0]]
+
+    @settings(max_examples=25, deadline=None)
+    @given(
+        shapes=st.lists(st.tuples(st.integers(1, 6), st.integers(0, 13)), min_size=1, max_size=5),
+        group=st.sampled_from([1, 2, 4]),
+        seed=st.integers(0, 2**16),
+    )
+    def test_pages_give_the_same_output_as_locations(self, shapes, group, seed):
+        """The same contexts as page tables or as token locations: equal outputs and writes."""
+        gen = torch.Generator().manual_seed(seed)
+        kv_by_pages = KVBuffers(num_layers=1, num_pages=64, page_size=PAGE_SIZE, num_kv_heads=2, head_dim=8,
+                                dtype=torch.float32, device="cpu")
+        kv_by_pages.k[0].normal_(generator=gen)
+        kv_by_pages.v[0].normal_(generator=gen)
+        kv_by_locs = copy.deepcopy(kv_by_pages)
+        pages, locs = _paged_context(shapes, 64, gen)
+        by_locs = AttentionMetadata.from_locations(locs, [q_len for q_len, _ in shapes])
+        by_pages = AttentionMetadata(out_locs=by_locs.out_locs, q_lens=by_locs.q_lens, kv_lens=by_locs.kv_lens,
+                                     kv_pages=pages, page_size=PAGE_SIZE)
+        tokens = by_locs.num_tokens
+        q = torch.randn(tokens, 2 * group, 8, generator=gen)
+        k = torch.randn(tokens, 2, 8, generator=gen)
+        v = torch.randn(tokens, 2, 8, generator=gen)
+        out_pages = PagedAttention(kv_by_pages, by_pages).attend(0, q, k, v)
+        out_locs = PagedAttention(kv_by_locs, by_locs).attend(0, q, k, v)
+        torch.testing.assert_close(out_pages, out_locs, atol=1e-5, rtol=1e-5)
+        assert torch.equal(kv_by_pages.k[0], kv_by_locs.k[0]) and torch.equal(kv_by_pages.v[0], kv_by_locs.v[0])
+        torch.testing.assert_close(out_pages.double(), _naive_attention(q, kv_by_locs.k[0], kv_by_locs.v[0], by_locs),
+                                   atol=1e-5, rtol=1e-5)
+
+    def test_decode_from_device_tensors_equals_metadata(self):
+        """PagedAttention.decode (device lengths, the CUDA-graph form) equals the metadata form."""
+        gen = torch.Generator().manual_seed(3)
+        kv = KVBuffers(num_layers=1, num_pages=64, page_size=PAGE_SIZE, num_kv_heads=2, head_dim=8,
+                       dtype=torch.float32, device="cpu")
+        kv.k[0].normal_(generator=gen)
+        kv.v[0].normal_(generator=gen)
+        shapes = [(1, 0), (1, 6), (1, 13)]
+        pages, locs = _paged_context(shapes, 64, gen)
+        meta = AttentionMetadata.from_locations(locs, [1, 1, 1])
+        q = torch.randn(3, 4, 8, generator=gen)
+        k = torch.randn(3, 2, 8, generator=gen)
+        v = torch.randn(3, 2, 8, generator=gen)
+        expected = PagedAttention(kv, meta).attend(0, q, k, v)
+        got = PagedAttention.decode(kv, meta.out_locs, pages, torch.tensor(meta.kv_lens)).attend(0, q, k, v)
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
 
 
 class TestPagedAttention:

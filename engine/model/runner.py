@@ -4,6 +4,20 @@ It runs in a worker thread while the event loop stays responsive. It only
 reads requests and the request -> token table; it never transitions a
 request or touches a pool's bookkeeping (the loop does that after the step).
 
+A step, from the loop's `step(seqs)` call::
+
+    host: one pass over the batch -> token ids, positions, slots (Python ints)
+    device: 3 small tensors; new-token locations and the page table read
+            from the request -> token table (no host sync)
+    forward: the model, attention planned once for all layers, the LM head
+             on the sampling rows only
+    sample: greedy rows by one batched argmax; the tokens come back in the
+            step's one host sync
+
+The model's weights are packed once, at construction (`LlamaModel.pack`).
+A decode-only step of a dense model on CUDA replays a captured CUDA graph
+when the batch fits a captured size (`engine.model.decode_graphs`).
+
 `NoComputeRunner` builds the same batch tensors from the same tables but
 skips the forward pass and returns fixed tokens: the engine-overhead
 benchmark and the soak use it to measure everything but the model.
@@ -49,6 +63,17 @@ class StepTiming:
     forward_s: float
 
 
+@attrs.frozen(eq=False)
+class StepInputs:
+    """A batch's tensors: token ids and positions ``[T]``, attention metadata,
+    and the rows of T whose logits are sampled (None: every row, in order)."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor | None
+
+
 def token_range(request: Request, start: int, end: int) -> list[int]:
     """Token ids [start, end) of the request's prompt followed by its output."""
     prompt = request.prompt_token_ids
@@ -83,73 +108,107 @@ class ModelRunner:
         self.embedder = embedder
         #: (seqs, metadata) -> AttentionBackend for one step
         self.attention_factory: AttentionFactory = attention_factory or PagedAttention.factory(kv)
+        self._default_attention = attention_factory is None
         #: when a list, each step appends `StepTiming` (benchmarks read it; None: no timing at all)
         self.timings: list[StepTiming] | None = None
+        pack = getattr(model, "pack", None)
+        if pack is not None:
+            pack()
+        #: CUDA graphs of decode steps (`engine.model.decode_graphs`); None: every step eager
+        self.graphs = None
+        if device.type == "cuda" and self._default_attention and not getattr(model.config, "is_moe", True):
+            from engine.model.decode_graphs import DecodeGraphs
 
-    def prepare(self, seqs: Sequence[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """input ids [T], positions [T] and attention metadata for the batch."""
+            self.graphs = DecodeGraphs(model, kv, slots, device, slot_of=slot_of, max_batch=slots.capacity)
+
+    def prepare(self, seqs: Sequence[ScheduledSeq]) -> StepInputs:
+        """The batch's tensors, built in one pass over `seqs` and no host sync."""
         ids: list[int] = []
         positions: list[int] = []
-        q_lens, kv_lens, slots = [], [], []
+        q_lens: list[int] = []
+        kv_lens: list[int] = []
+        slots: list[int | None] = []
+        samples: list[int] = []
+        decode_only = True
+        offset = 0
         for s in seqs:
-            end = s.start + s.num_tokens
-            ids.extend(token_range(s.request, s.start, end))
-            positions.extend(range(s.start, end))
-            q_lens.append(s.num_tokens)
+            request, start, n = s.request, s.start, s.num_tokens
+            end = start + n
+            if n == 1:
+                prompt = request.prompt_token_ids
+                ids.append(prompt[start] if start < len(prompt) else request.output_token_ids[start - len(prompt)])
+                positions.append(start)
+            else:
+                decode_only = False
+                ids.extend(token_range(request, start, end))
+                positions.extend(range(start, end))
+            q_lens.append(n)
             kv_lens.append(end)
-            slots.append(self.slot_of(s.request))
+            slots.append(self.slot_of(request))
+            offset += n
+            if s.samples:
+                samples.append(offset - 1)
         dev = self.device
         # NOTE: slot_of is None for rows whose backend keeps their KV itself (HiSparse
         # decode rows): their locations read as the padding page 0.
         no_slot = [slot is None for slot in slots] if None in slots else None
         if no_slot is not None:
             slots = [0 if slot is None else slot for slot in slots]
-        ids_t = torch.tensor(ids, dtype=torch.int64, device=dev)
-        pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
-        slots_t = torch.tensor(slots, dtype=torch.int64, device=dev)
+        host = torch.tensor([ids, positions], dtype=torch.int64)
+        ids_t, pos_t = host.to(dev, non_blocking=True).unbind(0)
+        slots_t = torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True)
         table = self.slots.req_to_token
-        out_locs = table[slots_t.repeat_interleave(torch.tensor(q_lens, device=dev)), pos_t]
-        width = max(kv_lens)
-        kv_locs = table[slots_t, :width]
-        lens_t = torch.tensor(kv_lens, dtype=torch.int64, device=dev)
-        kv_locs = kv_locs.masked_fill(torch.arange(width, device=dev)[None, :] >= lens_t[:, None], 0)
+        token_slots = slots_t if decode_only else slots_t.repeat_interleave(torch.tensor(q_lens).to(dev))
+        out_locs = table[token_slots, pos_t]
+        # NOTE: the page table is read straight from the token table (locations are
+        # page * page_size + offset); columns past a row's context may name any page
+        # (stale entries), which attention masks out and only ever reads.
+        ps = self.kv.page_size
+        pages = table[slots_t, : -(-max(kv_lens) // ps) * ps : ps]
+        if ps > 1:
+            pages = pages // ps
         if no_slot is not None:
-            no_slot_t = torch.tensor(no_slot, device=dev)
-            out_locs = out_locs.masked_fill(no_slot_t.repeat_interleave(torch.tensor(q_lens, device=dev)), 0)
-            kv_locs = kv_locs.masked_fill(no_slot_t[:, None], 0)
-        meta = AttentionMetadata(out_locs=out_locs, q_lens=q_lens, kv_lens=kv_lens, kv_locs=kv_locs)
-        return ids_t, pos_t, meta
+            no_slot_t = torch.tensor(no_slot).to(dev)
+            row_mask = no_slot_t if decode_only else no_slot_t.repeat_interleave(torch.tensor(q_lens).to(dev))
+            out_locs = out_locs.masked_fill(row_mask, 0)
+            pages = pages.masked_fill(no_slot_t[:, None], 0)
+        meta = AttentionMetadata(out_locs=out_locs, q_lens=q_lens, kv_lens=kv_lens, kv_pages=pages, page_size=ps)
+        every_row = len(samples) == offset
+        sample_rows = None if every_row else torch.tensor(samples, dtype=torch.int64).to(dev)
+        return StepInputs(ids_t, pos_t, meta, sample_rows)
 
     @torch.inference_mode()
     def step(self, seqs: Sequence[ScheduledSeq]) -> StepOutput:
         self._inject_faults(seqs)
-        t0 = time.perf_counter() if self.timings is not None else 0.0
-        ids, positions, meta = self.prepare(seqs)
-        rows, params, out_pos = self._sampling_rows(seqs)
-        embeds = self.embedder(seqs, ids) if self.embedder is not None else None
-        attention = self.attention_factory(seqs, meta)
-        t1 = time.perf_counter() if self.timings is not None else 0.0
+        timed = self.timings is not None
+        t0 = time.perf_counter() if timed else 0.0
+        params = [s.request.params for s in seqs if s.samples]
+        out_pos = [s.request.num_output_tokens for s in seqs if s.samples]
+        if self.graphs is not None and (tokens := self.graphs.step(seqs, params, out_pos)) is not None:
+            if timed:
+                self._record(seqs, t0, t0)
+            return StepOutput(tokens)
+        inputs = self.prepare(seqs)
+        embeds = self.embedder(seqs, inputs.ids) if self.embedder is not None else None
+        attention = self.attention_factory(seqs, inputs.meta)
+        t1 = time.perf_counter() if timed else 0.0
         routing: list[torch.Tensor] = []
-        logits = self.model(ids, positions, attention, embeds, output_rows=rows, routing=routing)
+        logits = self.model(inputs.ids, inputs.positions, attention, embeds, output_rows=inputs.sample_rows,
+                            routing=routing)
         tokens = sample(logits, params, out_pos) if params else []
-        if self.timings is not None:
-            self.timings.append(StepTiming(len(seqs), all(s.num_tokens == 1 for s in seqs), t1 - t0,
-                                           time.perf_counter() - t1))
+        if timed:
+            self._record(seqs, t0, t1)
         return StepOutput(tokens, routing)
+
+    def _record(self, seqs: Sequence[ScheduledSeq], t0: float, t1: float) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        decode_only = all(s.num_tokens == 1 for s in seqs)
+        self.timings.append(StepTiming(len(seqs), decode_only, t1 - t0, time.perf_counter() - t1))
 
     def _inject_faults(self, seqs: Sequence[ScheduledSeq]) -> None:
         if self.faults is not None:
             self.faults.before_step([s.request.request_id for s in seqs])
-
-    def _sampling_rows(self, seqs: Sequence[ScheduledSeq]):
-        rows, params, out_pos, offset = [], [], [], 0
-        for s in seqs:
-            offset += s.num_tokens
-            if s.samples:
-                rows.append(offset - 1)
-                params.append(s.request.params)
-                out_pos.append(s.request.num_output_tokens)
-        return torch.tensor(rows, dtype=torch.int64, device=self.device), params, out_pos
 
 
 class NoComputeRunner(ModelRunner):
