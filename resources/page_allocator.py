@@ -1,20 +1,33 @@
 """The paged KV allocator: which pages of the KV buffers are free.
 
-Free page ids live in a tensor used as a stack; a boolean tensor marks the
-pages held by callers, so a double free or a foreign id is caught before
+Free page ids live in an int64 array used as a stack; a boolean array marks
+the pages held by callers, so a double free or a foreign id is caught before
 anything changes. Allocation succeeds whole or changes nothing.
+
+API (pages are numpy int64 arrays end to end; no call allocates a tensor)::
+
+    alloc_array(n) -> np.ndarray | None   n fresh page ids the caller owns
+    alloc_into(out) -> bool               fill `out` (e.g. a row of the caller's
+                                          host page table) with fresh page ids
+    free(pages)                           pages: np.ndarray, CPU tensor (read
+                                          in place) or a sequence of ints
+    free_chunks([a, b, ...])              one free of several arrays' pages
+    alloc(n) -> torch.Tensor | None       alloc_array as a tensor sharing its
+                                          memory (for callers that want one)
 
 NOTE: this is bookkeeping, kept in host memory on every device (a CUDA
 allocator that asked the GPU whether a page is free would synchronise on
 every call). The page ids it hands out index the KV buffers, which live on
 the configured device. Page 0 is reserved as the padding page.
 
-NOTE: both tensors are read and written through numpy views of the same
-memory: a numpy op on a small array costs well under a microsecond, a torch
-op a few, and an allocator call is a handful of them.
+NOTE: every call is a handful of numpy operations on small arrays (well
+under a microsecond each, where a torch op costs a few), and one-page calls,
+the commonest in decoding, are plain Python on the arrays' items.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -38,73 +51,112 @@ class PageAllocator:
         self.page_size = page_size
         self.capacity = num_pages - 1
         # lowest ids on top so a fresh allocator hands out 1, 2, 3, ...
-        self._stack = torch.arange(num_pages - 1, 0, -1, dtype=torch.int64)
+        self._stack = np.arange(num_pages - 1, 0, -1, dtype=np.int64)
         self._top = self.capacity  # number of free pages
-        # NOTE: held by a caller; page 0 is reserved, never handed out, never held.
-        # One padding entry past the end stays False: a clipped lookup sends every
-        # negative id to page 0 and every id past the pool to the padding, so any
-        # foreign id reads "not held".
-        self._held = torch.zeros(num_pages + 1, dtype=torch.bool)
-        self._in_use = self._held[:num_pages]
-        self._stack_np = self._stack.numpy()
-        self._held_np = self._held.numpy()
-        self._in_use_np = self._held_np[:num_pages]
-        self._stamp = np.zeros(num_pages, dtype=np.int32)  # scratch for the duplicate check
-        self._iota = np.arange(num_pages, dtype=np.int32)
+        # NOTE: tag >= 0: held by a caller; negative: free (a freed page keeps the
+        # stamp -1 - its position in the free that returned it). Page 0 is reserved,
+        # never handed out, never held, and one padding entry past the end stays
+        # -1 too: a clipped lookup sends every negative id to page 0 and every id
+        # past the pool to the padding, so any foreign id reads "not held".
+        self._tag = np.full(num_pages + 1, -1, dtype=np.int64)
+        self._neg_iota = -1 - np.arange(num_pages, dtype=np.int64)
 
     @property
     def num_free(self) -> int:
         return self._top
 
-    def alloc(self, n: int) -> torch.Tensor | None:
-        """Take `n` pages, or return None and change nothing if fewer are free."""
-        if n <= 0:
-            return torch.empty(0, dtype=torch.int64)
+    def alloc_array(self, n: int) -> np.ndarray | None:
+        """Take `n` pages (a new int64 array), or return None and change nothing if fewer are free."""
         top = self._top - n
+        if n <= 0:
+            return np.empty(0, dtype=np.int64)
         if top < 0:
             return None
-        ids = self._stack_np[top : self._top].copy()
-        self._in_use_np[ids] = True
+        ids = self._stack[top : self._top].copy()
+        if n == 1:
+            self._tag[ids.item()] = 0
+        else:
+            self._tag[ids] = 0
         self._top = top
-        return torch.from_numpy(ids)
+        return ids
 
-    def free(self, pages: torch.Tensor) -> None:
+    def alloc_into(self, out: np.ndarray) -> bool:
+        """Fill the int64 array `out` with ``len(out)`` fresh page ids; False
+        (changing nothing) if fewer are free. No array is allocated."""
+        n = out.shape[0]
+        top = self._top - n
+        if top < 0:
+            return False
+        if n == 1:
+            page = self._stack[top]
+            out[0] = page
+            self._tag[page] = 0
+        elif n:
+            out[:] = self._stack[top : self._top]
+            self._tag[out] = 0
+        self._top = top
+        return True
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """`alloc_array` as an int64 tensor sharing the array's memory."""
+        ids = self.alloc_array(n)
+        return None if ids is None else torch.from_numpy(ids)
+
+    def free(self, pages: np.ndarray | torch.Tensor | Sequence[int]) -> None:
         """Give pages back; raises (changing nothing) on a foreign id or a double free."""
-        n = pages.numel()
+        if isinstance(pages, np.ndarray):
+            ids = pages if pages.dtype == np.int64 and pages.ndim == 1 else pages.astype(np.int64).reshape(-1)
+        elif isinstance(pages, torch.Tensor):
+            t = pages.detach()
+            if not t.is_cpu or t.dtype is not torch.int64 or t.dim() != 1:
+                t = t.reshape(-1).to(dtype=torch.int64, device="cpu")
+            ids = t.numpy()
+        else:
+            ids = np.asarray(pages, dtype=np.int64).reshape(-1)
+        n = ids.shape[0]
         if n == 0:
             return
+        tag = self._tag
         if n == 1:
-            page = int(pages)
+            page = ids.item()
             if not 0 < page < self.num_pages:
                 raise ForeignPage(f"page id out of range 1..{self.num_pages - 1}: {page}")
-            if not self._in_use_np[page]:
+            if tag[page] < 0:
                 raise DoubleFree(f"freeing pages not in use: [{page}]")
-            self._in_use_np[page] = False
-            self._stack_np[self._top] = page
+            tag[page] = -1
+            self._stack[self._top] = page
             self._top += 1
             return
-        if not pages.is_cpu or pages.dtype is not torch.int64 or pages.dim() != 1:
-            pages = pages.detach().reshape(-1).to(dtype=torch.int64, device="cpu")
-        ids = pages.numpy()
-        if n > self.capacity - self._top or np.count_nonzero(self._held_np.take(ids, mode="clip")) != n:
+        if n > self.capacity - self._top:  # more pages than are held: some repeat or are free
             self._raise_for(ids)
-        iota = self._iota[:n]
-        self._stamp[ids] = iota  # a repeated id keeps only its last position
-        if np.count_nonzero(self._stamp[ids] != iota):
+        held = tag.take(ids, mode="clip")
+        if held.min() < 0:
+            self._raise_for(ids)
+        stamp = self._neg_iota[:n]
+        tag[ids] = stamp  # free now; a repeated id keeps only its last position's stamp
+        if np.count_nonzero(tag.take(ids) != stamp):
+            tag[ids] = held  # undo: every id was held
             raise DoubleFree(f"page ids repeated within one free: {ids.tolist()}")
-        self._in_use_np[ids] = False
-        self._stack_np[self._top : self._top + n] = ids
+        self._stack[self._top : self._top + n] = ids
         self._top += n
+
+    def free_chunks(self, chunks: Sequence[np.ndarray]) -> None:
+        """Free the pages of several arrays (a request's page lists) in one call."""
+        self.free(chunks[0] if len(chunks) == 1 else np.concatenate(chunks))
 
     def in_use(self, page: int) -> bool:
         """Whether `page` is held by a caller (the reserved page 0 always is)."""
-        return page == 0 or bool(self._in_use_np[page])
+        return page == 0 or bool(self._tag[page] >= 0)
+
+    def free_pages(self) -> np.ndarray:
+        """The free page ids (a copy), top of the stack last."""
+        return self._stack[: self._top].copy()
 
     def _raise_for(self, ids: np.ndarray) -> None:
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 1 or hi >= self.num_pages:
             raise ForeignPage(f"page id out of range 1..{self.num_pages - 1}: {lo if lo < 1 else hi}")
-        not_held = ids[~self._in_use_np[ids]]
+        not_held = ids[self._tag[ids] < 0]
         if not_held.size:
             raise DoubleFree(f"freeing pages not in use: {not_held.tolist()}")
         raise DoubleFree(f"page ids repeated within one free: {ids.tolist()}")

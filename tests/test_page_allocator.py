@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import settings
@@ -27,7 +28,15 @@ def _assert_refused(alloc: PageAllocator, pages, exc: type[Exception]) -> None:
     assert _snapshot(alloc) == before
 
 
-def _as_tensor(ids: list[int], form: str) -> torch.Tensor:
+FORMS = ["int64", "int32", "2d", "numpy", "numpy-int32", "list"]
+
+
+def _as_tensor(ids: list[int], form: str):
+    """`ids` in one of the forms `free` accepts: tensors, numpy arrays, a list."""
+    if form == "list":
+        return list(ids)
+    if form.startswith("numpy"):
+        return np.array(ids, dtype=np.int32 if form == "numpy-int32" else np.int64)
     t = torch.tensor(ids, dtype=torch.int32 if form == "int32" else torch.int64)
     return t.reshape(1, -1) if form == "2d" else t
 
@@ -69,10 +78,39 @@ class TestAlloc:
         assert PageAllocator(2, 16).capacity == 1
 
 
+class TestArrays:
+    def test_alloc_array_hands_out_int64_arrays_the_caller_owns(self):
+        """alloc_array returns a fresh int64 array; writing into it cannot corrupt the allocator."""
+        alloc = PageAllocator(8, 16)
+        pages = alloc.alloc_array(3)
+        assert pages.dtype == np.int64 and pages.tolist() == [3, 2, 1]
+        pages[:] = 0
+        assert alloc.alloc_array(4).tolist() == [7, 6, 5, 4] and alloc.alloc_array(1) is None
+
+    def test_alloc_tensor_shares_the_array(self):
+        """alloc's tensor is the same pages as an array would be (no copy needed to free it)."""
+        alloc = PageAllocator(8, 16)
+        pages = alloc.alloc(2)
+        alloc.free(pages.numpy())
+        assert alloc.num_free == 7
+
+    def test_free_chunks_is_one_free_of_all_the_chunks(self):
+        """free_chunks frees several arrays' pages at once and refuses a page repeated across chunks."""
+        alloc = PageAllocator(10, 16)
+        a, b, c = alloc.alloc_array(3), alloc.alloc_array(1), alloc.alloc_array(2)
+        _assert_refused(alloc, np.concatenate([a, a[:1]]), DoubleFree)
+        before = _snapshot(alloc)
+        with pytest.raises(DoubleFree):
+            alloc.free_chunks([a, b, a[:1]])
+        assert _snapshot(alloc) == before
+        alloc.free_chunks([a, b, c])
+        assert alloc.num_free == 9
+
+
 class TestFree:
-    @pytest.mark.parametrize("form", ["int64", "int32", "2d"])
+    @pytest.mark.parametrize("form", FORMS)
     def test_free_accepts_any_integer_tensor(self, form):
-        """Pages come back whatever integer dtype or shape they arrive in."""
+        """Pages come back whatever integer dtype, shape or container they arrive in."""
         alloc = PageAllocator(10, 16)
         alloc.alloc(9)
         alloc.free(_as_tensor([4, 2, 9], form))
@@ -144,7 +182,7 @@ class AllocatorModel(RuleBasedStateMachine):
         self.held |= set(ids)
 
     @precondition(lambda self: self.alloc is not None and self.held)
-    @rule(data=st.data(), form=st.sampled_from(["int64", "int32", "2d"]))
+    @rule(data=st.data(), form=st.sampled_from(FORMS))
     def free_held(self, data, form):
         ids = data.draw(st.lists(st.sampled_from(sorted(self.held)), min_size=1, unique=True))
         self.alloc.free(_as_tensor(ids, form))
@@ -158,7 +196,7 @@ class AllocatorModel(RuleBasedStateMachine):
         held = st.sampled_from(sorted(self.held)) if self.held else st.nothing()
         good = data.draw(st.lists(held, max_size=3 if self.held else 0, unique=True))
         ids = data.draw(st.permutations(bad + good))
-        _assert_refused(self.alloc, torch.tensor(ids), DoubleFree)
+        _assert_refused(self.alloc, _as_tensor(ids, data.draw(st.sampled_from(FORMS))), DoubleFree)
 
     @precondition(lambda self: self.alloc is not None and self.held)
     @rule(data=st.data(), times=st.integers(2, 50))
@@ -166,7 +204,7 @@ class AllocatorModel(RuleBasedStateMachine):
         page = data.draw(st.sampled_from(sorted(self.held)))
         others = data.draw(st.lists(st.sampled_from(sorted(self.held)), max_size=3, unique=True))
         ids = data.draw(st.permutations([page] * times + [p for p in others if p != page]))
-        _assert_refused(self.alloc, torch.tensor(ids), DoubleFree)
+        _assert_refused(self.alloc, _as_tensor(ids, data.draw(st.sampled_from(FORMS))), DoubleFree)
 
     @precondition(lambda self: self.alloc is not None)
     @rule(data=st.data())

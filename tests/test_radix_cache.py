@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -46,10 +47,25 @@ class TestMatch:
         """A match ending inside a node splits it, so the node returned holds exactly the match."""
         cache = _make_cache(([1, 2, 3, 4, 5, 6, 7, 8], [10, 11, 12, 13]))
         pages, node = cache.match([1, 2, 3, 4, 9, 9])
-        assert pages == [10, 11] and node.pages == [10, 11]
-        assert node.parent is cache.root and list(node.children.values())[0].pages == [12, 13]
+        assert pages == [10, 11] and node.pages.tolist() == [10, 11]
+        assert node.parent is cache.root and list(node.children.values())[0].pages.tolist() == [12, 13]
         assert cache.match([1, 2, 3, 4, 5, 6, 7, 8])[0] == [10, 11, 12, 13]
         _assert_counts(cache, 4, 0)
+
+
+class TestArrays:
+    def test_array_forms_take_and_return_int64_arrays(self):
+        """match_pages / insert_pages / evict_pages speak numpy int64, the list forms the same ids."""
+        cache = RadixCache(PS)
+        dups = cache.insert_pages([1, 1, 2, 2], np.array([5, 6]))
+        assert dups.dtype == np.int64 and dups.size == 0
+        pages, node = cache.match_pages([1, 1, 2, 2, 3])
+        assert pages.dtype == np.int64 and pages.tolist() == [5, 6] and cache.match([1, 1, 2, 2])[0] == [5, 6]
+        pages[:] = 0  # the caller's copy: the cache keeps its pages
+        assert cache.match([1, 1])[0] == [5]
+        assert cache.insert_pages([1, 1, 2, 2, 4, 4], [5, 9, 7]).tolist() == [9]
+        evicted = cache.evict_pages(1)
+        assert evicted.dtype == np.int64 and evicted.tolist() == [7]
 
 
 class TestLocking:
