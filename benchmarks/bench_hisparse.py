@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -42,6 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.machine import header, loadavg, machine_info  # noqa: E402
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from engine.logging import configure_logging  # noqa: E402
 from hisparse import HiSparseConfig  # noqa: E402
@@ -68,7 +67,7 @@ async def _run(context: int, steps: int, hisparse: HiSparseConfig | None) -> dic
     state = None
     if hisparse is not None:
         state = next(h for h in engine.parts.machine.hooks if h.name == "hisparse_host").state
-    runner = engine.loop.runner
+    runner = engine.parts.runner
     original_step = runner.step
     times: list[float] = []
     held: list[dict] = []
@@ -115,15 +114,20 @@ async def _run(context: int, steps: int, hisparse: HiSparseConfig | None) -> dic
     return result
 
 
+def _ratios(row: dict) -> str:
+    ratios = row["speedup_per_repeat"]
+    return f"{ratios[len(ratios) // 2]:.1f}x ({ratios[0]:.1f}-{ratios[-1]:.1f})"
+
+
 def _table(rows: list[dict]) -> str:
-    header = ("| context | dense step ms | HiSparse step ms | speedup | dense device KV | HiSparse device KV "
-              "| KV ratio | HiSparse index keys + map | swap-ins / layer-step |")
+    header = ("| context | dense step ms | HiSparse step ms | speedup (per repeat: median, range) | dense device KV "
+              "| HiSparse device KV | KV ratio | HiSparse index keys + map | swap-ins / layer-step |")
     lines = [header, "|" + "---|" * 9]
     for r in rows:
         d, h = r["dense"], r["hisparse"]
         meta = h["device_bytes"]["index_keys"] + h["device_bytes"]["slot_map"]
         lines.append(
-            f"| {r['context']:,} | {d['step_ms_median']:.2f} | {h['step_ms_median']:.2f} | {r['speedup']:.1f}x "
+            f"| {r['context']:,} | {d['step_ms_median']:.2f} | {h['step_ms_median']:.2f} | {_ratios(r)} "
             f"| {d['device_kv_bytes'] / 2**20:.2f} MiB | {h['device_kv_bytes'] / 2**20:.2f} MiB "
             f"| {r['kv_bytes_ratio']:.3f} | {meta / 2**20:.2f} MiB | {h['swap_ins_per_layer_step']:.1f} |")
     return "\n".join(lines)
@@ -131,7 +135,7 @@ def _table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
     parser.add_argument("--top-k", type=int, default=256)
     parser.add_argument("--buffer", type=int, default=512, help="device_buffer_size")
     parser.add_argument("--steps", type=int, default=32, help="decode steps timed per run")
@@ -146,6 +150,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.quick:
         args.contexts, args.steps = [512, 2048], 8
     configure_logging("warning")
+    info = machine_info()
+    print(header(info), flush=True)
     rows = []
     for context in args.contexts:
         hisparse = HiSparseConfig(top_k=args.top_k, device_buffer_size=min(args.buffer, context),
@@ -164,13 +170,16 @@ def main(argv: list[str] | None = None) -> dict:
             "dense": dense,
             "hisparse": sparse,
             "speedup": dense["step_ms_median"] / sparse["step_ms_median"],
+            # NOTE: the ratio within each interleaved repeat, median and range: the figure to quote
+            "speedup_per_repeat": sorted(d["step_ms_median"] / h["step_ms_median"]
+                                         for d, h in zip(dense_runs, sparse_runs)),
             "kv_bytes_ratio": sparse["device_kv_bytes"] / dense["device_kv_bytes"],
         })
         print(f"context {context}: dense {dense['step_ms_median']:.2f} ms, "
-              f"HiSparse {sparse['step_ms_median']:.2f} ms", flush=True)
+              f"HiSparse {sparse['step_ms_median']:.2f} ms, load {loadavg()}", flush=True)
+    info["load_at_end"] = loadavg()
     results = {
-        "machine": {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
-                    "torch_threads": torch.get_num_threads(), "platform": platform.platform()},
+        "machine": info,
         "workload": {"model": "tiny (hidden 256, 4 layers, 4 heads, 2 KV heads, head_dim 64, fp32)",
                      "top_k": args.top_k, "device_buffer_size": args.buffer, "decode_steps": args.steps,
                      "repeat": args.repeat, "torch_threads": args.threads,
@@ -178,6 +187,7 @@ def main(argv: list[str] | None = None) -> dict:
                      "recent_window": HiSparseConfig(top_k=args.top_k).recent_window},
         "results": rows,
     }
+    print(f"{header(info)}; load at end {info['load_at_end']}")
     print(_table(rows))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

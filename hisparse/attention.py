@@ -30,7 +30,7 @@ from torch import Tensor
 
 from hisparse import lru
 from hisparse.hooks import DEVICE_HOOK, HOST_HOOK, MAP_HOOK, DeviceBuffer, HostRecord, SlotMap
-from hisparse.selection import select_top
+from hisparse.selection import top_positions
 
 if TYPE_CHECKING:
     from hisparse.state import HiSparseState
@@ -121,7 +121,7 @@ class SparseDecodeAttention:
         else:
             scores = self._scores(layer_id, row, query)
             # NOTE: on CUDA, the one host sync per layer: the LRU and the host gather run on the host
-            selected = select_top(scores, top_k=cfg.top_k, recent=cfg.recent_window).cpu().numpy()
+            selected = top_positions(scores, top_k=cfg.top_k, recent=cfg.recent_window)
         buffer = row.buffer
         local, miss = lru.assign(row.slot_map.table[layer_id], buffer.slot_token[layer_id],
                                  buffer.last_used[layer_id], selected, buffer.stamp)

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hisparse import lru
-from hisparse.selection import IndexProjection, select
+from hisparse.selection import IndexProjection, select, select_top, top_positions
 
 
 class _ModelLRU:
@@ -125,6 +125,14 @@ class TestSelection:
         keys[:, 0] = torch.tensor([9.0, 1, 8, 2, 3, 0, 7, 1, -5, -6])
         chosen = select(keys, torch.ones(1), top_k=4, recent=2)
         assert chosen.tolist() == [0, 2, 8, 9]
+
+    def test_top_positions_equals_select_top(self):
+        """The host partition selects the same positions as torch.topk (distinct scores), ascending."""
+        for seed in range(5):
+            scores = torch.randn(3000, generator=torch.Generator().manual_seed(seed))
+            expected = select_top(scores.clone(), top_k=256, recent=16).tolist()
+            got = top_positions(scores.clone(), top_k=256, recent=16)
+            assert got.dtype == np.int64 and got.tolist() == expected
 
     def test_exact_projection_sums_head_logits(self):
         """With index_dim >= kv_heads * head_dim, q_index . k_index is the sum of per-head logits."""
