@@ -29,6 +29,7 @@ from anyio.from_thread import start_blocking_portal
 from engine import Engine, EngineConfig, InvalidRequest, SamplingParams
 from engine.model.dense_reference import dense_forward
 from engine.testing import FaultInjector
+from helpers import live_request
 from states import Handle, RequestState
 
 DEADLINE = 60.0  # seconds any single wait may take before the engine is declared hung
@@ -128,7 +129,7 @@ class EngineDriver:
         self.portal = self._portal_cm.__enter__()
         self.engine: Engine = self.portal.call(lambda: Engine(self.config, faults=self.faults))
         machines = [self.engine.parts.machine]
-        worker = getattr(self.engine.parts, "prefill_worker", None)
+        worker = getattr(self.engine.parts, "prefill_client", None)
         if worker is not None:
             machines.append(worker.machine)
         for machine in machines:
@@ -201,7 +202,7 @@ class EngineDriver:
 
     async def _abort(self, request_id: str) -> tuple[bool, bool]:
         """(what abort() returned, whether the request was live): one step of the loop thread."""
-        request = self.engine.loop.requests.get(request_id)
+        request = live_request(self.engine, request_id)
         expected = request is not None and not request.is_finished
         return await self.engine.abort(request_id), expected
 
@@ -230,16 +231,16 @@ class EngineDriver:
         self.portal.call(self._duplicate, request_id)
 
     def _duplicate(self, request_id: str) -> None:
-        if request_id not in self.engine.loop.requests:
+        if not self.engine.loop.is_live(request_id):
             return
-        before = len(self.engine.loop.requests)
+        before = len(self.engine.loop.requests())
         try:
             self.engine.generate([1, 2], request_id=request_id)
         except InvalidRequest as exc:
             assert "unique among requests in flight" in str(exc)
         else:
             raise AssertionError(f"a duplicate of {request_id!r} in flight was accepted")
-        assert len(self.engine.loop.requests) == before
+        assert len(self.engine.loop.requests()) == before
 
     def health_check(self) -> None:
         self.portal.call(self._spawn, self._health)
@@ -293,7 +294,7 @@ class EngineDriver:
                 while not all(r.done for r in self.recs.values()):
                     await anyio.sleep(0.001)
         except TimeoutError:
-            worker = getattr(self.engine.parts, "prefill_worker", None)
+            worker = getattr(self.engine.parts, "prefill_client", None)
             jobs = None if worker is None else (len(worker.jobs), len(worker.requests))
             raise AssertionError(f"not idle after {DEADLINE}s: {self.engine.requests_by_state()}, "
                                  f"{self.engine.memory_report().as_dict()}, worker jobs/requests {jobs}") from None
@@ -329,8 +330,9 @@ class EngineDriver:
                 assert owner.request_id.removeprefix("prefill:") in stuck, owner.describe()
         suspects = {n for n, s in report.pools.items() if s.suspect}
         assert not suspects or any(t.startswith("release:") for ts in self.tags.values() for t in ts), suspects
-        tables = {"outputs": loop.outputs, "waiting": loop.waiting, "running": loop.running,
-                  "finished": loop.finished, "pending_aborts": loop.pending_aborts,
+        table = loop.table
+        tables = {"submissions": table.submissions, "owner": table.owner, "waiting": table.waiting,
+                  "unstarted": table.unstarted, "aborts": table.aborts, "starved": loop.planner.starved,
                   "prefix_locks": engine.parts.kv_pool.prefix_locks}
         assert not any(tables.values()), {k: len(v) for k, v in tables.items() if v}
         assert loop.stats.leak_check_failures == 0

@@ -345,10 +345,10 @@ class TestFoundByTheStateMachine:
                 stream = engine.generate([1, 2, 3], SamplingParams(max_new_tokens=2), request_id="done")
                 await engine.wait_idle(10)
                 await stream.aclose()  # the final output was never read
-                assert not engine.loop.pending_aborts
+                assert not engine.loop.table.aborts
                 engine.generate([1, 2, 3], SamplingParams(max_new_tokens=30), request_id="late")
                 await engine.abort("late")
-            assert not engine.loop.pending_aborts and engine.idle
+            assert not engine.loop.table.aborts and engine.idle
 
 
 class TestVariants:

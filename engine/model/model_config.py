@@ -158,7 +158,7 @@ class ModelConfig:
             rope_theta=10000.0,
             rms_norm_eps=1e-6,
             tie_word_embeddings=False,
-            max_position_embeddings=4096,
+            max_position_embeddings=32768,
             vision=VisionConfig(patch_size=8, max_image_size=64),
             bos_token_id=BYTE_BOS_ID,
             eos_token_id=BYTE_EOS_ID,
