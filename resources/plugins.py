@@ -36,7 +36,8 @@ class PluginContext:
     config: Any
 
 
-def _is_hook(source: Any) -> bool:
+def is_hook_instance(source: Any) -> bool:
+    """A hook object (used as is), as opposed to a factory (called with the context)."""
     return hasattr(source, "release") and not isinstance(source, type)
 
 
@@ -53,7 +54,7 @@ def build_plugin_hooks(
                 raise PluginError(f"plugin entry point {ep.name!r} ({ep.value}) failed to load: {exc!r}") from exc
     hooks = []
     for label, source in sources:
-        if _is_hook(source):
+        if is_hook_instance(source):
             hooks.append(source)
             continue
         try:

@@ -156,3 +156,48 @@ class TestFences:
         assert machine.try_release(req) is False
         fence.complete()
         assert machine.try_release(req) and hooks["kv"].held == 0
+
+
+class _Interrupt(BaseException):
+    """Stands for a cancellation or KeyboardInterrupt arriving inside a hook."""
+
+
+class TestBaseException:
+    def test_an_interrupt_in_a_release_still_finishes_the_sequence(self):
+        """A BaseException in one hook's release is re-raised only after every other hook ran
+        and the request reached RELEASED (item 5)."""
+        hooks = _make_hooks()
+        ledger = Ledger()
+        machine = _make_machine(hooks, ledger=ledger)
+        req = _drive(machine, PATHS[S.FINISHED])
+
+        def interrupted(request, handle):
+            hooks["kv"].held -= 1
+            raise _Interrupt
+
+        hooks["kv"].release = interrupted
+        with pytest.raises(_Interrupt):
+            machine.try_release(req)
+        assert req.state is S.RELEASED and req.handles == {}
+        assert all(h.held == 0 for h in hooks.values()) and ledger.num_tracked_requests == 0
+
+    def test_an_interrupt_in_an_acquisition_rolls_back(self):
+        """A BaseException during an acquisition releases what the move took and leaves the request put."""
+        hooks = _make_hooks()
+        machine = _make_machine(hooks)
+        req = _drive(machine, PATHS[S.QUEUED])
+        hooks["kv"].fail_acquire = _Interrupt()
+        with pytest.raises(_Interrupt):
+            machine.advance(req, S.PREFILLING)
+        assert req.state is S.QUEUED and set(req.handles) == {"moe", "mm", "timing"}
+        hooks["kv"].fail_acquire = None
+        _finish_all(machine, req)
+
+    def test_an_observer_that_raises_is_only_logged(self):
+        """A transition observer cannot refuse or stop a move."""
+        machine = _make_machine(_make_hooks())
+        machine.transition_observers.append(lambda r, a, b: 1 / 0)
+        with capture_logs() as logs:
+            req = _drive(machine, PATHS[S.RELEASED])
+        assert req.state is S.RELEASED
+        assert {e["event"] for e in logs if e["log_level"] == "error"} == {"machine.observer_failed"}

@@ -21,7 +21,6 @@ import structlog
 from engine.disagg.kv_transfer_hook import TRANSFER_FENCE, TransferCancelled, TransferJob, cancel_unstarted
 from engine.disagg.transfer import TransferBackend
 from engine.runtime.scheduler import ScheduledSeq
-from resources import ManualFence
 from resources.request_slots import RequestSlotHook
 from states import FinishReason, Request, RequestState, ResourceExhausted
 
@@ -130,8 +129,9 @@ class PrefillWorker:
             job.resolve("failed", TransferCancelled("engine shut down"))
             raise
         stuck = self.faults is not None and self.faults.fence_stuck(TRANSFER_FENCE, job.request_id)
-        if stuck:  # the copy "never lands": both sides' fences miss their deadlines
-            request.fences.append(ManualFence("kv_send", {"kv"}, timeout=job.fence_timeout))
+        if stuck:  # the copy does not land in time: both sides' fences miss their deadlines
+            request.fences.append(self.faults.stuck_fence("kv_send", {"kv"}, timeout=job.fence_timeout))
+            self.faults.stuck.append(job.fence)  # `unstick()` lands it on the decode side too
         self._finish(request, FinishReason.LENGTH)
         job.resolve("ok", first_token, landed=not stuck)
         return True

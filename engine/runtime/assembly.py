@@ -32,7 +32,7 @@ from resources.kv_buffers import KVBuffers
 from resources.kv_hook import KVHook
 from resources.kv_pool import KVPool
 from resources.ledger import Ledger
-from resources.plugins import PluginContext, build_plugin_hooks
+from resources.plugins import PluginContext, build_plugin_hooks, is_hook_instance
 from resources.contract import order_hooks
 from resources.request_slots import RequestSlotHook
 from resources.timing_hook import TimingHook
@@ -137,7 +137,10 @@ def build_parts(config: EngineConfig, *, faults: FaultInjector | None = None, mo
         from engine.disagg.prefill_worker import PrefillWorker
         from engine.disagg.transfer import LoopbackTransfer
 
-        prefill_config = attrs.evolve(config, disaggregation="none", hisparse=None)
+        # NOTE: a configured hook *instance* has one pool, so it serves the decode engine only;
+        # factories (and entry points) build the prefill worker a hook of its own.
+        prefill_config = attrs.evolve(config, disaggregation="none", hisparse=None,
+                                      resources=tuple(r for r in config.resources if not is_hook_instance(r)))
         prefill_parts = build_parts(prefill_config, faults=faults, model_bundle=(model_config, model, tokenizer),
                                     expert_distribution=expert_distribution)
         client = PrefillWorker(prefill_parts, LoopbackTransfer(kv_buffers, faults), faults=faults)

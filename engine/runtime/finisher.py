@@ -109,16 +109,19 @@ class Finisher:
     def accept_token(self, request: Request, token: int, now: float, logprob: TokenLogprob | None = None) -> None:
         """Append a sampled token; a completed prefill or transfer becomes PREBUILT,
         then finishes (first-token finish) or moves on like any other."""
+        src = request.state
         request.output_token_ids.append(token)
+        if src in (S.PREFILLING, S.TRANSFERRING) and not self.advance(request, S.PREBUILT, reason="prefilled"):
+            if not request.is_finished:  # refused for now: exactly where it was, retried later
+                request.output_token_ids.pop()
+                # NOTE: a prefill recomputes its last token next step (same KV, same seeded draw);
+                # a landed transfer keeps its outcome and lands again next iteration
+                request.kv_len = request.kv_len - 1 if src is S.PREFILLING else 0
+            return
         if request.first_token_time is None:
             request.first_token_time = now
         self.stats.on_token(request, now)
         request.last_token_time = now
-        if request.state in (S.PREFILLING, S.TRANSFERRING) and not self.advance(request, S.PREBUILT,
-                                                                                 reason="prefilled"):
-            if not request.is_finished:  # refused: the token cannot be kept without its KV state
-                self.finish(request, FinishReason.ERROR, error=ResourceExhausted("PREBUILT refused"))
-            return
         submission = self.table.owner.get(request)
         new_text, stopped = ("", False) if submission is None else submission.builders[request].add_tokens([token])
         logprobs = None if logprob is None else (logprob,)
