@@ -99,7 +99,8 @@ class EngineConfig:
 
     model: str = attrs.field(default="tiny")
     device: str = attrs.field(default="cpu")
-    dtype: str = attrs.field(default="float32", validator=one_of("float32", "float16", "bfloat16"))
+    #: "auto": float32 for the built-in models, a checkpoint's own torch_dtype
+    dtype: str = attrs.field(default="auto", validator=one_of("auto", "float32", "float16", "bfloat16"))
     seed: int = attrs.field(default=0, validator=int_at_least(0))
     page_size: int = attrs.field(default=16, validator=int_at_least(1))
     num_kv_pages: int = attrs.field(default=1024, validator=int_at_least(2))

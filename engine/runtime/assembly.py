@@ -97,12 +97,12 @@ def build_parts(config: EngineConfig, *, faults: FaultInjector | None = None, mo
     ledger = Ledger()
     kv_buffers = KVBuffers(num_layers=model_config.num_layers, num_pages=config.num_kv_pages,
                            page_size=config.page_size, num_kv_heads=model_config.num_kv_heads,
-                           head_dim=model_config.head_dim, dtype=getattr(torch, config.dtype), device=device)
+                           head_dim=model_config.head_dim, dtype=model_config.torch_dtype, device=device)
     kv_pool = KVPool(num_pages=config.num_kv_pages, page_size=config.page_size, max_running=config.max_running,
                      max_context=max_context, device=device, prefix_cache=config.prefix_cache)
     kv_scope = None
     slot_of = RequestSlotHook.slot
-    attention_factory = PagedAttention.factory(kv_buffers)
+    attention_factory = PagedAttention.factory(kv_buffers, model_config.layer_windows)
     embedder = None
     before_kv: list = []
     after_kv: list = []
