@@ -23,6 +23,8 @@ image (caching them needs keys that include the image content).
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 import torch
 
@@ -41,7 +43,7 @@ class KVBlock:
     slot: int
     pages: list[int]
     num_prefix_pages: int = 0
-    prefix_node: object | None = None
+    prefix_node: Any = None  # the radix node locked for the prefix
 
 
 class KVHook(ResourceHook):
