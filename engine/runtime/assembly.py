@@ -164,7 +164,9 @@ def build_parts(config: EngineConfig, *, faults: FaultInjector | None = None, mo
     runner_cls = NoComputeRunner if config.model == "null" else ModelRunner
     runner = runner_cls(model, kv_buffers, kv_pool.slots, device, slot_of=slot_of,
                         attention_factory=attention_factory, embedder=embedder, faults=faults)
-    kv_hook = KVHook(kv_pool, scope=kv_scope)
+    windows = model_config.layer_windows
+    kv_hook = KVHook(kv_pool, scope=kv_scope,
+                     window=max(windows) if windows and None not in windows else None)  # type: ignore[type-var]
     slot_hook = RequestSlotHook(kv_pool.slots, scope=kv_scope)
     plugins = build_plugin_hooks(config.resources, PluginContext(device, config),
                                  use_entry_points=config.use_entry_points)
