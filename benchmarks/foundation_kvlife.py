@@ -34,7 +34,13 @@ import structlog
 import torch
 
 from benchmarks.foundation_workloads import ALLOC_POOL_TOKENS, PAGE, PREFIX_POOL_TOKENS, PageLists
-from resources import DoubleFree, KVHook, KVPool, Ledger, PageAllocator, RadixCache, check_memory
+from resources.page_allocator import DoubleFree, PageAllocator
+from resources.radix_cache import RadixCache
+from resources.contract import order_hooks
+from resources.kv_hook import KVHook
+from resources.kv_pool import KVPool
+from resources.ledger import Ledger, check_memory
+from resources.request_slots import RequestSlotHook
 from states import FinishReason, Request, RequestMachine
 from states import RequestState as S
 
@@ -114,7 +120,7 @@ class HookTodayAllocator(BareAllocator):
 
     def __init__(self) -> None:
         self.kv = KVPool(num_pages=ALLOC_POOL_TOKENS // PAGE + 1, page_size=PAGE, max_running=32,
-                         max_context=MAX_CONTEXT, device="cpu", ledger=Ledger(), prefix_cache=False)
+                         max_context=MAX_CONTEXT, device="cpu", prefix_cache=False)
         self.allocator = self.kv.allocator
 
     def admit(self, prompt: int) -> list:
@@ -128,14 +134,14 @@ class HookTodayAllocator(BareAllocator):
 
 
 class _Machine:
-    """Requests through RequestMachine + KVHook + KVPool."""
+    """Requests through RequestMachine + KVHook + RequestSlotHook + KVPool, as the engine assembles them."""
 
     def __init__(self, *, num_pages: int, live: int, prefix_cache: bool) -> None:
         self.ledger = Ledger()
         self.kv = KVPool(num_pages=num_pages, page_size=PAGE, max_running=live, max_context=MAX_CONTEXT,
-                         device="cpu", ledger=self.ledger, prefix_cache=prefix_cache)
-        self.hook = KVHook(self.kv)
-        self.machine = RequestMachine([self.hook])
+                         device="cpu", prefix_cache=prefix_cache)
+        self.machine = RequestMachine(order_hooks([KVHook(self.kv), RequestSlotHook(self.kv.slots)]),
+                                      ledger=self.ledger)
         self.count = 0
 
     def start(self, prompt: list[int]) -> Request:
@@ -151,17 +157,16 @@ class _Machine:
         """The workload grows at page starts only: the tokens up to the next one
         decoded without needing memory, and the new one needs a page."""
         request.kv_len = -(-request.kv_len // PAGE) * PAGE
-        assert self.hook.grow(request, request.kv_len + 1)
+        assert self.machine.grow(request, request.kv_len + 1)
         request.kv_len += 1
 
     def end(self, request: Request) -> None:
         self.machine.finish(request, FinishReason.STOP)
         self.machine.try_release(request)
-        self.ledger.forget_request(request.request_id)
 
     def check(self) -> dict:
-        report = check_memory(self.kv.pools, self.ledger, idle=True)
-        return {"leak_check": "pass", "pools": {n: s.free for n, s in report.pools.items()}}
+        check_memory([self.kv, self.kv.slots], self.ledger, idle=True)
+        return {"leak_check": "pass"}
 
 
 class MachineAllocator:

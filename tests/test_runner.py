@@ -55,8 +55,9 @@ class TestPack:
     def test_weights_are_views_of_the_packed_tensors(self):
         """No weight is held twice: q/k/v, gate/up and the LM head share the packed storage."""
         _, packed = _packed_pair(ModelConfig.tiny())
-        attn, mlp = packed.model.layers[0].self_attn, packed.model.layers[0].mlp
-        for module, packed_t in ((attn.q_proj, attn.qkv_t), (attn.v_proj, attn.qkv_t), (mlp.up_proj, mlp.gate_up_t),
+        layer = packed.model.layers[0]
+        attn, mlp = layer.self_attn, layer.mlp
+        for module, packed_t in ((attn.q_proj, attn.qkv_t), (attn.v_proj, attn.qkv_t), (mlp.up_proj, layer.gate_up_t),
                                  (packed.lm_head, packed.head_t)):
             assert module.weight.untyped_storage().data_ptr() == packed_t.untyped_storage().data_ptr()
 
@@ -113,7 +114,8 @@ async def _decode_batches(engine, prompts, params):
         if not all(s.num_tokens == 1 for s in seqs):
             return original(seqs)
         graphs = DecodeGraphs(runner.model, runner.kv, runner.slots, runner.device, slot_of=runner.slot_of,
-                              max_batch=runner.slots.capacity, capture=False)
+                              max_batch=runner.slots.capacity, layer_windows=runner.attention_factory.layer_windows,
+                              capture=False)
         new_locs = {int(table[runner.slot_of(s.request), s.start]) for s in seqs}
         before = runner.kv.k[0].clone()
         sampled = [s for s in seqs if s.samples]

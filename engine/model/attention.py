@@ -17,7 +17,9 @@ attends each new query causally over the sequence's whole context::
         past the context: 0 (the padding page), masked out
 
 New query i of sequence b sits at position kv_lens[b] - q_lens[b] + i and
-sees context tokens 0 ..= that position.
+sees context tokens 0 ..= that position; in a layer with a sliding window W
+(`layer_windows`), only the last W of them (positions > that position - W),
+as transformers masks it.
 
 Decode rows (q_len == 1) are attended in one padded batched call; each
 prefill chunk (q_len > 1) gets its own call. K/V are gathered a page at a
@@ -31,7 +33,7 @@ sees ``[batch, kv_heads, group * q_len, head_dim]`` against
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import attrs
@@ -148,18 +150,23 @@ class PagedAttention:
 
     Construct one per step; the per-step plan (which rows decode together,
     the gather indices, the padding masks) is built once here and reused by
-    every layer, with no host synchronisation.
+    every layer, with no host synchronisation. `layer_windows[layer_id]` is
+    that layer's sliding window (None or absent: full causal attention); one
+    set of masks is built per distinct window.
     """
 
-    def __init__(self, kv: KVBuffers, meta: AttentionMetadata) -> None:
+    def __init__(self, kv: KVBuffers, meta: AttentionMetadata, layer_windows: Sequence[int | None] = ()) -> None:
         self._kv = kv
         self._out_locs = meta.out_locs
+        longest = max(meta.kv_lens)
+        # NOTE: a window at least as long as every context is no window
+        self._windows = tuple(None if w is not None and w >= longest else w for w in layer_windows)
         device = meta.out_locs.device
         q_lens, kv_lens = meta.q_lens, meta.kv_lens
         self._decode_rows: Tensor | slice | None = None
         self._decode: _Gather | None = None
-        # (row slice in T, context gather, causal mask [1, 1, q_len, kv_len]) per prefill chunk
-        self._prefills: list[tuple[slice, _Gather, Tensor]] = []
+        # (row slice in T, context gather, window -> causal mask [1, 1, q_len, width]) per prefill chunk
+        self._prefills: list[tuple[slice, _Gather, dict[int | None, Tensor]]] = []
         if meta.is_decode_only:
             self._decode_rows = slice(None)
             self._decode = _Gather.of(kv, meta, range(len(q_lens)), device)
@@ -176,25 +183,30 @@ class PagedAttention:
                 continue
             gather = _Gather.of(kv, meta, [b], device)
             query_pos = torch.arange(kv_len - q_len, kv_len, device=device)
-            mask = torch.arange(gather.width, device=device)[None, :] <= query_pos[:, None]
-            self._prefills.append((slice(starts[b], starts[b + 1]), gather, mask[None, None]))
+            keys = torch.arange(gather.width, device=device)[None, :]
+            masks = {None: (keys <= query_pos[:, None])[None, None]}
+            for window in set(self._windows) - {None}:
+                masks[window] = masks[None] & (keys > query_pos[:, None] - window)[None, None]
+            self._prefills.append((slice(starts[b], starts[b + 1]), gather, masks))
 
     @classmethod
-    def decode(cls, kv: KVBuffers, out_locs: Tensor, pages: Tensor, kv_lens: Tensor) -> PagedAttention:
+    def decode(cls, kv: KVBuffers, out_locs: Tensor, pages: Tensor, kv_lens: Tensor,
+               layer_windows: Sequence[int | None] = ()) -> PagedAttention:
         """A decode-only step given by device tensors alone (no host lengths,
         so the plan can be captured in a CUDA graph): one new token per
         sequence written at `out_locs` ``[B]``, contexts of `kv_lens` ``[B]``
         tokens in the pages `pages` ``[B, P]`` (page size `kv.page_size`)."""
         self = cls.__new__(cls)
-        self._kv, self._out_locs = kv, out_locs
+        self._kv, self._out_locs, self._windows = kv, out_locs, tuple(layer_windows)
         self._decode_rows, self._prefills = slice(None), []
         self._decode = _Gather(pages, kv.page_size, kv_lens)
         return self
 
     @classmethod
-    def factory(cls, kv: KVBuffers) -> Callable[[Sequence[object], AttentionMetadata], PagedAttention]:
-        """The runner's attention factory: one `PagedAttention` per step over `kv`."""
-        return lambda seqs, meta: cls(kv, meta)
+    def factory(cls, kv: KVBuffers, layer_windows: Sequence[int | None] = ()) -> PagedFactory:
+        """The runner's attention factory: one `PagedAttention` per step over
+        `kv`, with each layer's sliding window (`ModelConfig.layer_windows`)."""
+        return PagedFactory(kv, tuple(layer_windows))
 
     def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         k_buf, v_buf = self._kv.k[layer_id], self._kv.v[layer_id]
@@ -202,16 +214,30 @@ class PagedAttention:
         # wins is unspecified, and harmless, since location 0 is never context.
         k_buf.index_copy_(0, self._out_locs, k.to(k_buf.dtype))
         v_buf.index_copy_(0, self._out_locs, v.to(v_buf.dtype))
+        window = self._windows[layer_id] if layer_id < len(self._windows) else None
         decode = self._decode
         if decode is not None and not self._prefills:
-            return _decode_attend(q, k_buf, v_buf, decode)  # NOTE: the common case: no scatter into `out`
+            return _decode_attend(q, k_buf, v_buf, decode, window)  # NOTE: the common case: no scatter into `out`
         out = torch.empty_like(q)
         if decode is not None:
             rows = self._decode_rows
-            out[rows] = _decode_attend(q[rows], k_buf, v_buf, decode)
-        for rows, gather, mask in self._prefills:
-            out[rows] = _attend(q[rows][None], k_buf, v_buf, gather, mask)[0]
+            out[rows] = _decode_attend(q[rows], k_buf, v_buf, decode, window)
+        for rows, gather, masks in self._prefills:
+            out[rows] = _attend(q[rows][None], k_buf, v_buf, gather, masks[window])[0]
         return out
+
+
+@attrs.frozen
+class PagedFactory:
+    """`(seqs, metadata) -> PagedAttention` over `kv` with `layer_windows`
+    (what `PagedAttention.factory` returns; the runner recognises it to run
+    decode steps from static buffers)."""
+
+    kv: KVBuffers
+    layer_windows: tuple[int | None, ...] = ()
+
+    def __call__(self, seqs: Sequence[object], meta: AttentionMetadata) -> PagedAttention:
+        return PagedAttention(self.kv, meta, self.layer_windows)
 
 
 class _Gather:
@@ -223,22 +249,24 @@ class _Gather:
     bytes in 16x fewer, 16x larger rows; on CPU that is most of a decode step.
     """
 
-    __slots__ = ("index", "unit", "width", "mask", "_columns", "_decode_plan")
+    __slots__ = ("index", "unit", "width", "mask", "_columns", "_kv_lens", "_decode_plan", "_additive")
 
     def __init__(self, index: Tensor, unit: int, kv_lens: Tensor) -> None:
         self._columns = index  # [B, columns] page ids (unit > 1) or token locations
+        self._kv_lens = kv_lens
         self.index = index.reshape(-1)  # [B * columns], rows of `unit` tokens
         self.unit = unit
         self.width = index.shape[1] * unit
         # [B, 1 (kv heads), 1 (query rows), width]: a decode query sees its whole context
         self.mask = (torch.arange(self.width, device=index.device) < kv_lens[:, None])[:, None, None, :]
-        self._decode_plan: tuple[Tensor, Tensor, Tensor] | None = None
+        self._decode_plan: tuple[Tensor, Tensor] | None = None
+        self._additive: dict[int | None, Tensor] = {}
 
-    def decode_plan(self, num_heads: int, num_kv_heads: int, head_dim: int,
-                    dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-        """(additive mask ``[B, 1, width]``, value-row bags ``[B * num_heads,
-        width]``, scaled KV-head identity ``[KVH, KVH]``), built on the first
-        layer's call and reused by the others.
+    def decode_plan(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                    window: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """(additive mask ``[B, 1, width]`` for `window`, value-row bags ``[B *
+        num_heads, width]``, scaled KV-head identity ``[KVH, KVH]``), built on
+        the first layer's call (per window) and reused by the others.
 
         Bag ``b * num_heads + h`` lists, for each context column, the row of
         ``v_buf.view(-1, head_dim)`` that query head h of sequence b reads:
@@ -250,10 +278,17 @@ class _Gather:
             tokens = columns if self.unit == 1 else _token_locations(columns, self.unit)
             kv_head = torch.arange(num_heads, device=device) // (num_heads // num_kv_heads)
             bags = (tokens[:, None, :] * num_kv_heads + kv_head[None, :, None]).view(-1, self.width)
-            zeros = torch.zeros(self.mask.shape[0], 1, self.width, dtype=dtype, device=device)
             eye = torch.eye(num_kv_heads, dtype=dtype, device=device) * head_dim**-0.5
-            self._decode_plan = (zeros.masked_fill_(~self.mask[:, 0], float("-inf")), bags, eye)
-        return self._decode_plan
+            self._decode_plan = (bags, eye)
+        additive = self._additive.get(window)
+        if additive is None:
+            visible = self.mask[:, 0]
+            if window is not None:  # the new token sits at kv_len - 1 and sees the keys after kv_len - 1 - window
+                first = (self._kv_lens - window)[:, None, None]
+                visible = visible & (torch.arange(self.width, device=visible.device) >= first)
+            zeros = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+            additive = self._additive[window] = zeros.masked_fill_(~visible, float("-inf"))
+        return (additive, *self._decode_plan)
 
     @classmethod
     def of(cls, kv: KVBuffers, meta: AttentionMetadata, seqs: Sequence[int], device: torch.device) -> _Gather:
@@ -289,7 +324,7 @@ def _token_locations(pages: Tensor, page_size: int) -> Tensor:
     return (pages[:, :, None] * page_size + offsets).reshape(pages.shape[0], -1)
 
 
-def _decode_attend(q: Tensor, k_buf: Tensor, v_buf: Tensor, gather: _Gather) -> Tensor:
+def _decode_attend(q: Tensor, k_buf: Tensor, v_buf: Tensor, gather: _Gather, window: int | None = None) -> Tensor:
     """One query per sequence, `q` ``[B, H, D]``, over the context `gather`
     names; returns ``[B, H, D]``.
 
@@ -305,7 +340,7 @@ def _decode_attend(q: Tensor, k_buf: Tensor, v_buf: Tensor, gather: _Gather) -> 
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
     group = num_heads // num_kv_heads
-    mask, bags, eye = gather.decode_plan(num_heads, num_kv_heads, head_dim, q.dtype)
+    mask, bags, eye = gather.decode_plan(num_heads, num_kv_heads, head_dim, q.dtype, window)
     keys = gather.fetch(k_buf).to(q.dtype).view(batch, gather.width, num_kv_heads * head_dim)
     block_q = (q.view(batch, num_kv_heads, group, 1, head_dim) * eye.view(1, num_kv_heads, 1, num_kv_heads, 1))
     scores = torch.bmm(block_q.view(batch, num_heads, num_kv_heads * head_dim), keys.transpose(1, 2))

@@ -55,12 +55,13 @@ def page_buckets(max_pages: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: Any, kv: Any, slots: Any, device: torch.device, *, slot_of: Any,
-                 max_batch: int, capture: bool = True) -> None:
+                 max_batch: int, layer_windows: tuple = (), capture: bool = True) -> None:
         self.model, self.kv, self.table, self.device = model, kv, slots.req_to_token, device
+        self.layer_windows = layer_windows
         self.slot_of = slot_of
         self.capture = capture
         self.batch_sizes = batch_buckets(max_batch)
-        self.page_sizes = page_buckets(-(-slots.max_context // kv.page_size))
+        self.page_sizes = page_buckets(slots.width // kv.page_size)
         largest = self.batch_sizes[-1]
         self.static = torch.zeros(4, largest, dtype=torch.int64, device=device)
         self._host = torch.zeros(4, largest, dtype=torch.int64, pin_memory=device.type == "cuda")
@@ -113,7 +114,7 @@ class DecodeGraphs:
             pages = pages // ps
         pages = pages.masked_fill(~real[:, None], 0)
         kv_lens = torch.where(real, positions + 1, 1)
-        attention = PagedAttention.decode(self.kv, out_locs, pages, kv_lens)
+        attention = PagedAttention.decode(self.kv, out_locs, pages, kv_lens, self.layer_windows)
         logits = self.model(ids, positions, attention)
         return logits, argmax_rows(logits)
 

@@ -32,7 +32,7 @@ from typing import Any
 import attrs
 import torch
 
-from engine.model.attention import AttentionMetadata, PagedAttention
+from engine.model.attention import AttentionMetadata, PagedAttention, PagedFactory
 from engine.model.sampling import sample
 from engine.runtime.scheduler import ScheduledSeq
 from resources.kv_buffers import KVBuffers
@@ -108,7 +108,6 @@ class ModelRunner:
         self.embedder = embedder
         #: (seqs, metadata) -> AttentionBackend for one step
         self.attention_factory: AttentionFactory = attention_factory or PagedAttention.factory(kv)
-        self._default_attention = attention_factory is None
         #: when a list, each step appends `StepTiming` (benchmarks read it; None: no timing at all)
         self.timings: list[StepTiming] | None = None
         pack = getattr(model, "pack", None)
@@ -116,10 +115,12 @@ class ModelRunner:
             pack()
         #: CUDA graphs of decode steps (`engine.model.decode_graphs`); None: every step eager
         self.graphs = None
-        if device.type == "cuda" and self._default_attention and not getattr(model.config, "is_moe", True):
+        factory = self.attention_factory
+        if device.type == "cuda" and isinstance(factory, PagedFactory) and not getattr(model.config, "is_moe", True):
             from engine.model.decode_graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(model, kv, slots, device, slot_of=slot_of, max_batch=slots.capacity)
+            self.graphs = DecodeGraphs(model, kv, slots, device, slot_of=slot_of, max_batch=slots.capacity,
+                                       layer_windows=factory.layer_windows)
 
     def prepare(self, seqs: Sequence[ScheduledSeq]) -> StepInputs:
         """The batch's tensors, built in one pass over `seqs` and no host sync."""
