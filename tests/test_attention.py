@@ -4,6 +4,7 @@ full-recompute oracle."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import random
 
@@ -12,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.model import attention as attention_module
 from engine.model.attention import AttentionMetadata, PagedAttention
 from engine.model.dense_reference import dense_forward
 from engine.model.model_config import ModelConfig
@@ -140,6 +142,17 @@ def _paged_context(shapes, num_pages: int, gen: torch.Generator):
     return torch.tensor([r + [0] * (width - len(r)) for r in rows]), locs
 
 
+@contextlib.contextmanager
+def _bag_path():
+    """Every decode batch through the embedding-bag path (normally only large ones)."""
+    saved = attention_module._BAG_MIN_TOKENS
+    attention_module._BAG_MIN_TOKENS = 0
+    try:
+        yield
+    finally:
+        attention_module._BAG_MIN_TOKENS = saved
+
+
 class TestPagedMetadata:
     def test_context_must_be_given_exactly_once(self):
         """Neither or both of kv_locs and kv_pages raise ValueError."""
@@ -186,7 +199,8 @@ class TestPagedMetadata:
         q = torch.randn(tokens, 2 * group, 8, generator=gen)
         k = torch.randn(tokens, 2, 8, generator=gen)
         v = torch.randn(tokens, 2, 8, generator=gen)
-        out_pages = PagedAttention(kv_by_pages, by_pages).attend(0, q, k, v)
+        with _bag_path():  # decode rows through the bmm + embedding_bag path, whatever their size
+            out_pages = PagedAttention(kv_by_pages, by_pages).attend(0, q, k, v)
         out_locs = PagedAttention(kv_by_locs, by_locs).attend(0, q, k, v)
         torch.testing.assert_close(out_pages, out_locs, atol=1e-5, rtol=1e-5)
         assert torch.equal(kv_by_pages.k[0], kv_by_locs.k[0]) and torch.equal(kv_by_pages.v[0], kv_by_locs.v[0])
@@ -209,6 +223,12 @@ class TestPagedMetadata:
         expected = PagedAttention(kv, meta).attend(0, q, k, v)
         got = PagedAttention.decode(kv, meta.out_locs, pages, torch.tensor(meta.kv_lens)).attend(0, q, k, v)
         torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+        with _bag_path():
+            windowed = PagedAttention(kv, meta, layer_windows=[5]).attend(0, q, k, v)
+        for b, n in enumerate(meta.kv_lens):  # a window of 5: each query sees its last 5 keys only
+            window_meta = AttentionMetadata.from_locations([locs[b][max(0, n - 5):]], [1])
+            alone = PagedAttention(kv, window_meta).attend(0, q[b : b + 1], k[b : b + 1], v[b : b + 1])
+            torch.testing.assert_close(windowed[b : b + 1], alone, atol=1e-5, rtol=1e-5)
 
 
 class TestPagedAttention:

@@ -262,11 +262,22 @@ class _Gather:
         self._decode_plan: tuple[Tensor, Tensor] | None = None
         self._additive: dict[int | None, Tensor] = {}
 
-    def decode_plan(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                    window: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """(additive mask ``[B, 1, width]`` for `window`, value-row bags ``[B *
-        num_heads, width]``, scaled KV-head identity ``[KVH, KVH]``), built on
-        the first layer's call (per window) and reused by the others.
+    def additive_mask(self, window: int | None, dtype: torch.dtype) -> Tensor:
+        """``[B, 1, width]``: 0 where a decode query sees the key, -inf where not
+        (past its context, or before `window`); built once per step and window."""
+        additive = self._additive.get(window)
+        if additive is None:
+            visible = self.mask[:, 0]
+            if window is not None:  # the new token sits at kv_len - 1 and sees the keys after kv_len - 1 - window
+                first = (self._kv_lens - window)[:, None, None]
+                visible = visible & (torch.arange(self.width, device=visible.device) >= first)
+            zeros = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+            additive = self._additive[window] = zeros.masked_fill_(~visible, float("-inf"))
+        return additive
+
+    def value_bags(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """(value-row bags ``[B * num_heads, width]``, scaled KV-head identity
+        ``[KVH, KVH]``), built on the first layer's call and reused by the others.
 
         Bag ``b * num_heads + h`` lists, for each context column, the row of
         ``v_buf.view(-1, head_dim)`` that query head h of sequence b reads:
@@ -280,15 +291,7 @@ class _Gather:
             bags = (tokens[:, None, :] * num_kv_heads + kv_head[None, :, None]).view(-1, self.width)
             eye = torch.eye(num_kv_heads, dtype=dtype, device=device) * head_dim**-0.5
             self._decode_plan = (bags, eye)
-        additive = self._additive.get(window)
-        if additive is None:
-            visible = self.mask[:, 0]
-            if window is not None:  # the new token sits at kv_len - 1 and sees the keys after kv_len - 1 - window
-                first = (self._kv_lens - window)[:, None, None]
-                visible = visible & (torch.arange(self.width, device=visible.device) >= first)
-            zeros = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
-            additive = self._additive[window] = zeros.masked_fill_(~visible, float("-inf"))
-        return (additive, *self._decode_plan)
+        return self._decode_plan
 
     @classmethod
     def of(cls, kv: KVBuffers, meta: AttentionMetadata, seqs: Sequence[int], device: torch.device) -> _Gather:
@@ -324,11 +327,16 @@ def _token_locations(pages: Tensor, page_size: int) -> Tensor:
     return (pages[:, :, None] * page_size + offsets).reshape(pages.shape[0], -1)
 
 
+#: below this many context tokens in a decode batch, gathering K and V for
+#: `scaled_dot_product_attention` costs less than the bag path's extra ops
+_BAG_MIN_TOKENS = 2048
+
+
 def _decode_attend(q: Tensor, k_buf: Tensor, v_buf: Tensor, gather: _Gather, window: int | None = None) -> Tensor:
     """One query per sequence, `q` ``[B, H, D]``, over the context `gather`
     names; returns ``[B, H, D]``.
 
-    NOTE: the values are never gathered: softmax(q . K) . V is one
+    NOTE: from `_BAG_MIN_TOKENS` context tokens on, the values are never gathered: softmax(q . K) . V is one
     `embedding_bag` over the value rows (a fused gather and weighted sum), and
     q . K one `bmm` of the gathered keys ``[B, width, KVH * D]`` against the
     queries laid out block-diagonally ``[B, H, KVH * D]`` (head h's query in
@@ -340,7 +348,10 @@ def _decode_attend(q: Tensor, k_buf: Tensor, v_buf: Tensor, gather: _Gather, win
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
     group = num_heads // num_kv_heads
-    mask, bags, eye = gather.decode_plan(num_heads, num_kv_heads, head_dim, q.dtype, window)
+    mask = gather.additive_mask(window, q.dtype)
+    if batch * gather.width < _BAG_MIN_TOKENS:
+        return _attend(q[:, None], k_buf, v_buf, gather, mask[:, :, None, :]).squeeze(1)
+    bags, eye = gather.value_bags(num_heads, num_kv_heads, head_dim, q.dtype)
     keys = gather.fetch(k_buf).to(q.dtype).view(batch, gather.width, num_kv_heads * head_dim)
     block_q = (q.view(batch, num_kv_heads, group, 1, head_dim) * eye.view(1, num_kv_heads, 1, num_kv_heads, 1))
     scores = torch.bmm(block_q.view(batch, num_heads, num_kv_heads * head_dim), keys.transpose(1, 2))
