@@ -152,7 +152,8 @@ class Floor:
                                 torch.cat(mlp[:2]).t().contiguous(), mlp[2].t().contiguous()])
         self.head = w["lm_head.weight"]
         self.head_t = self.head.t().contiguous()
-        self.nbytes = sum(t.numel() * 4 for t in w.values() if t.dim() == 2) - w["model.embed_tokens.weight"].numel() * 4
+        weights = [t for name, t in w.items() if t.dim() == 2 and name != "model.embed_tokens.weight"]
+        self.nbytes = sum(t.numel() * t.element_size() for t in weights)
         self.hidden, self.q, self.mlp = ANCHOR["hidden_size"], ANCHOR["hidden_size"], ANCHOR["intermediate_size"]
 
     def step_linear(self, x: torch.Tensor) -> torch.Tensor:

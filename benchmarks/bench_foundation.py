@@ -37,7 +37,8 @@ ALLOCATOR_ROWS = ["kvlife PageAllocator", "kvlife page-table rows (hook as it sh
                   "sglang PagedTokenToKVPoolAllocator (page 16)", "sglang TokenToKVPoolAllocator (page 1)",
                   "vllm v1 BlockPool (page 16)", "python list"]
 PREFIX_ROWS = ["kvlife radix (hook arrays)", "kvlife machine + KVHook", "sglang RadixCache (page 16)"]
-ANCHOR_ALLOC = {"sglang PagedTokenToKVPoolAllocator (page 16)": 11_740, "sglang TokenToKVPoolAllocator (page 1)": 4_222,
+ANCHOR_ALLOC = {"sglang PagedTokenToKVPoolAllocator (page 16)": 11_740,
+                "sglang TokenToKVPoolAllocator (page 1)": 4_222,
                 "vllm v1 BlockPool (page 16)": 54_241, "python list": 304_830}
 ANCHOR_PREFIX = {"sglang RadixCache (page 16)": (3_346, 0.582)}
 VLLM, SGLANG_PAGED = "vllm v1 BlockPool (page 16)", "sglang PagedTokenToKVPoolAllocator (page 16)"
@@ -125,7 +126,8 @@ def print_tables(summary: dict, info: dict) -> None:
     for adapter, e in summary["allocator"].items():
         if "lifecycles_per_s" not in e:
             anchor = ANCHOR_ALLOC.get(adapter)
-            print(f"{adapter:<46} | not run here: {e['errors'][:1]}" + (f"; anchor {anchor:,}/s [anchor]" if anchor else ""))
+            note = f"; anchor {anchor:,}/s [anchor]" if anchor else ""
+            print(f"{adapter:<46} | not run here: {e['errors'][:1]}{note}")
             continue
         print(f"{adapter:<46} | {fmt(e['lifecycles_per_s']):>26} | {fmt(e['alloc_us_mean'], 2):>18} | "
               f"{fmt(e['free_us_mean'], 2):>20} | {fmt(e.get('x ' + VLLM), 2):>16} | "
@@ -136,7 +138,8 @@ def print_tables(summary: dict, info: dict) -> None:
     for adapter, e in summary["prefix"].items():
         if "requests_per_s" not in e:
             anchor = ANCHOR_PREFIX.get(adapter)
-            print(f"{adapter:<46} | not run here: {e['errors'][:1]}" + (f"; anchor {anchor} [anchor]" if anchor else ""))
+            note = f"; anchor {anchor} [anchor]" if anchor else ""
+            print(f"{adapter:<46} | not run here: {e['errors'][:1]}{note}")
             continue
         print(f"{adapter:<46} | {fmt(e['requests_per_s']):>24} | {fmt(e['hit_rate'], 3):>22} | "
               f"{fmt(e.get('x ' + SGLANG_RADIX), 2):>18} | {'/'.join(e['leak_check'])}")

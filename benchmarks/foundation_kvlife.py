@@ -283,7 +283,8 @@ class RadixMachine:
 
 
 ADAPTERS = {
-    "allocator": {"kvlife PageAllocator": BareAllocator, "kvlife page-table rows (hook as it should)": PageTableAllocator,
+    "allocator": {"kvlife PageAllocator": BareAllocator,
+                  "kvlife page-table rows (hook as it should)": PageTableAllocator,
                   "kvlife KVHook today": HookTodayAllocator,
                   "kvlife machine + KVHook": MachineAllocator},
     "prefix": {"kvlife radix (hook arrays)": RadixArrays, "kvlife machine + KVHook": RadixMachine},

@@ -36,7 +36,7 @@ def _packed_pair(config: ModelConfig) -> tuple[LlamaModel, LlamaModel]:
 class TestPack:
     @pytest.mark.parametrize("config", CONFIGS, ids=IDS)
     def test_packed_forward_equals_unpacked(self, config):
-        """Packing changes layouts, not results: logits agree (1e-4, the paged tests' bound) and greedy ids are equal."""
+        """Packing changes layouts, not results: logits agree (1e-4, as the paged tests) and greedy ids are equal."""
         plain, packed = _packed_pair(config)
         tokens = torch.randint(0, 256, (37,), generator=torch.Generator().manual_seed(0)).tolist()
         expected, got = dense_forward(plain, tokens), dense_forward(packed, tokens)
