@@ -33,6 +33,9 @@ import numpy as np
 import torch
 
 
+_INT64 = np.dtype(np.int64)
+
+
 class DoubleFree(Exception):
     """A page was freed that is not in use."""
 
@@ -53,7 +56,7 @@ class PageAllocator:
         # lowest ids on top so a fresh allocator hands out 1, 2, 3, ...
         self._stack = np.arange(num_pages - 1, 0, -1, dtype=np.int64)
         self._top = self.capacity  # number of free pages
-        # NOTE: tag >= 0: held by a caller; negative: free (a freed page keeps the
+        # NOTE: tag 0: held by a caller; negative: free (a freed page keeps the
         # stamp -1 - its position in the free that returned it). Page 0 is reserved,
         # never handed out, never held, and one padding entry past the end stays
         # -1 too: a clipped lookup sends every negative id to page 0 and every id
@@ -104,8 +107,8 @@ class PageAllocator:
 
     def free(self, pages: np.ndarray | torch.Tensor | Sequence[int]) -> None:
         """Give pages back; raises (changing nothing) on a foreign id or a double free."""
-        if isinstance(pages, np.ndarray):
-            ids = pages if pages.dtype == np.int64 and pages.ndim == 1 else pages.astype(np.int64).reshape(-1)
+        if type(pages) is np.ndarray:
+            ids = pages if pages.dtype is _INT64 and pages.ndim == 1 else pages.astype(np.int64).reshape(-1)
         elif isinstance(pages, torch.Tensor):
             t = pages.detach()
             if not t.is_cpu or t.dtype is not torch.int64 or t.dim() != 1:
@@ -130,11 +133,11 @@ class PageAllocator:
         if n > self.capacity - self._top:  # more pages than are held: some repeat or are free
             self._raise_for(ids)
         held = tag.take(ids, mode="clip")
-        if held.min() < 0:
+        if np.count_nonzero(held):  # NOTE: a held page's tag is exactly 0
             self._raise_for(ids)
         stamp = self._neg_iota[:n]
         tag[ids] = stamp  # free now; a repeated id keeps only its last position's stamp
-        if np.count_nonzero(tag.take(ids) != stamp):
+        if np.count_nonzero(tag[ids] != stamp):
             tag[ids] = held  # undo: every id was held
             raise DoubleFree(f"page ids repeated within one free: {ids.tolist()}")
         self._stack[self._top : self._top + n] = ids
@@ -146,7 +149,7 @@ class PageAllocator:
 
     def in_use(self, page: int) -> bool:
         """Whether `page` is held by a caller (the reserved page 0 always is)."""
-        return page == 0 or bool(self._tag[page] >= 0)
+        return page == 0 or not self._tag[page]
 
     def free_pages(self) -> np.ndarray:
         """The free page ids (a copy), top of the stack last."""
