@@ -95,6 +95,8 @@ class EngineConfig:
     prefix_cache: bool = attrs.field(default=True)
     hisparse: Any = attrs.field(default=None)
     disaggregation: str = attrs.field(default="none", validator=_one_of("none", "decode"))
+    #: decode role: prefill servers in other processes (an engine.disagg.RemotePrefill); None: in-process worker
+    remote_prefill: Any = attrs.field(default=None)
     leak_check: str = attrs.field(default="raise", validator=_one_of("raise", "log", "off"))
     resources: tuple[Any, ...] = attrs.field(default=(), converter=_tuple_if_sequence)
     use_entry_points: bool = attrs.field(default=True)
@@ -124,6 +126,13 @@ class EngineConfig:
                self.hisparse is None or isinstance(self.hisparse, HiSparseConfig), "None or a hisparse.HiSparseConfig")
         if self.hisparse is not None:
             self.hisparse.validate_against(self)
+        from engine.disagg.settings import RemotePrefill  # lazy, like hisparse
+
+        _check(InvalidConfig, p, "remote_prefill", self.remote_prefill,
+               self.remote_prefill is None or isinstance(self.remote_prefill, RemotePrefill),
+               "None or an engine.disagg.RemotePrefill")
+        if self.remote_prefill is not None:
+            self.remote_prefill.validate_against(self)
 
     @property
     def pool_tokens(self) -> int:

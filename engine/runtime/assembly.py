@@ -120,13 +120,19 @@ def build_parts(config: EngineConfig, *, faults: FaultInjector | None = None, mo
         from engine.disagg.prefill_worker import PrefillWorker, PrefixedPool
         from engine.disagg.transfer import LoopbackTransfer
 
-        prefill_config = attrs.evolve(config, disaggregation="none", hisparse=None)
-        prefill_parts = build_parts(prefill_config, faults=faults, model_bundle=(model_config, model, tokenizer),
-                                    expert_distribution=expert_distribution)
-        worker = PrefillWorker(prefill_parts, LoopbackTransfer(kv_buffers, faults), faults=faults,
-                               fence_timeout=config.fence_timeout)
+        if config.remote_prefill is not None:  # prefill servers in other processes (engine.disagg.remote_client)
+            from engine.disagg.remote_client import RemotePrefillClient
+
+            worker = RemotePrefillClient(config, model_config, kv_buffers, device=device, faults=faults)
+            pools.extend(worker.pools)
+        else:
+            prefill_config = attrs.evolve(config, disaggregation="none", hisparse=None)
+            prefill_parts = build_parts(prefill_config, faults=faults, model_bundle=(model_config, model, tokenizer),
+                                        expert_distribution=expert_distribution)
+            worker = PrefillWorker(prefill_parts, LoopbackTransfer(kv_buffers, faults), faults=faults,
+                                   fence_timeout=config.fence_timeout)
+            pools.extend(PrefixedPool("prefill.", p, prefill_parts.ledger) for p in prefill_parts.pools)
         before_kv.append(KVTransferHook(worker, kv_pool, config.fence_timeout))
-        pools.extend(PrefixedPool("prefill.", p, prefill_parts.ledger) for p in prefill_parts.pools)
 
     if getattr(model, "vision_projector", None) is not None and model_config.image_token_id is not None:
         from engine.model.vision import make_embedder, projector

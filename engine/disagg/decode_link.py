@@ -1,0 +1,286 @@
+"""The decode side of one link: a sending thread, a receiving thread, a FIFO of jobs.
+
+The receiving thread is the only writer of a job's pages. It writes each
+chunk under the job's lock, and a job ends exactly once, also under that
+lock (`LinkJob.end`: outcome first, then the fence). Whoever ends it, the
+receiving thread (landed, reported failure), the link going down, or the
+client (a cancel, a missed first-answer deadline), nothing writes the
+pages after that: a later chunk for an ended job is received into staging
+and dropped. So the fence means "no write can happen any more", and it
+is completed within a bounded time on every path.
+
+Waits: a header (or keepalive) within `liveness_timeout`; a chunk within
+`chunk_timeout(bytes)`. Any transport error or timeout ends the link: its
+jobs end failed at once, and the client builds a new pair (a new epoch).
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import structlog
+import torch
+
+from engine.disagg.transfer import TransferFailed
+from engine.disagg.transport import LinkError, Pair, classify
+from engine.disagg.wire import (BYE, CANCEL, CANCELLED, JOB, OK, PING, RESULT, STATUS_NAMES, JobSpec, KVLayout,
+                                ProtocolError, empty_header, encode_job, header)
+
+log = structlog.get_logger("kvlife.transfer")
+
+
+class RemoteTransferFailed(TransferFailed):
+    """A remote transfer failed; `cause` is one of engine.disagg.transport.CAUSES."""
+
+    def __init__(self, cause: str, message: str) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
+@attrs.define(eq=False)
+class LinkJob:
+    """One TransferJob on its way through a link."""
+
+    job: Any
+    destination: Any
+    plan: list
+    spec: JobSpec
+    submitted: float
+    deadline: float  # the first answer's
+    peer: str = ""
+    epoch: int = 0
+    tag: int = 0
+    answered: float | None = None  # when its header arrived
+    done: bool = False
+    cancel_sent: bool = False
+    lock: threading.Lock = attrs.field(factory=threading.Lock)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.plan)
+
+    def end(self, first_token: int | None, cause: str | None = None, message: str = "") -> bool:
+        """Set the outcome, then complete the fence; False if it had ended already."""
+        with self.lock:
+            if self.done:
+                return False
+            self.done = True
+            self.job.outcome = ("ok", first_token) if cause is None else (
+                "failed", RemoteTransferFailed(cause, f"{message} (peer {self.peer or '-'}, epoch {self.epoch})"))
+            self.job.fence.complete()
+        return True
+
+
+class DecodeLink:
+    """One epoch of the link to one prefill (see the module docstring)."""
+
+    def __init__(self, *, peer: str, epoch: int, boot: str, pair: Pair, settings: Any, layout: KVLayout,
+                 stats: Any, staging: Any, on_down: Callable[[DecodeLink, LinkError], None] | None = None) -> None:
+        self.peer, self.epoch, self.boot = peer, epoch, boot
+        self.pair = pair
+        self.settings = settings
+        self.layout = layout
+        self.stats = stats
+        self.staging = staging
+        self.on_down = on_down
+        self.inflight: deque[LinkJob] = deque()  # in the order their JOB frames were queued
+        self.lock = threading.Lock()
+        self.up = True
+        self.cause = ""
+        self._out: queue.SimpleQueue = queue.SimpleQueue()
+        self._tags = itertools.count(1)
+        self._threads = [threading.Thread(target=self._send_loop, name=f"kvlife-send-{peer}#{epoch}", daemon=True),
+                         threading.Thread(target=self._recv_loop, name=f"kvlife-recv-{peer}#{epoch}", daemon=True)]
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    # ------------------------------------------------- used by the client
+    @property
+    def load(self) -> int:
+        """Jobs in flight that have not ended (fewest-in-flight spreading)."""
+        with self.lock:
+            return sum(1 for lj in self.inflight if not lj.done)
+
+    def jobs(self) -> list[LinkJob]:
+        with self.lock:
+            return [lj for lj in self.inflight if not lj.done]
+
+    def submit(self, lj: LinkJob) -> bool:
+        """Queue a job; False (nothing queued) if the link is down."""
+        with self.lock:
+            if not self.up:
+                return False
+            lj.peer, lj.epoch, lj.tag = self.peer, self.epoch, next(self._tags)
+            self.inflight.append(lj)
+        self._out.put(("job", lj))
+        return True
+
+    def cancel(self, lj: LinkJob) -> None:
+        """Tell the prefill that `lj` was given up (the caller has ended it)."""
+        if not lj.cancel_sent:
+            lj.cancel_sent = True
+            self._out.put(("cancel", lj.tag))
+
+    def expire(self, now: float) -> None:
+        """End jobs whose first answer is overdue; an overdue oldest job ends the link."""
+        with self.lock:
+            overdue = [lj for lj in self.inflight if lj.answered is None and not lj.done and lj.deadline <= now]
+            head = self.inflight[0] if self.inflight else None
+        if head is not None and head in overdue:
+            self.down(LinkError("budget", f"no answer within the prefill's compute budget "
+                                          f"({self.settings.first_timeout:g} s)"))
+            return
+        for lj in overdue:
+            if lj.end(None, "budget", "no answer within the prefill's compute budget"):
+                self.stats.job_failed("budget")
+                log.warning("transfer.failed", request_id=lj.job.request_id, peer=self.peer, epoch=self.epoch,
+                            cause="budget")
+                self.cancel(lj)
+
+    def close(self) -> None:
+        """Say goodbye and end the link (jobs still in flight end with cause "shutdown")."""
+        self._out.put(("bye", None))
+
+    def join(self, timeout: float) -> bool:
+        """Wait for both threads to return (a peer that answers BYE lets them go at once)."""
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(deadline - time.monotonic(), 0))
+        return not any(t.is_alive() for t in self._threads)
+
+    # -------------------------------------------------------- sending
+    def _send_loop(self) -> None:
+        s = self.settings
+        try:
+            while True:
+                try:
+                    kind, item = self._out.get(timeout=s.keepalive)
+                except queue.Empty:
+                    kind, item = "ping", None
+                if not self.up:
+                    return
+                if kind == "job":
+                    budget = item.deadline - time.monotonic()
+                    spec = attrs.evolve(item.spec, budget=max(budget - min(s.chunk_slack, budget / 4), 0.0))
+                    frame = encode_job(spec)
+                    self.pair.send_ctl(header(JOB, item.tag, frame.numel()), s.chunk_slack)
+                    self.pair.send_ctl(frame, s.chunk_timeout(frame.numel()))
+                elif kind == "cancel":
+                    self.pair.send_ctl(header(CANCEL, item), s.chunk_slack)
+                elif kind == "ping":
+                    self.pair.send_ctl(header(PING), s.chunk_slack)
+                elif kind == "bye":
+                    self.pair.send_ctl(header(BYE), s.chunk_slack)
+                    self.down(LinkError("shutdown", "the decode left"))
+                    return
+        except Exception as exc:  # noqa: BLE001 - every failure ends the link
+            self.down(classify(exc))
+
+    # ------------------------------------------------------ receiving
+    def _recv_loop(self) -> None:
+        hdr = empty_header()
+        try:
+            while True:
+                self.pair.recv_ctl(hdr, self.settings.liveness_timeout)
+                if not self.up:
+                    return
+                op, tag, status, first_token, reason_len = hdr[:5].tolist()
+                if op == PING:
+                    continue
+                if op == BYE:
+                    raise LinkError("peer_closed", "the prefill left")
+                if op != RESULT:
+                    raise ProtocolError(f"unexpected message op {op}")
+                with self.lock:
+                    lj = self.inflight[0] if self.inflight else None
+                if lj is None or lj.tag != tag:
+                    raise ProtocolError(f"result for job {tag}, expected {lj.tag if lj else 'none'}")
+                reason = self._recv_reason(reason_len)
+                with lj.lock:
+                    lj.answered = time.monotonic()
+                if status == OK:
+                    self._recv_chunks(lj, first_token)
+                elif lj.end(None, "prefill_failed", f"the prefill answered {STATUS_NAMES.get(status, status)}: "
+                                                    f"{reason}"):
+                    if status == CANCELLED:
+                        self.stats.job_cancelled()
+                    else:
+                        self.stats.job_failed("prefill_failed")
+                        log.warning("transfer.failed", request_id=lj.job.request_id, peer=self.peer,
+                                    epoch=self.epoch, cause="prefill_failed", reason=reason)
+                with self.lock:
+                    self.inflight.popleft()
+        except Exception as exc:  # noqa: BLE001
+            self.down(classify(exc))
+
+    def _recv_reason(self, nbytes: int) -> str:
+        if nbytes <= 0:
+            return ""
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        self.pair.recv_ctl(buf, self.settings.chunk_timeout(nbytes))
+        return buf.numpy().tobytes().decode(errors="replace")
+
+    def _recv_chunks(self, lj: LinkJob, first_token: int) -> None:
+        """Receive every chunk (the next one posted while this one is written), then end the job."""
+        owner = f"{lj.job.request_id}@{self.peer}#{self.epoch}"
+        device = self.pair.data_device
+        held: list[int] = []
+
+        def post(chunk):
+            buf = self.staging.take(owner, chunk.nbytes, timeout=self.settings.chunk_slack, device=device)
+            held.append(chunk.nbytes)
+            return buf, self.pair.post_recv_data(buf)
+
+        try:
+            pending = post(lj.plan[0])
+            for i, chunk in enumerate(lj.plan):
+                buf, work = pending
+                pending = post(lj.plan[i + 1]) if i + 1 < len(lj.plan) else None
+                self.pair.wait(work, self.settings.chunk_timeout(chunk.nbytes))
+                kv = buf.view(self.layout.dtype).view(self.layout.chunk_shape(chunk))
+                with lj.lock:
+                    if not lj.done:
+                        lj.destination.write(chunk, kv)
+                self.staging.give(owner, held.pop(0))
+        finally:
+            for nbytes in held:  # buffers of a failed receive: never read again
+                self.staging.give(owner, nbytes)
+        now = time.monotonic()
+        if lj.end(first_token):
+            self.stats.job_ok(lj.nbytes, now - lj.answered, now - lj.submitted)
+            log.debug("transfer.landed", request_id=lj.job.request_id, peer=self.peer, epoch=self.epoch,
+                      bytes=lj.nbytes, seconds=round(now - lj.answered, 6))
+
+    # ------------------------------------------------------------- down
+    def down(self, error: LinkError) -> None:
+        """End the link: every job on it ends failed now (idempotent)."""
+        with self.lock:
+            if not self.up:
+                return
+            self.up = False
+            self.cause = error.cause
+            jobs = list(self.inflight)
+            self.inflight.clear()
+        failed = 0
+        for lj in jobs:
+            if lj.end(None, error.cause, str(error)):
+                failed += 1
+                self.stats.job_failed(error.cause)
+                log.warning("transfer.failed", request_id=lj.job.request_id, peer=self.peer, epoch=self.epoch,
+                            cause=error.cause, error=str(error))
+        self._out.put(("stop", None))
+        self.stats.link_down(self.peer, error.cause)
+        level = log.info if error.cause == "shutdown" else log.warning
+        level("transfer.link_down", peer=self.peer, epoch=self.epoch, cause=error.cause, error=str(error),
+              jobs_failed=failed)
+        if self.on_down is not None:
+            self.on_down(self, error)
