@@ -68,6 +68,19 @@ class TestOutputs:
             assert got.numel() > 0 and torch.equal(got, want)
         assert_child_whole(await anyio.to_thread.run_sync(prefill.wait_idle))
 
+    @pytest.mark.asyncio
+    async def test_prefill_http_routes(self, prefill):
+        """The prefill answers /health, /metrics (pools, leak checks, transfer metrics) and /debug/memory."""
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{prefill.http}") as http:
+            health = await http.get("/health")
+            metrics = (await http.get("/metrics")).text
+            memory = (await http.get("/debug/memory")).json()
+        assert health.status_code == 200 and health.json()["role"] == "prefill"
+        for name in ("kvlife_pool_held{", "kvlife_leak_checks_total", "kvlife_transfer_bytes_total",
+                     'kvlife_transfer_jobs_total{outcome="ok"}', "kvlife_transfer_link_up{"):
+            assert name in metrics
+        assert {"kv_pages", "request_slots", "transfer.staging"} <= set(memory["pools"])
+
 
 class TestFailures:
     @pytest.mark.asyncio
@@ -93,6 +106,8 @@ class TestFailures:
         async with _decode(prefill) as engine:
             stream = engine.generate(PROMPTS[2], GREEDY, request_id="aborted")
             await anyio.to_thread.run_sync(points.wait, "computing/aborted")
+            waiting = engine.memory_report().as_dict()["owners"][f"transfer.jobs[{prefill.address}]"]
+            assert [o["request_id"] for o in waiting] == ["aborted"]  # /debug/memory names it
             started = time.monotonic()
             assert await engine.abort("aborted")
             outputs = [o async for o in stream]

@@ -150,12 +150,17 @@ class DecodeLink:
         """Say goodbye and end the link (jobs still in flight end with cause "shutdown")."""
         self._out.put(("bye", None))
 
+    @property
+    def alive(self) -> bool:
+        """Whether a thread of this link is still running (a receive returns within its bound)."""
+        return any(t.is_alive() for t in self._threads)
+
     def join(self, timeout: float) -> bool:
         """Wait for both threads to return (a peer that answers BYE lets them go at once)."""
         deadline = time.monotonic() + timeout
         for thread in self._threads:
             thread.join(max(deadline - time.monotonic(), 0))
-        return not any(t.is_alive() for t in self._threads)
+        return not self.alive
 
     # -------------------------------------------------------- sending
     def _send_loop(self) -> None:
@@ -167,6 +172,8 @@ class DecodeLink:
                 except queue.Empty:
                     kind, item = "ping", None
                 if not self.up:
+                    if kind == "farewell":  # ended for a reason of ours: let the prefill cancel at once
+                        self.pair.send_ctl(header(BYE), s.chunk_slack)
                     return
                 if kind == "job":
                     budget = item.deadline - time.monotonic()
@@ -277,7 +284,7 @@ class DecodeLink:
                 self.stats.job_failed(error.cause)
                 log.warning("transfer.failed", request_id=lj.job.request_id, peer=self.peer, epoch=self.epoch,
                             cause=error.cause, error=str(error))
-        self._out.put(("stop", None))
+        self._out.put(("farewell" if error.cause in ("budget", "protocol") else "stop", None))
         self.stats.link_down(self.peer, error.cause)
         level = log.info if error.cause == "shutdown" else log.warning
         level("transfer.link_down", peer=self.peer, epoch=self.epoch, cause=error.cause, error=str(error),

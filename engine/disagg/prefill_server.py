@@ -23,6 +23,7 @@ ledger, as an Engine does) and counts the result (`leak_checks`,
 
 from __future__ import annotations
 
+import datetime
 import threading
 import time
 from typing import Any
@@ -33,6 +34,7 @@ import anyio.lowlevel
 import attrs
 import structlog
 import torch
+import torch.distributed as dist
 
 from engine.config import EngineConfig, SamplingParams
 from engine.disagg.bootstrap import BootstrapServer
@@ -50,6 +52,11 @@ from resources import LeakError, ManualFence, check_memory, memory_report
 log = structlog.get_logger("kvlife.transfer")
 TICK = 0.02
 _JOB_FIELDS = {f.name for f in attrs.fields(TransferJob)}
+
+
+def _dial(host: str) -> str:
+    """The address to reach a store bound to `host` from this machine."""
+    return "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
 
 
 class _SignalledFence(ManualFence):
@@ -275,9 +282,13 @@ class PrefillServer:
             log.warning("transfer.refused", pair=handshake.pair_id, cause="capacity", reason="too many links")
             return
         try:
-            pair = Pair(handshake.store, handshake.prefix, rank=0, host=s.host, backend=s.backend,
+            # NOTE: a store client of its own: a TCPStore serializes its calls, and a rendezvous waits
+            store = dist.TCPStore(_dial(s.host), self.bootstrap_port, None, False,
+                                  datetime.timedelta(seconds=s.connect_timeout))
+            pair = Pair(store, handshake.prefix, rank=0, host=s.host, backend=s.backend,
                         device=self.parts.device, timeout=s.connect_timeout)
-        except LinkError as exc:
+        except Exception as exc:  # noqa: BLE001 - a decode that went away mid-handshake
+            exc = exc if isinstance(exc, LinkError) else LinkError("timeout", str(exc).splitlines()[0][:200])
             log.warning("transfer.connect_failed", pair=handshake.pair_id, cause=exc.cause, error=str(exc))
             return
         link = PrefillLink(self, pair, f"decode#{handshake.pair_id}", s, epoch=handshake.pair_id)

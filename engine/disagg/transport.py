@@ -45,7 +45,7 @@ def classify(exc: BaseException) -> LinkError:
     if isinstance(exc, ProtocolError):
         return LinkError("protocol", str(exc))
     text = str(exc)
-    if "Timed out" in text or "timed out" in text or "Timeout" in text:
+    if "Timed out" in text or "timed out" in text or "imeout" in text:  # incl. "Application timeout caused pair closure"
         cause = "timeout"
     elif "closed" in text or "reset" in text or "closure" in text or "Broken pipe" in text:
         cause = "peer_closed"
@@ -92,23 +92,17 @@ class Pair:
 
     # ------------------------------------------------------------ control
     def send_ctl(self, tensor: torch.Tensor, timeout: float) -> None:
-        self._wait(self.ctl.send([tensor], self.peer, self._out_tag), timeout)
+        self._wait(self._post(self.ctl.send, tensor, self._out_tag), timeout)
 
     def recv_ctl(self, tensor: torch.Tensor, timeout: float) -> None:
-        self._wait(self.ctl.recv([tensor], self.peer, self._in_tag), timeout)
+        self._wait(self._post(self.ctl.recv, tensor, self._in_tag), timeout)
 
     # -------------------------------------------------------------- chunks
     def post_send_data(self, tensor: torch.Tensor) -> Any:
-        try:
-            return self.data.send([tensor], self.peer, DATA)
-        except Exception as exc:  # noqa: BLE001
-            raise classify(exc) from exc
+        return self._post(self.data.send, tensor, DATA)
 
     def post_recv_data(self, tensor: torch.Tensor) -> Any:
-        try:
-            return self.data.recv([tensor], self.peer, DATA)
-        except Exception as exc:  # noqa: BLE001
-            raise classify(exc) from exc
+        return self._post(self.data.recv, tensor, DATA)
 
     def wait(self, work: Any, timeout: float) -> None:
         self._wait(work, timeout)
@@ -121,6 +115,12 @@ class Pair:
     @property
     def _in_tag(self) -> int:
         return DATA if self.rank == 1 else CTL
+
+    def _post(self, op: Any, tensor: torch.Tensor, tag: int) -> Any:
+        try:
+            return op([tensor], self.peer, tag)
+        except Exception as exc:  # noqa: BLE001 - posting on a closed pair raises at once
+            raise classify(exc) from exc
 
     @staticmethod
     def _wait(work: Any, timeout: float) -> None:
