@@ -22,6 +22,7 @@ from states import FinishReason
 GREEDY = SamplingParams(max_new_tokens=8, ignore_eos=True)
 SEEDED = SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=0.8, top_k=20, seed=7)
 PROMPTS = [[9, 8, 7, 6, 5, 4, 3], list(range(100, 141)), list(range(20, 90)), list(range(150, 183))]
+IMAGE = torch.full((16, 8, 3), 77, dtype=torch.uint8)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,8 @@ async def _outputs(config) -> tuple[list[list[int]], list[torch.Tensor]]:
     async with Engine(config) as engine:
         outs = [(await engine.complete(p, GREEDY if i % 2 == 0 else SEEDED)).token_ids for i, p in enumerate(PROMPTS)]
         kv = [_page_kv(engine, p) for p in PROMPTS]
-    return outs, kv
+        image = await engine.complete([1, 2, 3], GREEDY, mm_inputs=[IMAGE])
+    return outs + [image.token_ids], kv
 
 
 def _decode(prefill, **overrides):
@@ -60,7 +62,8 @@ def _decode(prefill, **overrides):
 class TestOutputs:
     @pytest.mark.asyncio
     async def test_remote_prefill_matches_single_engine(self, prefill):
-        """Greedy and seeded outputs equal the single engine's; the received KV is bit-exact in the pages."""
+        """Greedy, seeded and image-prompt outputs equal the single engine's; the received KV is bit-exact
+        in the pages."""
         single, single_kv = await _outputs(small_config())
         remote, remote_kv = await _outputs(remote_config(prefill.address, secret=SECRET))
         assert remote == single
@@ -157,6 +160,50 @@ class TestFailures:
         report = await anyio.to_thread.run_sync(prefill.wait_idle)
         assert outputs[-1].finish_reason is FinishReason.SHUTDOWN and elapsed < 3.0
         assert_child_whole(report)
+
+
+class TestPeers:
+    @pytest.mark.asyncio
+    async def test_spread_over_peers_and_a_dead_peer_fails_only_its_jobs(self, prefill, points):
+        """Jobs go to the peer with the fewest in flight; killing one peer fails exactly the requests it
+        held, at once, while the other peer's finish normally."""
+        other = PrefillChild(points, settings={"secret": SECRET})
+        rids = [f"spread-{i}" for i in range(4)]
+        for rid in rids:
+            points.set(f"hold-compute/{rid}")
+        try:
+            other.ready()
+            config = remote_config(prefill.address, other.address, secret=SECRET)
+            async with Engine(config) as engine:
+                streams = [engine.generate(PROMPTS[i], GREEDY, request_id=rid) for i, rid in enumerate(rids)]
+                await anyio.to_thread.run_sync(lambda: _wait_for_keys(points, [f"computing/{r}" for r in rids], 2))
+                assert {p: link["jobs"] for p, link in client(engine).links().items()} == {
+                    prefill.address: 2, other.address: 2}
+                on_other = {o.request_id for o in engine.memory_report().owners[f"transfer.jobs[{other.address}]"]}
+                started = time.monotonic()
+                other.kill()
+                failed = [(await _final(streams[i])) for i, rid in enumerate(rids) if rid in on_other]
+                elapsed = time.monotonic() - started
+                for rid in rids:
+                    points.set(f"go/{rid}")
+                survived = [(await _final(streams[i])) for i, rid in enumerate(rids) if rid not in on_other]
+        finally:
+            other.kill()
+        assert len(on_other) == 2 and elapsed < 1.5
+        assert all(f.finish_reason is FinishReason.TRANSFER_FAILED for f in failed)
+        assert all(f.finish_reason is FinishReason.LENGTH for f in survived) and len(survived) == 2
+        assert_child_whole(await anyio.to_thread.run_sync(prefill.wait_idle))
+
+
+async def _final(stream):
+    return [o async for o in stream][-1]
+
+
+def _wait_for_keys(points, keys: list[str], count: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while sum(points.has(k) for k in keys) < count:
+        assert time.monotonic() < deadline, f"fewer than {count} of {keys}"
+        time.sleep(0.01)
 
 
 class TestSeedScenario:

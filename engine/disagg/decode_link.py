@@ -94,6 +94,7 @@ class DecodeLink:
         self.lock = threading.Lock()
         self.up = True
         self.cause = ""
+        self._farewell = False  # tell the prefill when this side ended the link
         self._out: queue.SimpleQueue = queue.SimpleQueue()
         self._tags = itertools.count(1)
         self._threads = [threading.Thread(target=self._send_loop, name=f"kvlife-send-{peer}#{epoch}", daemon=True),
@@ -172,7 +173,7 @@ class DecodeLink:
                 except queue.Empty:
                     kind, item = "ping", None
                 if not self.up:
-                    if kind == "farewell":  # ended for a reason of ours: let the prefill cancel at once
+                    if self._farewell:  # so the prefill cancels at once and its threads return
                         self.pair.send_ctl(header(BYE), s.chunk_slack)
                     return
                 if kind == "job":
@@ -204,6 +205,7 @@ class DecodeLink:
                 if op == PING:
                     continue
                 if op == BYE:
+                    self._farewell = True  # answer it, so the prefill's receiving thread returns
                     raise LinkError("peer_closed", "the prefill left")
                 if op != RESULT:
                     raise ProtocolError(f"unexpected message op {op}")
@@ -275,6 +277,7 @@ class DecodeLink:
                 return
             self.up = False
             self.cause = error.cause
+            self._farewell = self._farewell or error.cause in ("budget", "protocol")
             jobs = list(self.inflight)
             self.inflight.clear()
         failed = 0
@@ -284,7 +287,7 @@ class DecodeLink:
                 self.stats.job_failed(error.cause)
                 log.warning("transfer.failed", request_id=lj.job.request_id, peer=self.peer, epoch=self.epoch,
                             cause=error.cause, error=str(error))
-        self._out.put(("farewell" if error.cause in ("budget", "protocol") else "stop", None))
+        self._out.put(("stop", None))
         self.stats.link_down(self.peer, error.cause)
         level = log.info if error.cause == "shutdown" else log.warning
         level("transfer.link_down", peer=self.peer, epoch=self.epoch, cause=error.cause, error=str(error),

@@ -67,10 +67,6 @@ class TransferStats:
         self.wait = Histogram(WAIT_BUCKETS)
         self.links: dict[str, LinkState] = {}
 
-    def link(self, peer: str) -> LinkState:
-        with self.lock:
-            return self.links.setdefault(peer, LinkState())
-
     def link_up(self, peer: str, epoch: int, boot: str) -> None:
         with self.lock:
             state = self.links.setdefault(peer, LinkState())

@@ -83,6 +83,13 @@ class PrefillLink:
         for thread in self._threads:
             thread.start()
 
+    def join(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            if thread.is_alive() and thread is not threading.current_thread():
+                thread.join(max(deadline - time.monotonic(), 0))
+        return not any(t.is_alive() for t in self._threads)
+
     def notify(self) -> None:
         with self.cond:
             self.cond.notify_all()

@@ -177,12 +177,16 @@ class PrefillServer:
     async def __aexit__(self, *exc_info: Any) -> None:
         self._closing.set()
         with anyio.CancelScope(shield=True):
-            for link in list(self.links):
+            links = list(self.links)
+            for link in links:
                 link.down(LinkError("shutdown", "the prefill is shutting down"))
             with anyio.move_on_after(self.config.fence_timeout):
                 while not self.idle:
                     await anyio.sleep(TICK)
             self._check_idle(force=True)
+            # NOTE: no thread left inside a gloo wait at exit (a decode answers the goodbye at once)
+            timeout = self.settings.liveness_timeout + self.settings.chunk_slack
+            await anyio.to_thread.run_sync(lambda: [link.join(timeout) for link in links])
         self._task_group.cancel_scope.cancel()
         await self._task_group.__aexit__(*exc_info)
 
@@ -213,6 +217,12 @@ class PrefillServer:
             params = SamplingParams(**spec.params)
         except Exception as exc:  # noqa: BLE001 - a decode of another version
             sj.error = f"bad sampling parameters: {exc}"
+        vocab = self.parts.model_config.vocab_size
+        if len(spec.token_ids) > self.config.max_context:
+            sj.error = f"{len(spec.token_ids)} tokens, more than this prefill's max_context {self.config.max_context}"
+        elif not all(0 <= t < vocab for t in spec.token_ids):
+            sj.error = f"token ids must be in [0, {vocab})"
+        if sj.error is not None:
             self._ready(sj)
             return
         fields = dict(request_id=sj.worker_id, token_ids=spec.token_ids, params=params, mm_inputs=spec.images,
@@ -274,7 +284,7 @@ class PrefillServer:
             for handshake in done:
                 threading.Thread(target=self._build_link, args=(handshake,), daemon=True,
                                  name=f"kvlife-pair-{handshake.pair_id}").start()
-            time.sleep(0.005)
+            time.sleep(TICK)
 
     def _build_link(self, handshake: Any) -> None:
         s = self.settings
