@@ -121,13 +121,16 @@ class TestStagingPool:
         assert buf.numel() == 3000 and pool.stats().held == 3000 and pool.stats().adds_up
         with pytest.raises(StagingFull):
             pool.take("b", 2000, timeout=0.05)
-        threading.Timer(0.05, pool.give, args=("a", 3000)).start()
-        pool.take("b", 2000, timeout=5.0)
+        threading.Timer(0.05, pool.give, args=("a", buf)).start()
+        other = pool.take("b", 2000, timeout=5.0)  # the kept 3000-byte buffer made room
         assert [(o.request_id, o.amount) for o in pool.owners()] == [("b", 2000)]
         with pytest.raises(RuntimeError):
-            pool.give("b", 2001)
-        pool.give("b", 2000)
-        assert pool.stats().held == 0 and pool.owners() == []
+            pool.give("c", other)
+        pool.give("b", other)
+        assert pool.take("c", 2000, timeout=0.1) is other  # reused, same size
+        pool.give("c", other, reuse=False)
+        assert pool.take("d", 2000, timeout=0.1) is not other  # a failed receive's buffer is never reused
+        assert pool.stats().held == 2000
 
 
 class TestMetrics:

@@ -96,9 +96,11 @@ class DecodeLink:
         self.cause = ""
         self._farewell = False  # tell the prefill when this side ended the link
         self._out: queue.SimpleQueue = queue.SimpleQueue()
+        self._writes: queue.SimpleQueue = queue.SimpleQueue()  # received chunks for the writing thread
         self._tags = itertools.count(1)
         self._threads = [threading.Thread(target=self._send_loop, name=f"kvlife-send-{peer}#{epoch}", daemon=True),
-                         threading.Thread(target=self._recv_loop, name=f"kvlife-recv-{peer}#{epoch}", daemon=True)]
+                         threading.Thread(target=self._recv_loop, name=f"kvlife-recv-{peer}#{epoch}", daemon=True),
+                         threading.Thread(target=self._write_loop, name=f"kvlife-write-{peer}#{epoch}", daemon=True)]
 
     def start(self) -> None:
         for thread in self._threads:
@@ -197,39 +199,45 @@ class DecodeLink:
     def _recv_loop(self) -> None:
         hdr = empty_header()
         try:
-            while True:
-                self.pair.recv_ctl(hdr, self.settings.liveness_timeout)
-                if not self.up:
-                    return
-                op, tag, status, first_token, reason_len = hdr[:5].tolist()
-                if op == PING:
-                    continue
-                if op == BYE:
-                    self._farewell = True  # answer it, so the prefill's receiving thread returns
-                    raise LinkError("peer_closed", "the prefill left")
-                if op != RESULT:
-                    raise ProtocolError(f"unexpected message op {op}")
-                with self.lock:
-                    lj = self.inflight[0] if self.inflight else None
-                if lj is None or lj.tag != tag:
-                    raise ProtocolError(f"result for job {tag}, expected {lj.tag if lj else 'none'}")
-                reason = self._recv_reason(reason_len)
-                with lj.lock:
-                    lj.answered = time.monotonic()
-                if status == OK:
-                    self._recv_chunks(lj, first_token)
-                elif lj.end(None, "prefill_failed", f"the prefill answered {STATUS_NAMES.get(status, status)}: "
-                                                    f"{reason}"):
-                    if status == CANCELLED:
-                        self.stats.job_cancelled()
-                    else:
-                        self.stats.job_failed("prefill_failed")
-                        log.warning("transfer.failed", request_id=lj.job.request_id, peer=self.peer,
-                                    epoch=self.epoch, cause="prefill_failed", reason=reason)
-                with self.lock:
-                    self.inflight.popleft()
+            self._receive(hdr)
         except Exception as exc:  # noqa: BLE001
             self.down(classify(exc))
+        finally:
+            self._writes.put(None)  # the writing thread finishes what was received, then returns
+
+    def _receive(self, hdr: torch.Tensor) -> None:
+        """Headers and chunks in FIFO order until the link fails (every exception ends it)."""
+        while True:
+            self.pair.recv_ctl(hdr, self.settings.liveness_timeout)
+            if not self.up:
+                return
+            op, tag, status, first_token, reason_len = hdr[:5].tolist()
+            if op == PING:
+                continue
+            if op == BYE:
+                self._farewell = True  # answer it, so the prefill's receiving thread returns
+                raise LinkError("peer_closed", "the prefill left")
+            if op != RESULT:
+                raise ProtocolError(f"unexpected message op {op}")
+            with self.lock:
+                lj = self.inflight[0] if self.inflight else None
+            if lj is None or lj.tag != tag:
+                raise ProtocolError(f"result for job {tag}, expected {lj.tag if lj else 'none'}")
+            reason = self._recv_reason(reason_len)
+            with lj.lock:
+                lj.answered = time.monotonic()
+            if status == OK:
+                self._recv_chunks(lj, first_token)
+            elif lj.end(None, "prefill_failed", f"the prefill answered {STATUS_NAMES.get(status, status)}: "
+                                                f"{reason}"):
+                if status == CANCELLED:
+                    self.stats.job_cancelled()
+                else:
+                    self.stats.job_failed("prefill_failed")
+                    log.warning("transfer.failed", request_id=lj.job.request_id, peer=self.peer,
+                                epoch=self.epoch, cause="prefill_failed", reason=reason)
+            with self.lock:
+                self.inflight.popleft()
 
     def _recv_reason(self, nbytes: int) -> str:
         if nbytes <= 0:
@@ -239,14 +247,15 @@ class DecodeLink:
         return buf.numpy().tobytes().decode(errors="replace")
 
     def _recv_chunks(self, lj: LinkJob, first_token: int) -> None:
-        """Receive every chunk (the next one posted while this one is written), then end the job."""
+        """Receive every chunk into staging (the next one posted before this one is waited for) and hand
+        it to the writing thread, which writes it into the pages while the next one arrives."""
         owner = f"{lj.job.request_id}@{self.peer}#{self.epoch}"
         device = self.pair.data_device
-        held: list[int] = []
+        posted: list[torch.Tensor] = []
 
         def post(chunk):
             buf = self.staging.take(owner, chunk.nbytes, timeout=self.settings.chunk_slack, device=device)
-            held.append(chunk.nbytes)
+            posted.append(buf)
             return buf, self.pair.post_recv_data(buf)
 
         try:
@@ -255,19 +264,34 @@ class DecodeLink:
                 buf, work = pending
                 pending = post(lj.plan[i + 1]) if i + 1 < len(lj.plan) else None
                 self.pair.wait(work, self.settings.chunk_timeout(chunk.nbytes))
-                kv = buf.view(self.layout.dtype).view(self.layout.chunk_shape(chunk))
+                posted.remove(buf)
+                self._writes.put((lj, chunk, buf, owner))
+        finally:
+            for buf in posted:  # posted into by a receive that failed: never read or reused
+                self.staging.give(owner, buf, reuse=False)
+        self._writes.put((lj, None, first_token, owner))
+
+    def _write_loop(self) -> None:
+        """The only writer of the jobs' pages: each chunk under its job's lock, then the job's end."""
+        while (item := self._writes.get()) is not None:
+            lj, chunk, value, owner = item
+            if chunk is None:  # every chunk of the job is written
+                now = time.monotonic()
+                if lj.end(value):
+                    self.stats.job_ok(lj.nbytes, now - lj.answered, now - lj.submitted)
+                    log.debug("transfer.landed", request_id=lj.job.request_id, peer=self.peer, epoch=self.epoch,
+                              bytes=lj.nbytes, seconds=round(now - lj.answered, 6))
+                continue
+            try:
+                kv = value.view(self.layout.dtype).view(self.layout.chunk_shape(chunk))
                 with lj.lock:
                     if not lj.done:
                         lj.destination.write(chunk, kv)
-                self.staging.give(owner, held.pop(0))
-        finally:
-            for nbytes in held:  # buffers of a failed receive: never read again
-                self.staging.give(owner, nbytes)
-        now = time.monotonic()
-        if lj.end(first_token):
-            self.stats.job_ok(lj.nbytes, now - lj.answered, now - lj.submitted)
-            log.debug("transfer.landed", request_id=lj.job.request_id, peer=self.peer, epoch=self.epoch,
-                      bytes=lj.nbytes, seconds=round(now - lj.answered, 6))
+            except Exception as exc:  # noqa: BLE001 - a bug must not leave the fence open
+                if lj.end(None, "transport", f"writing a chunk failed: {exc!r}"):
+                    self.stats.job_failed("transport")
+            finally:
+                self.staging.give(owner, value)
 
     # ------------------------------------------------------------- down
     def down(self, error: LinkError) -> None:

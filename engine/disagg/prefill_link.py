@@ -165,8 +165,8 @@ class PrefillLink:
                 try:
                     self._answer(head)
                 finally:  # NOTE: the popped job is this thread's alone: `down` no longer sees it
-                    for chunk, _buf in head.staged:
-                        self.server.staging.give(head.worker_id, chunk.nbytes)
+                    for _chunk, buf in head.staged:  # a send that failed: its buffers are not reused
+                        self.server.staging.give(head.worker_id, buf, reuse=False)
                     head.staged = []
                     self.server.call(self.server.forget_job, head)
                 last = time.monotonic()
@@ -194,7 +194,7 @@ class PrefillLink:
             if points is not None:
                 points("sending", sj.spec.request_id, index)
             self.pair.wait(self.pair.post_send_data(buf), s.chunk_timeout(chunk.nbytes))
-            self.server.staging.give(sj.worker_id, chunk.nbytes)
+            self.server.staging.give(sj.worker_id, buf)
             sj.staged.pop(0)
             index += 1
         stats.job_ok(nbytes, None, time.monotonic() - sj.received)
@@ -213,8 +213,8 @@ class PrefillLink:
             self.jobs.clear()
             self.cond.notify_all()
         for sj in jobs:
-            for chunk, _buf in sj.staged:
-                self.server.staging.give(sj.worker_id, chunk.nbytes)
+            for _chunk, buf in sj.staged:  # never posted: safe to reuse
+                self.server.staging.give(sj.worker_id, buf)
             sj.staged = []
         level = log.info if error.cause in ("shutdown", "peer_closed") and not jobs else log.warning
         level("transfer.link_down", peer=self.name, epoch=self.epoch, cause=error.cause, error=str(error), jobs_cancelled=len(jobs))

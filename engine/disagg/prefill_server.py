@@ -120,8 +120,8 @@ class LinkTransfer:
         self.stream.synchronize()
 
     def _give(self, sj: ServerJob, staged: list) -> None:
-        for chunk, _buf in staged:
-            self.server.staging.give(sj.worker_id, chunk.nbytes)
+        for _chunk, buf in staged:
+            self.server.staging.give(sj.worker_id, buf)
 
 
 class PrefillServer:

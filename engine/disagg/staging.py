@@ -6,6 +6,12 @@ its pages. Buffers live in host memory (pinned on CUDA) for gloo, or on the
 device for NCCL. `take` blocks (bounded) while the pool is full, so a slow
 link pushes back on whoever fills it. Thread-safe: link threads take and
 give; the memory report reads.
+
+Given-back buffers are kept for reuse (same size, same device), so a steady
+stream of jobs does not pay for fresh allocations (first-touch page faults,
+pinned registration) on every chunk; kept buffers count as free, and are
+dropped when a buffer of another size needs the room. A buffer a failed
+receive was posted into is never reused (`reuse=False`).
 """
 
 from __future__ import annotations
@@ -32,12 +38,16 @@ class StagingPool:
         self._pin = device.type == "cuda"
         self._held: dict[str, int] = {}
         self._total = 0
+        self._kept: dict[tuple[int, str], list[torch.Tensor]] = {}
+        self._kept_bytes = 0
         self._cond = threading.Condition()
 
     def take(self, owner: str, nbytes: int, *, timeout: float, device: torch.device | None = None) -> torch.Tensor:
         """A uint8 buffer of `nbytes`, accounted to `owner`; StagingFull after `timeout`."""
         if nbytes > self.capacity:
             raise StagingFull(f"{nbytes} bytes is more than the whole {self.name} pool ({self.capacity})")
+        target = device if device is not None else self.device
+        key = (nbytes, str(target))
         deadline = time.monotonic() + timeout
         with self._cond:
             while self._total + nbytes > self.capacity:
@@ -47,11 +57,16 @@ class StagingPool:
                         raise StagingFull(f"{self.name}: {nbytes} bytes not free within {timeout:g} s")
             self._total += nbytes
             self._held[owner] = self._held.get(owner, 0) + nbytes
-        target = device if device is not None else self.device
-        pin = self._pin and target.type == "cpu"
-        return torch.empty(nbytes, dtype=torch.uint8, device=target, pin_memory=pin)
+            kept = self._kept.get(key)
+            if kept:
+                self._kept_bytes -= nbytes
+                return kept.pop()
+            while self._kept_bytes and self._total + self._kept_bytes > self.capacity:
+                self._drop_one()
+        return torch.empty(nbytes, dtype=torch.uint8, device=target, pin_memory=self._pin and target.type == "cpu")
 
-    def give(self, owner: str, nbytes: int) -> None:
+    def give(self, owner: str, buf: torch.Tensor, *, reuse: bool = True) -> None:
+        nbytes = buf.numel()
         with self._cond:
             have = self._held.get(owner, 0)
             if nbytes > have:
@@ -61,11 +76,15 @@ class StagingPool:
             else:
                 self._held[owner] = have - nbytes
             self._total -= nbytes
+            if reuse:
+                self._kept.setdefault((nbytes, str(buf.device)), []).append(buf)
+                self._kept_bytes += nbytes
             self._cond.notify_all()
 
-    def held_by(self, owner: str) -> int:
-        with self._cond:
-            return self._held.get(owner, 0)
+    def _drop_one(self) -> None:
+        key = next(k for k, bufs in self._kept.items() if bufs)
+        self._kept[key].pop()
+        self._kept_bytes -= key[0]
 
     def stats(self) -> PoolStats:
         with self._cond:
