@@ -117,7 +117,7 @@ async def bench_transfer(jobs: int, tokens: int, rounds: int, chunk_bytes: int) 
         config = _remote(fields, prefill.address, max_chunk_bytes=chunk_bytes)
         real, wire, plain = [], [], []
         async with Engine(config) as engine:
-            client = engine.parts.prefill_worker
+            client = engine.parts.prefill_client
             nbytes = tokens * _bytes_per_token(engine)
             bare = _BareGloo(jobs, nbytes, rounds + 1)
             params = SamplingParams(max_new_tokens=1, ignore_eos=True)
@@ -226,7 +226,7 @@ async def bench_failure(how: str, requests: int, prompt: int) -> dict:
     finished: list[float] = []
     try:
         async with Engine(_remote(fields, prefill.address)) as engine:
-            client = engine.parts.prefill_worker
+            client = engine.parts.prefill_client
             params = SamplingParams(max_new_tokens=4, ignore_eos=True)
 
             async def one(p) -> None:

@@ -128,4 +128,4 @@ def remote_config(*peers: str, secret: str | None = None, **overrides: Any):
 
 def client(engine):
     """The decode engine's remote prefill client."""
-    return engine.parts.prefill_worker
+    return engine.parts.prefill_client

@@ -8,14 +8,15 @@ import datetime
 import threading
 import time
 
-import attrs
 import pytest
 import torch
 import torch.distributed as dist
 
 import disagg_helpers  # noqa: F401 - GLOO_SOCKET_IFNAME=lo
 from engine.disagg import bootstrap
+from engine import SamplingParams
 from engine.disagg.decode_link import DecodeLink, LinkJob
+from engine.disagg.kv_transfer_hook import TransferJob
 from engine.disagg.destination import PagedDestination
 from engine.disagg.observability import TransferStats
 from engine.disagg.settings import LinkSettings
@@ -31,23 +32,24 @@ LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32)
 TOKENS = 12
 
 
-@attrs.define(eq=False)
-class _Job:
-    """A TransferJob stand-in that records whether its outcome was set before its fence completed."""
+class _Fence(ManualFence):
+    """Records whether the job's outcome was set before the fence completed."""
 
-    request_id: str
-    fence: ManualFence = attrs.field(factory=lambda: ManualFence("kv_transfer", {"kv"}, timeout=30))
-    outcome: tuple | None = None
-    outcome_first: bool | None = None
+    def __init__(self) -> None:
+        super().__init__("kv_transfer", {"kv"}, timeout=30)
+        self.job = None
+        self.outcome_first: bool | None = None
 
-    def __attrs_post_init__(self) -> None:
-        complete = self.fence.complete
+    def complete(self) -> None:
+        self.outcome_first = self.job.outcome is not None
+        super().complete()
 
-        def checked() -> None:
-            self.outcome_first = self.outcome is not None
-            complete()
 
-        self.fence.complete = checked
+def _job(rid: str) -> TransferJob:
+    fence = _Fence()
+    job = TransferJob(rid, list(range(TOKENS)), [], SamplingParams(), [], torch.arange(TOKENS), fence, 30.0)
+    fence.job = job
+    return job
 
 
 class ScriptedPrefill:
@@ -119,7 +121,7 @@ def _submit(link: DecodeLink, buffers: KVBuffers, rid: str, *, deadline: float =
     locs = torch.arange(start * 4, start * 4 + TOKENS)
     dest = PagedDestination(buffers, locs)
     now = time.monotonic()
-    lj = LinkJob(_Job(rid), dest, chunk_plan(LAYOUT, TOKENS, link.settings.max_chunk_bytes),
+    lj = LinkJob(_job(rid), dest, chunk_plan(LAYOUT, TOKENS, link.settings.max_chunk_bytes),
                  JobSpec(rid, list(range(TOKENS)), {}, max_chunk_bytes=link.settings.max_chunk_bytes), now,
                  now + deadline)
     assert link.submit(lj)
@@ -150,13 +152,13 @@ class TestLanding:
         for kv in chunks:
             prefill.chunk(kv)
         _wait(lj.job.fence.done)
-        assert lj.job.outcome == ("ok", 42) and lj.job.outcome_first
+        assert lj.job.outcome == ("ok", 42) and lj.job.fence.outcome_first
         locs = torch.arange(16, 16 + TOKENS)
         for chunk, kv in zip(lj.plan, chunks):
             for i in range(chunk.num_layers):
                 assert torch.equal(buffers.k[chunk.first_layer + i][locs], kv[i, 0])
                 assert torch.equal(buffers.v[chunk.first_layer + i][locs], kv[i, 1])
-        assert stats.snapshot()["bytes"] == lj.nbytes and staging.stats().held == 0
+        assert stats.snapshot()["bytes"] == lj.nbytes and staging.held == 0
 
     def test_reported_failure_fails_only_that_job(self, link_pair):
         """FAILED fails its job; the link stays up and the next job lands."""
@@ -188,7 +190,7 @@ class TestLinkFailures:
         assert elapsed < bound and not link.up
         assert head.job.outcome[1].cause == queued.job.outcome[1].cause == "timeout"
         assert stats.snapshot()["failures"] == {"timeout": 2} and time.monotonic() - started < bound
-        _wait(lambda: staging.stats().held == 0)  # the receiving thread gave its buffer back
+        _wait(lambda: staging.held == 0)  # the receiving thread gave its buffer back
 
     @pytest.mark.parametrize("link_pair", [{"keepalive": 0.1}], indirect=True)
     def test_silent_prefill_ends_the_link(self, link_pair):
@@ -229,7 +231,7 @@ class TestGivingUp:
         assert prefill.recv_frame()[:2] == (CANCEL, tag)
         prefill.chunk(chunks[1])
         prefill.ping()
-        _wait(lambda: not link.jobs() and staging.stats().held == 0)
+        _wait(lambda: not link.jobs() and staging.held == 0)
         assert link.up and buffers.k[1].abs().sum() == 0  # chunk 1 (layer 1) never written
 
     def test_overdue_answers(self, link_pair):

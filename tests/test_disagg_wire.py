@@ -115,22 +115,24 @@ class TestSettings:
 
 class TestStagingPool:
     def test_take_give_and_push_back(self):
-        """Bytes are accounted per owner; a full pool blocks, then refuses; giving back wakes a waiter."""
+        """Bytes are accounted per owner; a full pool blocks, then refuses; giving back wakes a waiter; a
+        buffer given back is reused for the same size, unless a failed receive was posted into it."""
         pool = StagingPool("transfer.staging", 4096, torch.device("cpu"))
         buf = pool.take("a", 3000, timeout=0.1)
-        assert buf.numel() == 3000 and pool.stats().held == 3000 and pool.stats().adds_up
+        usage = pool.stats()
+        assert buf.numel() == 3000 and pool.held == usage.shared == 3000 and usage.free + usage.shared == 4096
         with pytest.raises(StagingFull):
             pool.take("b", 2000, timeout=0.05)
         threading.Timer(0.05, pool.give, args=("a", buf)).start()
         other = pool.take("b", 2000, timeout=5.0)  # the kept 3000-byte buffer made room
-        assert [(o.request_id, o.amount) for o in pool.owners()] == [("b", 2000)]
+        assert [(o.request_id, o.amount) for o in pool.shared_owners()] == [("b", 2000)]
         with pytest.raises(RuntimeError):
             pool.give("c", other)
         pool.give("b", other)
         assert pool.take("c", 2000, timeout=0.1) is other  # reused, same size
         pool.give("c", other, reuse=False)
         assert pool.take("d", 2000, timeout=0.1) is not other  # a failed receive's buffer is never reused
-        assert pool.stats().held == 2000
+        assert pool.held == 2000
 
 
 class TestMetrics:
@@ -157,14 +159,13 @@ class TestDestinations:
         from engine.disagg.destination import HostRowsDestination
         from hisparse.pools import HostKVPool
         from hisparse.selection import IndexProjection
-        from resources.ledger import Ledger
 
         layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32)
         cpu = torch.device("cpu")
         projection = IndexProjection(num_heads=4, num_kv_heads=2, head_dim=8, index_dim=4, device=cpu,
                                      dtype=torch.float32)
         host = HostKVPool(num_tokens=64, page_size=4, num_layers=2, num_kv_heads=2, head_dim=8,
-                          index_dim=projection.dim, dtype=torch.float32, device=cpu, ledger=Ledger())
+                          index_dim=projection.dim, dtype=torch.float32, device=cpu)
         rows = torch.tensor([20, 21, 22, 23, 8, 9])
         dest = HostRowsDestination(host, rows, projection.keys, cpu)
         plan = chunk_plan(layout, 6, 1 << 20)

@@ -28,6 +28,7 @@ import attrs
 import structlog
 import torch
 
+from engine.disagg.kv_transfer_hook import TransferCancelled
 from engine.disagg.transfer import TransferFailed
 from engine.disagg.transport import LinkError, Pair, classify
 from engine.disagg.wire import (BYE, CANCEL, CANCELLED, JOB, OK, PING, RESULT, STATUS_NAMES, JobSpec, KVLayout,
@@ -67,14 +68,20 @@ class LinkJob:
         return sum(c.nbytes for c in self.plan)
 
     def end(self, first_token: int | None, cause: str | None = None, message: str = "") -> bool:
-        """Set the outcome, then complete the fence; False if it had ended already."""
+        """Resolve the job (outcome first, then the fence); False if it had ended already.
+
+        Cause "cancelled" (the decode gave it up) resolves it with TransferCancelled."""
         with self.lock:
             if self.done:
                 return False
             self.done = True
-            self.job.outcome = ("ok", first_token) if cause is None else (
-                "failed", RemoteTransferFailed(cause, f"{message} (peer {self.peer or '-'}, epoch {self.epoch})"))
-            self.job.fence.complete()
+            if cause is None:
+                self.job.resolve("ok", first_token)
+            else:
+                where = f"(peer {self.peer or '-'}, epoch {self.epoch})"
+                error = TransferCancelled(f"{message} {where}") if cause == "cancelled" else \
+                    RemoteTransferFailed(cause, f"{message} {where}")
+                self.job.resolve("failed", error)
         return True
 
 

@@ -47,11 +47,11 @@ from engine.disagg.staging import StagingFull, StagingPool
 from engine.disagg.transfer import TransferFailed
 from engine.disagg.transport import LinkError, Pair
 from engine.disagg.wire import KVLayout, chunk_plan, compatibility_record, model_identity
-from resources import LeakError, ManualFence, check_memory, memory_report
+from resources import ManualFence
+from resources.ledger import LeakError, check_memory, memory_report
 
 log = structlog.get_logger("kvlife.transfer")
 TICK = 0.02
-_JOB_FIELDS = {f.name for f in attrs.fields(TransferJob)}
 
 
 def _dial(host: str) -> str:
@@ -63,7 +63,7 @@ class _SignalledFence(ManualFence):
     """The worker's job fence; completing it tells the server the outcome is known."""
 
     def __init__(self, on_complete: Any, timeout: float) -> None:
-        super().__init__("kv_send", {"kv"}, timeout=timeout)
+        super().__init__("kv_send", {"kv"}, timeout=timeout, armed=False)
         self._on_complete = on_complete
 
     def complete(self) -> None:
@@ -140,8 +140,7 @@ class PrefillServer:
         self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.parts.kv_buffers.k[0].dtype)
         self.record = compatibility_record(model_identity=model_identity(mc, self.config), layout=self.layout,
                                            page_size=self.config.page_size, backend=self.settings.backend)
-        self.worker = PrefillWorker(self.parts, LinkTransfer(self), faults=faults,
-                                    fence_timeout=self.config.fence_timeout)
+        self.worker = PrefillWorker(self.parts, LinkTransfer(self), faults=faults)
         self.stats = TransferStats("prefill")
         self.staging = StagingPool("transfer.staging", self.settings.staging_bytes, self.parts.device)
         self.pools = [*self.parts.pools, self.staging]
@@ -181,6 +180,7 @@ class PrefillServer:
             for link in links:
                 link.down(LinkError("shutdown", "the prefill is shutting down"))
             with anyio.move_on_after(self.config.fence_timeout):
+                await self.worker.close()
                 while not self.idle:
                     await anyio.sleep(TICK)
             self._check_idle(force=True)
@@ -196,8 +196,7 @@ class PrefillServer:
 
     @property
     def idle(self) -> bool:
-        return not self.worker.requests and not self.worker.jobs and not self.by_worker_id and (
-            self.staging.stats().held == 0)
+        return self.worker.idle and not self.by_worker_id and self.staging.held == 0
 
     # ------------------------------------------------- called on the loop
     def call(self, fn: Any, *args: Any) -> None:
@@ -217,20 +216,19 @@ class PrefillServer:
             params = SamplingParams(**spec.params)
         except Exception as exc:  # noqa: BLE001 - a decode of another version
             sj.error = f"bad sampling parameters: {exc}"
-        vocab = self.parts.model_config.vocab_size
-        if len(spec.token_ids) > self.config.max_context:
-            sj.error = f"{len(spec.token_ids)} tokens, more than this prefill's max_context {self.config.max_context}"
-        elif not all(0 <= t < vocab for t in spec.token_ids):
+        vocab, limit = self.parts.model_config.vocab_size, self.parts.max_context
+        if len(spec.token_ids) > limit or len(spec.output_token_ids) >= len(spec.token_ids):
+            sj.error = f"{len(spec.token_ids)} tokens: this prefill takes 1 to {limit} (its max_context)"
+        elif min(spec.token_ids) < 0 or max(spec.token_ids) >= vocab:
             sj.error = f"token ids must be in [0, {vocab})"
         if sj.error is not None:
             self._ready(sj)
             return
-        fields = dict(request_id=sj.worker_id, token_ids=spec.token_ids, params=params, mm_inputs=spec.images,
-                      dst_locs=torch.empty(0, dtype=torch.int64),
-                      fence=_SignalledFence(lambda: self._ready(sj), self.config.fence_timeout))
-        if "output_token_ids" in _JOB_FIELDS:
-            fields["output_token_ids"] = spec.output_token_ids
-        sj.job = TransferJob(**fields)
+        prompt = spec.token_ids[: len(spec.token_ids) - len(spec.output_token_ids)]
+        timeout = self.config.fence_timeout
+        sj.job = TransferJob(sj.worker_id, prompt, list(spec.output_token_ids), params, spec.images,
+                             torch.empty(0, dtype=torch.int64), _SignalledFence(lambda: self._ready(sj), timeout),
+                             timeout)
         self.by_worker_id[sj.worker_id] = sj
         self._was_idle = False
         if self.test_points is not None:
@@ -241,8 +239,7 @@ class PrefillServer:
         if why == "cancelled":
             sj.cancelled = True
         if sj.job is not None and sj.job.outcome is None:
-            sj.job.cancelled = True
-            self.worker.wake()
+            self.worker.cancel(sj.job)  # resolved at once if not started; else before it sends
 
     def forget_job(self, sj: ServerJob) -> None:
         self.by_worker_id.pop(sj.worker_id, None)

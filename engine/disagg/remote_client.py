@@ -29,12 +29,13 @@ import torch
 from engine.disagg import bootstrap
 from engine.disagg.decode_link import DecodeLink, LinkJob
 from engine.disagg.destination import PagedDestination
+from engine.disagg.kv_transfer_hook import TransferJob, cancel_unstarted
 from engine.disagg.observability import TransferStats
 from engine.disagg.staging import StagingPool
 from engine.disagg.transport import LinkError, Pair
 from engine.disagg.wire import JobSpec, KVLayout, chunk_plan, compatibility_record, model_identity, params_to_dict
 from engine.errors import InvalidConfig
-from resources.ledger import Owner, PoolStats
+from resources.ledger import Owner, PoolUsage
 from states import RequestState
 
 log = structlog.get_logger("kvlife.transfer")
@@ -55,7 +56,7 @@ class RemotePrefillClient:
     """See the module docstring."""
 
     def __init__(self, config: Any, model_config: Any, kv_buffers: Any, *, device: torch.device,
-                 faults: Any = None) -> None:
+                 max_context: int) -> None:
         self.settings = config.remote_prefill
         self.kv_buffers = kv_buffers
         self.device = device
@@ -63,10 +64,10 @@ class RemotePrefillClient:
                                kv_buffers.k[0].dtype)
         self.record = compatibility_record(model_identity=model_identity(model_config, config), layout=self.layout,
                                            page_size=config.page_size, backend=self.settings.backend)
-        plan = chunk_plan(self.layout, config.max_context, self.settings.max_chunk_bytes)
+        plan = chunk_plan(self.layout, max_context, self.settings.max_chunk_bytes)
         bound = self.settings.fence_bound([c.nbytes for c in plan])
         if config.fence_timeout < bound:
-            raise InvalidConfig("EngineConfig.fence_timeout", f">= {bound:.2f} s, the longest a {config.max_context}-"
+            raise InvalidConfig("EngineConfig.fence_timeout", f">= {bound:.2f} s, the longest a {max_context}-"
                                 f"token transfer may take (first_timeout + {len(plan)} chunks at floor_bandwidth "
                                 "+ chunk_slack each + margin)", config.fence_timeout)
         self.stats = TransferStats("decode")
@@ -80,29 +81,43 @@ class RemotePrefillClient:
         capacity = config.max_running
         self.pools = [self.staging, *(_JobsPool(self, p.name, capacity) for p in self.peers),
                       _JobsPool(self, "pending", capacity)]
-        # NOTE: until the PrefillClient seam lands, the Engine reads this PrefillWorker attribute
-        self.jobs: deque = deque()
 
     # ----------------------------------------------------------- the seam
-    def submit(self, job: Any) -> None:
+    def submit(self, job: TransferJob) -> None:
         destination = getattr(job, "destination", None)
         if destination is None or not hasattr(destination, "write"):
             destination = PagedDestination(self.kv_buffers, job.dst_locs)
         now = time.monotonic()
-        spec = JobSpec(job.request_id, list(job.token_ids), params_to_dict(job.params),
-                       list(getattr(job, "output_token_ids", None) or []), list(job.mm_inputs),
-                       max_chunk_bytes=self.settings.max_chunk_bytes)
+        spec = JobSpec(job.request_id, job.token_ids, params_to_dict(job.params), list(job.output_token_ids),
+                       list(job.mm_inputs), max_chunk_bytes=self.settings.max_chunk_bytes)
         lj = LinkJob(job, destination, chunk_plan(self.layout, destination.num_tokens, self.settings.max_chunk_bytes),
                      spec, now, now + self.settings.first_timeout)
         self._jobs[id(job)] = lj
+        if self._closing or not self._dispatch(lj):
+            self.pending.append(lj)
+            if self._closing:
+                self.cancel(job)
+
+    def _dispatch(self, lj: LinkJob) -> bool:
+        """Queue `lj` on the link with the fewest jobs; it starts then (its fence's deadline runs)."""
         link = self._pick()
         if link is None or not link.submit(lj):
-            self.pending.append(lj)
+            return False
+        lj.deadline = time.monotonic() + self.settings.first_timeout
+        lj.job.start()
+        return True
 
-    def cancel(self, job: Any) -> None:
-        """Give the job up: its fence completes now; the prefill is told to cancel."""
+    def cancel(self, job: TransferJob) -> None:
+        """Give the job up: a job waiting for a link resolves at once, one on a link as soon as its
+        receiving thread stops writing (at once between chunks); the prefill is told to cancel."""
         lj = self._jobs.pop(id(job), None)
-        if lj is None or not lj.end(None, "cancelled", "cancelled by the decode"):
+        if lj is None:
+            cancel_unstarted(job)
+            return
+        if lj in self.pending:
+            self.pending.remove(lj)
+        job.cancelled = True
+        if not lj.end(None, "cancelled", "cancelled by the decode"):
             return
         self.stats.job_cancelled()
         log.info("transfer.cancelled", request_id=job.request_id, peer=lj.peer or None, epoch=lj.epoch)
@@ -110,24 +125,24 @@ class RemotePrefillClient:
         if peer is not None and peer.link is not None and peer.link.epoch == lj.epoch:
             peer.link.cancel(lj)
 
-    def wake(self) -> None:
-        """The hook set `job.cancelled` (until the PrefillClient seam's `cancel` is called directly)."""
-        for lj in list(self._jobs.values()):
-            if getattr(lj.job, "cancelled", False):
-                self.cancel(lj.job)
-
     @property
     def idle(self) -> bool:
         """No job in flight, and no receiving thread still holds staging (it returns within its bound)."""
-        return all(lj.done for lj in self._jobs.values()) and self.staging.stats().held == 0
+        return all(lj.done for lj in self._jobs.values()) and self.staging.held == 0
 
-    @property
-    def requests(self) -> dict:
-        """Until the PrefillClient seam lands, the Engine's idleness reads this: non-empty while busy."""
-        return {} if self.idle else {"transfer": self.staging.owners()}
-
-    def release_finished(self) -> None:
-        """Nothing to release: the client holds no requests of its own."""
+    async def close(self) -> None:
+        """Cancel every job, say goodbye on every link and wait (bounded) for its threads to return."""
+        self._closing = True
+        for lj in list(self._jobs.values()):
+            self.cancel(lj.job)
+        links = [p.link for p in self.peers if p.link is not None]
+        for link in links:
+            link.close()
+        timeout = self.settings.liveness_timeout + self.settings.chunk_slack
+        await anyio.to_thread.run_sync(lambda: [link.join(timeout) for link in links])
+        with anyio.move_on_after(timeout):  # a writing thread gives its staging back
+            while not self.idle:
+                await anyio.sleep(TICK)
 
     async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
         try:
@@ -142,16 +157,8 @@ class RemotePrefillClient:
                     self._tick(time.monotonic())
                     await anyio.sleep(TICK)
         finally:
-            self._closing = True
-            links = [p.link for p in self.peers if p.link is not None]
-            for link in links:
-                link.close()
-            for lj in list(self._jobs.values()):
-                if lj.end(None, "shutdown", "the decode engine shut down"):
-                    self.stats.job_failed("shutdown")
             with anyio.CancelScope(shield=True):  # NOTE: no thread left inside a gloo wait at exit
-                timeout = self.settings.liveness_timeout + self.settings.chunk_slack
-                await anyio.to_thread.run_sync(lambda: [link.join(timeout) for link in links])
+                await self.close()
 
     async def wait_links(self, count: int | None = None, timeout: float = 10.0) -> None:
         """Wait until `count` links (default: one per peer) are up; TimeoutError otherwise."""
@@ -186,11 +193,9 @@ class RemotePrefillClient:
             if lj.done:
                 self.pending.popleft()
                 continue
-            link = self._pick()
-            if link is None:
+            if not self._dispatch(lj):
                 break
-            if link.submit(lj):
-                self.pending.popleft()
+            self.pending.popleft()
         refusal = self._all_refused()
         for lj in [lj for lj in self.pending if not lj.done and (lj.deadline <= now or refusal is not None)]:
             self.pending.remove(lj)
@@ -268,9 +273,9 @@ class _JobsPool:
         peer = next(p for p in self._client.peers if p.name == self._peer)
         return peer.link.jobs() if peer.link is not None else []
 
-    def stats(self) -> PoolStats:
+    def stats(self) -> PoolUsage:
         held = len(self._waiting())
-        return PoolStats(capacity=self._capacity, free=self._capacity - held, evictable=0, held=held, unit="jobs")
+        return PoolUsage(capacity=self._capacity, free=self._capacity - held, shared=held, unit="jobs")
 
-    def owners(self) -> list[Owner]:
+    def shared_owners(self) -> list[Owner]:
         return [Owner(lj.job.request_id, RequestState.TRANSFERRING, None, 1) for lj in self._waiting()]

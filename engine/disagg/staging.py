@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from resources.ledger import Owner, PoolStats
+from resources.ledger import Owner, PoolUsage
 
 
 class StagingFull(RuntimeError):
@@ -86,11 +86,17 @@ class StagingPool:
         self._kept[key].pop()
         self._kept_bytes -= key[0]
 
-    def stats(self) -> PoolStats:
+    def stats(self) -> PoolUsage:
+        """Bytes taken count as `shared`: held for requests outside the engine's ledger."""
         with self._cond:
             held = self._total
-        return PoolStats(capacity=self.capacity, free=self.capacity - held, evictable=0, held=held, unit="bytes")
+        return PoolUsage(capacity=self.capacity, free=self.capacity - held, shared=held, unit="bytes")
 
-    def owners(self) -> list[Owner]:
+    @property
+    def held(self) -> int:
+        with self._cond:
+            return self._total
+
+    def shared_owners(self) -> list[Owner]:
         with self._cond:
             return [Owner(rid, None, None, n) for rid, n in sorted(self._held.items())]
