@@ -110,6 +110,26 @@ class PrefillChild:
             time.sleep(0.02)
 
 
+def started_event(log_path: str, proc: subprocess.Popen, event: str = "server.started") -> dict:
+    """The first JSON log line of `event` that a `kvlife serve` child wrote to `log_path`."""
+    deadline = time.monotonic() + STARTUP
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"the server exited with {proc.returncode}"
+        with open(log_path) as f:
+            for line in f:
+                if f'"{event}"' in line:
+                    return json.loads(line)
+        time.sleep(0.05)
+    raise TimeoutError(f"no {event} from the server")
+
+
+#: `kvlife serve` options for the tests' small engine and fast link bounds
+SERVE_SMALL = ["--page-size", "4", "--num-kv-pages", "256", "--max-running", "8", "--max-context", "256",
+               "--max-prefill-tokens", "64"]
+SERVE_FAST = ["--transfer-keepalive", "0.25", "--transfer-first-timeout", "2", "--transfer-chunk-slack", "1",
+              "--fence-timeout", "10"]
+
+
 def assert_child_whole(report: dict[str, Any]) -> None:
     """Every pool of a prefill child adds up and holds nothing; its idle leak checks were clean."""
     for name, pool in report["pools"].items():

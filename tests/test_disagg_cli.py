@@ -9,12 +9,13 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 
 import httpx
 import pytest
 
-from disagg_helpers import STARTUP
+from disagg_helpers import SERVE_FAST as FAST
+from disagg_helpers import SERVE_SMALL as SMALL
+from disagg_helpers import started_event
 from engine import Engine, SamplingParams
 from engine.cli.main import build_parser
 from engine.cli.serve_command import engine_config_from_serve_args, prefill_settings_from_args
@@ -22,10 +23,6 @@ from engine.disagg.settings import SECRET_ENV
 from engine.errors import InvalidConfig
 from helpers import small_config
 
-SMALL = ["--page-size", "4", "--num-kv-pages", "256", "--max-running", "8", "--max-context", "256",
-         "--max-prefill-tokens", "64"]
-FAST = ["--transfer-keepalive", "0.25", "--transfer-first-timeout", "2", "--transfer-chunk-slack", "1",
-        "--fence-timeout", "10"]
 
 
 def _args(*argv: str):
@@ -65,18 +62,6 @@ class TestOptions:
         assert info.value.field == field
 
 
-def _started(log_path: str, proc: subprocess.Popen) -> dict:
-    deadline = time.monotonic() + STARTUP
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "the prefill server exited"
-        with open(log_path) as f:
-            for line in f:
-                if '"server.started"' in line:
-                    return json.loads(line)
-        time.sleep(0.05)
-    raise TimeoutError("kvlife serve --disaggregation prefill did not start")
-
-
 class TestCommand:
     @pytest.mark.asyncio
     async def test_prefill_command_serves_a_decode_command_config(self):
@@ -87,7 +72,7 @@ class TestCommand:
                                      "--disaggregation-bootstrap-port", "0", "--port", "0", *SMALL, *FAST],
                                     stderr=log, stdout=subprocess.DEVNULL, env=dict(os.environ, OMP_NUM_THREADS="1"))
             try:
-                started = _started(log.name, proc)
+                started = started_event(log.name, proc)
                 peer = f"127.0.0.1:{started['bootstrap_port']}"
                 config = engine_config_from_serve_args(_args("--disaggregation", "decode", "--prefill", peer,
                                                              "--leak-check", "raise", *SMALL, *FAST))

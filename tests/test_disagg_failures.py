@@ -90,7 +90,9 @@ class TestKilled:
             stream = engine.generate(PROMPT, GREEDY, request_id="k2")
             await anyio.to_thread.run_sync(points.wait, "sending/k2/1")
             reason, elapsed = await _fail_after(engine, stream, child.kill)
+            evictable = engine.check_memory().pools["kv_pages"].evictable
         assert reason is FinishReason.TRANSFER_FAILED and elapsed < 1.5
+        assert evictable == 0  # the partly written pages never entered the prefix cache
 
     @pytest.mark.asyncio
     async def test_killed_mid_chunk(self, spawn, points):

@@ -16,7 +16,7 @@ import disagg_helpers  # noqa: F401 - GLOO_SOCKET_IFNAME=lo
 from engine.disagg import bootstrap
 from engine import SamplingParams
 from engine.disagg.decode_link import DecodeLink, LinkJob
-from engine.disagg.kv_transfer_hook import TransferJob
+from engine.disagg.kv_transfer_hook import TransferCancelled, TransferJob
 from engine.disagg.destination import PagedDestination
 from engine.disagg.observability import TransferStats
 from engine.disagg.settings import LinkSettings
@@ -111,7 +111,7 @@ def link_pair(request):
     link.down(LinkError("shutdown", "test over"))
     try:  # the prefill's goodbye lets a receiving thread still waiting go at once
         if link.alive:
-            pairs[0].send_ctl(header(BYE), 1.0)
+            pairs[0].send_ctl(header(BYE), 0.2)
     except LinkError:
         pass  # it returned meanwhile
     assert link.join(settings.liveness_timeout + settings.chunk_slack + 1)
@@ -233,6 +233,32 @@ class TestGivingUp:
         prefill.ping()
         _wait(lambda: not link.jobs() and staging.held == 0)
         assert link.up and buffers.k[1].abs().sum() == 0  # chunk 1 (layer 1) never written
+
+    def test_a_wedged_writer_keeps_the_fence_not_the_caller(self, link_pair):
+        """Cancelling while the writing thread is stuck in a write returns at once (the event loop never
+        waits on it) and leaves the fence open; the fence completes when that write returns, cancelled."""
+        link, prefill, buffers, _, _ = link_pair
+        lj = _submit(link, buffers, "wedged")
+        entered, release = threading.Event(), threading.Event()
+        write = lj.destination.write
+
+        def stuck_write(chunk, kv):
+            entered.set()
+            release.wait(10)
+            write(chunk, kv)
+
+        lj.destination.write = stuck_write
+        _, tag, _ = prefill.recv_frame()
+        prefill.answer(tag)
+        for kv in _kv(lj.plan):
+            prefill.chunk(kv)
+        assert entered.wait(5)
+        started = time.monotonic()
+        assert lj.end(None, "cancelled", "test", block=False)
+        assert time.monotonic() - started < 0.1 and not lj.job.fence.done()
+        release.set()
+        _wait(lj.job.fence.done)
+        assert isinstance(lj.job.outcome[1], TransferCancelled) and buffers.k[1].abs().sum() == 0
 
     def test_overdue_answers(self, link_pair):
         """A job whose first answer is overdue behind a busy head is given up alone (and cancelled); an

@@ -5,6 +5,11 @@ decode leaving mid-transfer, and the seed's HiSparse health-check scenario."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import tempfile
+import threading
 import time
 
 import anyio
@@ -13,7 +18,8 @@ import pytest
 import structlog
 import torch
 
-from disagg_helpers import SECRET, PointStore, PrefillChild, assert_child_whole, client, remote_config
+from disagg_helpers import (SECRET, SERVE_FAST, SERVE_SMALL, PointStore, PrefillChild, assert_child_whole, client,
+                            remote_config, started_event)
 from engine import Engine, SamplingParams
 from helpers import small_config
 from hisparse import HiSparseConfig
@@ -120,7 +126,7 @@ class TestFailures:
         points.set("go/aborted")  # the prefill's step ends; it finds the job cancelled
         report = await anyio.to_thread.run_sync(prefill.wait_idle)
         assert outputs[-1].finish_reason is FinishReason.ABORT and elapsed < 1.0
-        assert stats["jobs"]["cancelled"] == 1
+        assert stats["jobs"]["cancelled"] == 1 and report["transfer"]["jobs"]["cancelled"] >= 1  # it was told
         assert_child_whole(report)
 
     @pytest.mark.asyncio
@@ -160,6 +166,42 @@ class TestFailures:
         report = await anyio.to_thread.run_sync(prefill.wait_idle)
         assert outputs[-1].finish_reason is FinishReason.SHUTDOWN and elapsed < 3.0
         assert_child_whole(report)
+
+
+    def test_decode_process_killed(self, prefill, points):
+        """A decode server process SIGKILLed while its request computes on the prefill: the prefill sees the
+        link close, cancels the job, and its request finishes and releases on its side."""
+        points.set("hold-compute/orphan")
+        with tempfile.NamedTemporaryFile("w+", suffix=".log") as log:
+            decode = subprocess.Popen([sys.executable, "-m", "engine.cli.main", "serve", "--disaggregation", "decode",
+                                       "--prefill", prefill.address, "--disaggregation-secret", SECRET, "--port", "0",
+                                       *SERVE_SMALL, *SERVE_FAST], stderr=log, stdout=subprocess.DEVNULL,
+                                      env=dict(os.environ, OMP_NUM_THREADS="1"))
+            try:
+                port = started_event(log.name, decode)["port"]
+                body = {"input_ids": PROMPTS[1], "rid": "orphan", "sampling_params": {"max_new_tokens": 4}}
+                request = threading.Thread(target=_post_ignoring_errors, args=(f"http://127.0.0.1:{port}", body))
+                request.start()
+                points.wait("computing/orphan")
+                decode.kill()
+                decode.wait(10)
+                points.set("go/orphan")
+                request.join(10)
+            finally:
+                if decode.poll() is None:
+                    decode.kill()
+                    decode.wait()
+        report = prefill.wait_idle()
+        assert report["transfer"]["links"] and all(not link["up"] or name != "decode"
+                                                   for name, link in report["transfer"]["links"].items())
+        assert_child_whole(report)
+
+
+def _post_ignoring_errors(url: str, body: dict) -> None:
+    try:
+        httpx.post(f"{url}/generate", json=body, timeout=10.0)
+    except httpx.HTTPError:
+        pass  # the decode died under it
 
 
 class TestPeers:

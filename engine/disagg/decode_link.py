@@ -59,30 +59,62 @@ class LinkJob:
     epoch: int = 0
     tag: int = 0
     answered: float | None = None  # when its header arrived
-    done: bool = False
+    done: bool = False  # resolved: outcome set, fence completed
     cancel_sent: bool = False
-    lock: threading.Lock = attrs.field(factory=threading.Lock)
+    #: how it ends, decided once: (first_token, cause, message)
+    decision: tuple | None = None
+    lock: threading.Lock = attrs.field(factory=threading.Lock)  # held by the writing thread while it writes
+    _deciding: threading.Lock = attrs.field(factory=threading.Lock)
 
     @property
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.plan)
 
-    def end(self, first_token: int | None, cause: str | None = None, message: str = "") -> bool:
-        """Resolve the job (outcome first, then the fence); False if it had ended already.
+    @property
+    def writable(self) -> bool:
+        """Whether a chunk may still be written (call with the lock held)."""
+        return self.decision is None
 
-        Cause "cancelled" (the decode gave it up) resolves it with TransferCancelled."""
-        with self.lock:
-            if self.done:
-                return False
-            self.done = True
-            if cause is None:
-                self.job.resolve("ok", first_token)
-            else:
-                where = f"(peer {self.peer or '-'}, epoch {self.epoch})"
-                error = TransferCancelled(f"{message} {where}") if cause == "cancelled" else \
-                    RemoteTransferFailed(cause, f"{message} {where}")
-                self.job.resolve("failed", error)
-        return True
+    def end(self, first_token: int | None, cause: str | None = None, message: str = "", *,
+            block: bool = True) -> bool:
+        """Decide how the job ends (once; True for the call that decided) and resolve it: outcome
+        first, then the fence. Cause "cancelled" (the decode gave it up) resolves it with
+        TransferCancelled.
+
+        With `block=False` (the event loop) a write in progress is not waited for: the writing
+        thread resolves the job as soon as that write returns, so a writing thread that wedges
+        leaves the fence open (and the loop quarantines the pages at its deadline) instead of
+        wedging the loop.
+        """
+        with self._deciding:
+            decided = self.decision is None
+            if decided:
+                self.decision = (first_token, cause, message)
+        if self.lock.acquire(blocking=block):
+            try:
+                self._resolve()
+            finally:
+                self.lock.release()
+        return decided
+
+    def apply_decision(self) -> None:
+        """After a write (lock released): resolve an end decided during it."""
+        if self.decision is not None and not self.done:
+            with self.lock:
+                self._resolve()
+
+    def _resolve(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        first_token, cause, message = self.decision
+        if cause is None:
+            self.job.resolve("ok", first_token)
+        else:
+            where = f"(peer {self.peer or '-'}, epoch {self.epoch})"
+            error = TransferCancelled(f"{message} {where}") if cause == "cancelled" else \
+                RemoteTransferFailed(cause, f"{message} {where}")
+            self.job.resolve("failed", error)
 
 
 class DecodeLink:
@@ -118,9 +150,10 @@ class DecodeLink:
     def load(self) -> int:
         """Jobs in flight that have not ended (fewest-in-flight spreading)."""
         with self.lock:
-            return sum(1 for lj in self.inflight if not lj.done)
+            return sum(1 for lj in self.inflight if lj.decision is None)
 
     def jobs(self) -> list[LinkJob]:
+        """Jobs on this link not resolved yet (their fences are open)."""
         with self.lock:
             return [lj for lj in self.inflight if not lj.done]
 
@@ -141,16 +174,17 @@ class DecodeLink:
             self._out.put(("cancel", lj.tag))
 
     def expire(self, now: float) -> None:
-        """End jobs whose first answer is overdue; an overdue oldest job ends the link."""
+        """End jobs whose first answer is overdue; an overdue oldest job ends the link (event loop)."""
         with self.lock:
-            overdue = [lj for lj in self.inflight if lj.answered is None and not lj.done and lj.deadline <= now]
+            overdue = [lj for lj in self.inflight if lj.answered is None and lj.decision is None
+                       and lj.deadline <= now]
             head = self.inflight[0] if self.inflight else None
         if head is not None and head in overdue:
             self.down(LinkError("budget", f"no answer within the prefill's compute budget "
-                                          f"({self.settings.first_timeout:g} s)"))
+                                          f"({self.settings.first_timeout:g} s)"), block=False)
             return
         for lj in overdue:
-            if lj.end(None, "budget", "no answer within the prefill's compute budget"):
+            if lj.end(None, "budget", "no answer within the prefill's compute budget", block=False):
                 self.stats.job_failed("budget")
                 log.warning("transfer.failed", request_id=lj.job.request_id, peer=self.peer, epoch=self.epoch,
                             cause="budget")
@@ -284,7 +318,7 @@ class DecodeLink:
             lj, chunk, value, owner = item
             if chunk is None:  # every chunk of the job is written
                 now = time.monotonic()
-                if lj.end(value):
+                if lj.end(value):  # False: it was given up or failed meanwhile
                     self.stats.job_ok(lj.nbytes, now - lj.answered, now - lj.submitted)
                     log.debug("transfer.landed", request_id=lj.job.request_id, peer=self.peer, epoch=self.epoch,
                               bytes=lj.nbytes, seconds=round(now - lj.answered, 6))
@@ -292,8 +326,9 @@ class DecodeLink:
             try:
                 kv = value.view(self.layout.dtype).view(self.layout.chunk_shape(chunk))
                 with lj.lock:
-                    if not lj.done:
+                    if lj.writable:
                         lj.destination.write(chunk, kv)
+                lj.apply_decision()
             except Exception as exc:  # noqa: BLE001 - a bug must not leave the fence open
                 if lj.end(None, "transport", f"writing a chunk failed: {exc!r}"):
                     self.stats.job_failed("transport")
@@ -301,8 +336,8 @@ class DecodeLink:
                 self.staging.give(owner, value)
 
     # ------------------------------------------------------------- down
-    def down(self, error: LinkError) -> None:
-        """End the link: every job on it ends failed now (idempotent)."""
+    def down(self, error: LinkError, *, block: bool = True) -> None:
+        """End the link: every job on it ends failed now (idempotent; `block`: see `LinkJob.end`)."""
         with self.lock:
             if not self.up:
                 return
@@ -313,7 +348,7 @@ class DecodeLink:
             self.inflight.clear()
         failed = 0
         for lj in jobs:
-            if lj.end(None, error.cause, str(error)):
+            if lj.end(None, error.cause, str(error), block=block):
                 failed += 1
                 self.stats.job_failed(error.cause)
                 log.warning("transfer.failed", request_id=lj.job.request_id, peer=self.peer, epoch=self.epoch,

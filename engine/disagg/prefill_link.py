@@ -180,8 +180,6 @@ class PrefillLink:
         self.pair.send_ctl(header(RESULT, sj.tag, status, first_token, len(raw)), s.chunk_slack)
         if raw:
             self.pair.send_ctl(torch.frombuffer(bytearray(raw), dtype=torch.uint8), s.chunk_timeout(len(raw)))
-        if status == CANCELLED:
-            stats.job_cancelled()
         if status != OK:
             if status == FAILED:
                 stats.job_failed("prefill_failed")

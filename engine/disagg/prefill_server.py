@@ -236,8 +236,9 @@ class PrefillServer:
         self.worker.submit(sj.job)
 
     def cancel_job(self, sj: ServerJob, why: str) -> None:
-        if why == "cancelled":
+        if why == "cancelled" and not sj.cancelled:  # the decode's CANCEL
             sj.cancelled = True
+            self.stats.job_cancelled()
         if sj.job is not None and sj.job.outcome is None:
             self.worker.cancel(sj.job)  # resolved at once if not started; else before it sends
 

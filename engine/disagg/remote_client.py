@@ -110,14 +110,14 @@ class RemotePrefillClient:
     def cancel(self, job: TransferJob) -> None:
         """Give the job up: a job waiting for a link resolves at once, one on a link as soon as its
         receiving thread stops writing (at once between chunks); the prefill is told to cancel."""
-        lj = self._jobs.pop(id(job), None)
+        lj = self._jobs.get(id(job))  # NOTE: kept until it has ended (`idle`); `_tick` drops it then
         if lj is None:
             cancel_unstarted(job)
             return
         if lj in self.pending:
             self.pending.remove(lj)
         job.cancelled = True
-        if not lj.end(None, "cancelled", "cancelled by the decode"):
+        if not lj.end(None, "cancelled", "cancelled by the decode", block=False):
             return
         self.stats.job_cancelled()
         log.info("transfer.cancelled", request_id=job.request_id, peer=lj.peer or None, epoch=lj.epoch)
@@ -201,7 +201,7 @@ class RemotePrefillClient:
             self.pending.remove(lj)
             cause, why = ("no_link", "no prefill link came up within the compute budget") if refusal is None else (
                 refusal.cause, f"every prefill peer refused this decode: {refusal}")
-            if lj.end(None, cause, why):
+            if lj.end(None, cause, why, block=False):
                 self.stats.job_failed(cause)
                 log.warning("transfer.failed", request_id=lj.job.request_id, peer=None, epoch=0, cause=cause)
         for peer in self.peers:
