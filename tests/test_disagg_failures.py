@@ -11,7 +11,6 @@ import time
 
 import anyio
 import pytest
-import torch
 
 from disagg_helpers import STARTUP, PointStore, PrefillChild, assert_child_whole, client, remote_config
 from engine import Engine, SamplingParams
