@@ -27,8 +27,8 @@ os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "disagg_child.py")
 STARTUP = 60.0  # a python + torch start on a loaded 2-core machine
-#: the link's bounds in tests: 1 s of silence ends a link, a chunk gets size / 100 MB/s + 1 s
-LINK = dict(keepalive=0.25, first_timeout=2.0, chunk_slack=1.0, connect_timeout=5.0)
+#: the link's bounds in tests: 2 s of silence ends a link, a chunk gets size / 100 MB/s + 1 s
+LINK = dict(keepalive=0.5, first_timeout=2.0, chunk_slack=1.0, connect_timeout=5.0)
 FENCE_TIMEOUT = 10.0
 ENGINE = dict(page_size=4, num_kv_pages=256, max_running=8, max_context=256, max_prefill_tokens=64,
               use_entry_points=False)
@@ -126,7 +126,7 @@ def started_event(log_path: str, proc: subprocess.Popen, event: str = "server.st
 #: `kvlife serve` options for the tests' small engine and fast link bounds
 SERVE_SMALL = ["--page-size", "4", "--num-kv-pages", "256", "--max-running", "8", "--max-context", "256",
                "--max-prefill-tokens", "64"]
-SERVE_FAST = ["--transfer-keepalive", "0.25", "--transfer-first-timeout", "2", "--transfer-chunk-slack", "1",
+SERVE_FAST = ["--transfer-keepalive", "0.5", "--transfer-first-timeout", "2", "--transfer-chunk-slack", "1",
               "--fence-timeout", "10"]
 
 

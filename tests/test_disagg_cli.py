@@ -36,7 +36,7 @@ class TestOptions:
         config = engine_config_from_serve_args(_args("--disaggregation", "decode", "--prefill", "127.0.0.1:31001",
                                                      "--prefill", "127.0.0.1:31002", *FAST))
         remote = config.remote_prefill
-        assert remote.peers == ("127.0.0.1:31001", "127.0.0.1:31002") and remote.keepalive == 0.25
+        assert remote.peers == ("127.0.0.1:31001", "127.0.0.1:31002") and remote.keepalive == 0.5
         assert remote.secret is None and config.disaggregation == "decode"
         plain = engine_config_from_serve_args(_args("--disaggregation", "decode"))
         assert plain.remote_prefill is None  # the in-process worker
