@@ -156,7 +156,7 @@ async def run_http(args, log_path: Path) -> dict:
                    and out.wall_start <= datetime.fromisoformat(e["timestamp"].replace("Z", "+00:00")).timestamp()
                    < out.wall_start + out.seconds]
     failures = next((float(line.split()[-1]) for line in metrics.splitlines()
-                     if line.startswith("kvlife_leak_check_failures_total")), None)
+                     if line.startswith("kvlife:leak_check_failures_total")), None)
     result = _summary("http", out)
     result.update(health_generate_status=health, server_exit_code=exit_code,
                   leak_check_verdict=verdicts[-1]["verdict"] if verdicts else "missing",

@@ -1,4 +1,4 @@
-"""One HTTP generation: the engine stream as text chunks, and its SSE and JSON answers.
+"""One HTTP generation: the engine stream as text chunks; SSE framing; the `/generate` answers.
 
 `Generation` wraps `engine.generate(...)`: it turns each RequestOutput into
 a `Chunk` (the text delta, the new token ids, and the finish reason on the
@@ -31,14 +31,6 @@ log = structlog.get_logger("kvlife.http")
 DONE = b"data: [DONE]\n\n"
 
 
-class HTTPError(Exception):
-    """An HTTP-level rejection that is not a field error (e.g. 413)."""
-
-    def __init__(self, status: int, message: str, field: str | None = None, limit: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.field, self.limit = status, message, field, limit
-
-
 @attrs.frozen
 class Chunk:
     delta: str
@@ -64,9 +56,8 @@ def _holdback(text: str, stops: tuple[str, ...]) -> int:
 
 
 class Generation:
-    def __init__(self, engine: Any, body: GenerateBody, *, route: str, openai: bool = False) -> None:
-        prefix = "cmpl-" if openai else ""
-        self.request_id = body.rid or f"{prefix}{uuid.uuid4().hex}"
+    def __init__(self, engine: Any, body: GenerateBody, *, route: str, id_prefix: str = "") -> None:
+        self.request_id = body.rid or f"{id_prefix}{uuid.uuid4().hex}"
         self.body = body
         self.route = route
         self.tokenizer = engine.tokenizer
@@ -186,7 +177,7 @@ class EventStream:
                 await self.events.aclose()  # type: ignore[attr-defined]
 
 
-def _sse(payload: dict[str, Any]) -> bytes:
+def sse_event(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
@@ -199,34 +190,10 @@ async def generate_events(generation: Generation) -> AsyncIterator[bytes]:
             event["meta_info"] = generation.meta_info()
             event["output_text"] = generation.text
             event["output_ids"] = generation.token_ids
-        yield _sse(event)
+        yield sse_event(event)
     yield DONE
 
 
 def generate_json(generation: Generation) -> dict[str, Any]:
     return {"rid": generation.request_id, "text": generation.text, "output_ids": generation.token_ids,
             "meta_info": generation.meta_info()}
-
-
-def _choice(text: str, finish_reason: str | None) -> dict[str, Any]:
-    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-
-
-async def completion_events(generation: Generation, model: str, include_usage: bool) -> AsyncIterator[bytes]:
-    """`/v1/completions` stream in OpenAI's chunk format, usage last if asked, then [DONE]."""
-    head = {"id": generation.request_id, "object": "text_completion", "created": generation.created, "model": model}
-    while (chunk := await generation.next()) is not None:
-        if chunk.delta or chunk.finished:
-            event = head | {"choices": [_choice(chunk.delta, chunk.finish_reason)]}
-            if include_usage:
-                event["usage"] = None
-            yield _sse(event)
-    if include_usage:
-        yield _sse(head | {"choices": [], "usage": generation.usage()})
-    yield DONE
-
-
-def completion_json(generation: Generation, model: str) -> dict[str, Any]:
-    return {"id": generation.request_id, "object": "text_completion", "created": generation.created,
-            "model": model, "choices": [_choice(generation.text, generation.finish_reason)],
-            "usage": generation.usage()}

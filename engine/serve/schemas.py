@@ -81,7 +81,7 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     return value
 
 
-def _known_fields(body: dict[str, Any], allowed: frozenset[str], prefix: str = "") -> None:
+def known_fields(body: dict[str, Any], allowed: frozenset[str], prefix: str = "") -> None:
     for key in body:
         if key not in allowed:
             raise InvalidRequest(f"{prefix}{key}", f"a known field (one of {', '.join(sorted(allowed))})", key)
@@ -104,7 +104,7 @@ def _stop_strings(value: Any, field: str) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _prompt_ids(prompt: Any, field: str, limits: Limits, tokenizer: Any) -> list[int]:
+def prompt_ids(prompt: Any, field: str, limits: Limits, tokenizer: Any) -> list[int]:
     """Token ids of a text or token-id prompt, checked against the vocabulary and the bound."""
     if isinstance(prompt, str):
         if not prompt:
@@ -162,16 +162,16 @@ _SAMPLING = frozenset({"max_new_tokens", "temperature", "top_p", "top_k", "stop"
 
 def parse_generate(body: dict[str, Any], limits: Limits, tokenizer: Any) -> GenerateBody:
     """Validate a ``POST /generate`` body."""
-    _known_fields(body, _GENERATE)
+    known_fields(body, _GENERATE)
     if ("text" in body) == ("input_ids" in body):
         raise InvalidRequest("text", "given, or input_ids given, but not both", sorted(set(body) & {"text", "input_ids"}))
     field = "text" if "text" in body else "input_ids"
     prompt = body[field]
-    token_ids = _prompt_ids(prompt, field, limits, tokenizer)
+    token_ids = prompt_ids(prompt, field, limits, tokenizer)
     sp = body.get("sampling_params", {})
     if not isinstance(sp, dict):
         raise InvalidRequest("sampling_params", "a JSON object", sp)
-    _known_fields(sp, _SAMPLING, "sampling_params.")
+    known_fields(sp, _SAMPLING, "sampling_params.")
     stop = _stop_strings(sp.get("stop"), "sampling_params.stop")
     fields = {k: v for k, v in sp.items() if k != "stop" and v is not None}
     names = {name: f"sampling_params.{name}" for name in _SAMPLING}
@@ -186,27 +186,61 @@ def parse_generate(body: dict[str, Any], limits: Limits, tokenizer: Any) -> Gene
     return GenerateBody(prompt, token_ids, params, stream=stream, rid=rid, stop=stop)
 
 
-_COMPLETION = frozenset({"model", "prompt", "max_tokens", "temperature", "top_p", "stop", "seed", "stream",
-                         "stream_options", "n", "best_of", "echo", "logprobs", "presence_penalty",
-                         "frequency_penalty", "user", "suffix", "logit_bias", "top_k", "ignore_eos",
-                         "stop_token_ids"})
+_OPENAI_SAMPLING = frozenset({"model", "max_tokens", "temperature", "top_p", "stop", "seed", "stream",
+                              "stream_options", "n", "presence_penalty", "frequency_penalty", "user",
+                              "logit_bias", "top_k", "ignore_eos", "stop_token_ids"})
+_COMPLETION = _OPENAI_SAMPLING | {"prompt", "best_of", "echo", "logprobs", "suffix"}
 #: OpenAI fields accepted only at the value that means "off"
-_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
+DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (0,), "presence_penalty": (0,),
     "frequency_penalty": (0,), "suffix": ("",), "logit_bias": ({},),
 }
 
 
-def parse_completion(body: dict[str, Any], limits: Limits, tokenizer: Any) -> tuple[GenerateBody, str]:
-    """Validate a ``POST /v1/completions`` body; returns it and the model name to answer with."""
-    _known_fields(body, _COMPLETION)
-    for name, allowed in _DEFAULT_ONLY.items():
+def check_default_only(body: dict[str, Any], fields: dict[str, tuple[Any, ...]]) -> None:
+    """Fields this server does not support yet, accepted only at their "off" value."""
+    for name, allowed in fields.items():
         value = body.get(name)
         if value is not None and (isinstance(value, bool) != isinstance(allowed[0], bool) or value not in allowed):
             raise InvalidRequest(name, f"{allowed[0]!r} or absent (not supported)", value)
+
+
+def served_model(body: dict[str, Any], limits: Limits) -> str:
     model = body.get("model", limits.model_name)
     if not isinstance(model, str):
         raise InvalidRequest("model", "a string", model)
+    return model
+
+
+def openai_body(body: dict[str, Any], token_ids: list[int], prompt: Any, limits: Limits, tokenizer: Any, *,
+                max_tokens_field: str = "max_tokens", default_max_tokens: int = 16) -> GenerateBody:
+    """The sampling, stop and streaming fields shared by /v1/completions and /v1/chat/completions."""
+    stop = _stop_strings(body.get("stop"), "stop")
+    fields: dict[str, Any] = {
+        "max_new_tokens": default_max_tokens if body.get(max_tokens_field) is None else body[max_tokens_field],
+        "temperature": 1.0 if body.get("temperature") is None else body["temperature"],
+    }
+    for name in ("top_p", "top_k", "seed", "ignore_eos", "stop_token_ids"):
+        if body.get(name) is not None:
+            fields[name] = body[name]
+    params = _sampling(fields, {"max_new_tokens": max_tokens_field})
+    if stop:
+        params = attrs.evolve(params, stop_token_ids=params.stop_token_ids + _stop_token_ids(stop, tokenizer))
+    _check_context(len(token_ids), params.max_new_tokens, max_tokens_field, limits)
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise InvalidRequest("stream_options", "a JSON object", options)
+    known_fields(options, frozenset({"include_usage", "continuous_usage_stats"}), "stream_options.")
+    include_usage = _bool(options.get("include_usage", False), "stream_options.include_usage")
+    stream = _bool(False if body.get("stream") is None else body["stream"], "stream")
+    return GenerateBody(prompt, token_ids, params, stream=stream, stop=stop, include_usage=include_usage)
+
+
+def parse_completion(body: dict[str, Any], limits: Limits, tokenizer: Any) -> tuple[GenerateBody, str]:
+    """Validate a ``POST /v1/completions`` body; returns it and the model name to answer with."""
+    known_fields(body, _COMPLETION)
+    check_default_only(body, DEFAULT_ONLY)
+    model = served_model(body, limits)
     if "prompt" not in body:
         raise InvalidRequest("prompt", "given (text or token ids)", None)
     prompt = body["prompt"]
@@ -214,31 +248,13 @@ def parse_completion(body: dict[str, Any], limits: Limits, tokenizer: Any) -> tu
         if len(prompt) != 1:
             raise InvalidRequest("prompt", "a single prompt (batches are not supported)", f"{len(prompt)} prompts")
         prompt = prompt[0]
-    token_ids = _prompt_ids(prompt, "prompt", limits, tokenizer)
-    stop = _stop_strings(body.get("stop"), "stop")
-    fields: dict[str, Any] = {
-        "max_new_tokens": 16 if body.get("max_tokens") is None else body["max_tokens"],
-        "temperature": 1.0 if body.get("temperature") is None else body["temperature"],
-    }
-    for name in ("top_p", "top_k", "seed", "ignore_eos", "stop_token_ids"):
-        if body.get(name) is not None:
-            fields[name] = body[name]
-    params = _sampling(fields, {"max_new_tokens": "max_tokens"})
-    if stop:
-        params = attrs.evolve(params, stop_token_ids=params.stop_token_ids + _stop_token_ids(stop, tokenizer))
-    _check_context(len(token_ids), params.max_new_tokens, "max_tokens", limits)
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise InvalidRequest("stream_options", "a JSON object", options)
-    _known_fields(options, frozenset({"include_usage", "continuous_usage_stats"}), "stream_options.")
-    include_usage = _bool(options.get("include_usage", False), "stream_options.include_usage")
-    stream = _bool(body.get("stream", False) if body.get("stream") is not None else False, "stream")
-    return GenerateBody(prompt, token_ids, params, stream=stream, stop=stop, include_usage=include_usage), model
+    token_ids = prompt_ids(prompt, "prompt", limits, tokenizer)
+    return openai_body(body, token_ids, prompt, limits, tokenizer), model
 
 
 def parse_abort(body: dict[str, Any]) -> str:
     """The request id of a ``POST /abort`` body."""
-    _known_fields(body, frozenset({"rid"}))
+    known_fields(body, frozenset({"rid"}))
     rid = body.get("rid")
     if not isinstance(rid, str) or not rid:
         raise InvalidRequest("rid", "a non-empty string", rid)
