@@ -77,4 +77,10 @@ def run_serve(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise CLIError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
 
-    return anyio.run(main, backend="asyncio")
+    try:
+        import uvloop  # noqa: F401 - the faster event loop, when installed
+    except ImportError:
+        options = {}
+    else:
+        options = {"use_uvloop": True}
+    return anyio.run(main, backend="asyncio", backend_options=options)
