@@ -74,7 +74,7 @@ def internal_tables(engine: Engine) -> dict[str, int]:
         "kv.protected_prefix_pages": parts.kv_pool.radix.protected_pages if parts.kv_pool.radix else 0,
         "hooks.quarantined": sum(len(getattr(h, "quarantined", ())) for h in parts.machine.hooks),
     }
-    worker = getattr(parts, "prefill_worker", None)
+    worker = getattr(parts, "prefill_client", None)
     if worker is not None:
         tables["prefill_worker.requests"] = len(worker.requests)
         tables["prefill_worker.jobs"] = len(worker.jobs)

@@ -1,20 +1,44 @@
-"""The kvlife engine: the public embedded API, config, loop and CLI."""
+"""The kvlife engine: everything an embedding application needs, in one import.
+
+    from engine import Engine, EngineConfig, SamplingParams
+"""
 
 from engine.config import EngineConfig, SamplingParams
-from engine.engine import Engine
-from engine.errors import EngineClosed, EngineOverloaded, HealthCheckFailed, InvalidConfig, InvalidRequest
-from engine.outputs import RequestOutput
+from engine.engine import Engine, HealthReport
+from engine.errors import (
+    EngineClosed,
+    EngineDead,
+    EngineOverloaded,
+    HealthCheckFailed,
+    InvalidConfig,
+    InvalidRequest,
+)
+from engine.logging import configure_logging
+from engine.outputs import RequestOutput, TokenLogprob
 from engine.stream import RequestStream
+from hisparse.config import HiSparseConfig
+from resources.ledger import LeakError, MemoryReport
+from states import FinishReason, RequestKind, RequestState
 
 __all__ = [
     "Engine",
     "EngineClosed",
     "EngineConfig",
+    "EngineDead",
     "EngineOverloaded",
+    "FinishReason",
     "HealthCheckFailed",
+    "HealthReport",
+    "HiSparseConfig",
     "InvalidConfig",
     "InvalidRequest",
+    "LeakError",
+    "MemoryReport",
+    "RequestKind",
     "RequestOutput",
+    "RequestState",
     "RequestStream",
     "SamplingParams",
+    "TokenLogprob",
+    "configure_logging",
 ]

@@ -1,47 +1,33 @@
 """EngineConfig and SamplingParams: frozen, validated at construction.
 
 Every validation error names the field and the limit (`InvalidConfig` for
-the engine, `InvalidRequest` for a request's sampling parameters).
+the engine, `InvalidRequest` for a request's sampling parameters), with the
+validators of `states.validation`.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 from typing import Any
 
 import attrs
 
 from engine.errors import InvalidConfig, InvalidRequest
+from hisparse.config import HiSparseConfig
+from states.validation import (
+    int_at_least,
+    is_bool,
+    is_int,
+    is_number,
+    number_above,
+    one_of,
+    optional_int_at_least,
+    require,
+)
 
-
-
-def _check(cls_error: type[InvalidRequest], prefix: str, name: str, value: Any, ok: bool, limit: str) -> None:
-    if not ok:
-        raise cls_error(f"{prefix}.{name}", limit, value)
-
-
-def _int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _int_at_least(low: int) -> Callable[[Any, attrs.Attribute, Any], None]:
-    def check(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
-        error = InvalidRequest if isinstance(inst, SamplingParams) else InvalidConfig
-        _check(error, type(inst).__name__, attribute.name, value, _int(value) and value >= low, f"an integer >= {low}")
-
-    return check
-
-
-def _one_of(*choices: Any) -> Callable[[Any, attrs.Attribute, Any], None]:
-    def check(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
-        _check(InvalidConfig, type(inst).__name__, attribute.name, value, value in choices, f"one of {choices}")
-
-    return check
+#: The most logprob alternatives a request may ask for (OpenAI's limit).
+MAX_LOGPROBS = 20
+#: The most sequences one request may ask for.
+MAX_N = 64
 
 
 def _tuple_if_sequence(value: Any) -> Any:
@@ -50,28 +36,49 @@ def _tuple_if_sequence(value: Any) -> Any:
 
 @attrs.frozen
 class SamplingParams:
-    """How to sample one request. `temperature=0` is greedy; `top_k=0` is off."""
+    """How to sample one request. `temperature=0` is greedy; `top_k=0` is off.
 
-    max_new_tokens: int = attrs.field(default=16, validator=_int_at_least(1))
+    - `stop_token_ids`: token ids that end the request (besides the model's EOS
+      unless `ignore_eos`); `stop`: strings that end it, matched on the
+      detokenized text across token boundaries and left out of the output.
+    - `logprobs`: None, or how many top alternatives to report with each new
+      token's log probability (0: the sampled token's only).
+    - `n`: sequences to generate from one prompt (the prompt's KV is computed
+      once and shared); a seeded request draws sequence i from seed + i.
+    - `detokenize`: False skips text entirely (ids only; `stop` needs text).
+    """
+
+    max_new_tokens: int = attrs.field(default=16, validator=int_at_least(1, InvalidRequest))
     temperature: float = attrs.field(default=0.0)
     top_p: float = attrs.field(default=1.0)
-    top_k: int = attrs.field(default=0, validator=_int_at_least(0))
-    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=lambda v: tuple(v) if isinstance(v, (list, tuple)) else v)
-    ignore_eos: bool = attrs.field(default=False)
+    top_k: int = attrs.field(default=0, validator=int_at_least(0, InvalidRequest))
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_tuple_if_sequence)
+    stop: tuple[str, ...] = attrs.field(default=(), converter=lambda v: (v,) if isinstance(v, str)
+                                        else _tuple_if_sequence(v))
+    ignore_eos: bool = attrs.field(default=False, validator=is_bool(InvalidRequest))
     seed: int | None = attrs.field(default=None)
+    logprobs: int | None = attrs.field(default=None)
+    n: int = attrs.field(default=1)
+    detokenize: bool = attrs.field(default=True, validator=is_bool(InvalidRequest))
 
     def __attrs_post_init__(self) -> None:
         p = "SamplingParams"
-        _check(InvalidRequest, p, "temperature", self.temperature,
-               _number(self.temperature) and self.temperature >= 0, "a finite number >= 0")
-        _check(InvalidRequest, p, "top_p", self.top_p,
-               _number(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]")
-        _check(InvalidRequest, p, "stop_token_ids", self.stop_token_ids,
-               isinstance(self.stop_token_ids, tuple) and all(_int(t) and t >= 0 for t in self.stop_token_ids),
-               "a list of non-negative integers")
-        _check(InvalidRequest, p, "ignore_eos", self.ignore_eos, isinstance(self.ignore_eos, bool), "a bool")
-        _check(InvalidRequest, p, "seed", self.seed, self.seed is None or (_int(self.seed) and self.seed >= 0),
-               "None or an integer >= 0")
+        require(is_number(self.temperature) and self.temperature >= 0, InvalidRequest, f"{p}.temperature",
+                "a finite number >= 0", self.temperature)
+        require(is_number(self.top_p) and 0 < self.top_p <= 1, InvalidRequest, f"{p}.top_p", "a number in (0, 1]",
+                self.top_p)
+        require(isinstance(self.stop_token_ids, tuple) and all(is_int(t) and t >= 0 for t in self.stop_token_ids),
+                InvalidRequest, f"{p}.stop_token_ids", "a list of non-negative integers", self.stop_token_ids)
+        require(isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop), InvalidRequest,
+                f"{p}.stop", "a list of non-empty strings", self.stop)
+        require(not self.stop or self.detokenize, InvalidRequest, f"{p}.stop", "empty when detokenize is False",
+                self.stop)
+        require(self.seed is None or (is_int(self.seed) and 0 <= self.seed < 2**63), InvalidRequest, f"{p}.seed",
+                "None or an integer >= 0 and < 2**63", self.seed)
+        require(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+                InvalidRequest, f"{p}.logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]", self.logprobs)
+        require(is_int(self.n) and 1 <= self.n <= MAX_N, InvalidRequest, f"{p}.n", f"an integer in [1, {MAX_N}]",
+                self.n)
 
     @property
     def greedy(self) -> bool:
@@ -80,52 +87,60 @@ class SamplingParams:
 
 @attrs.frozen
 class EngineConfig:
-    """Everything an Engine needs. Defaults run the built-in tiny model on CPU."""
+    """Everything an Engine needs. Defaults run the built-in tiny model on CPU.
+
+    `max_context` (prompt + output tokens per request) defaults to the most the
+    KV pool and the model allow: min(pool tokens, the model's
+    max_position_embeddings). Any value works with any `page_size`: the token
+    table is rounded up to whole pages. `starvation_timeout` is how long a
+    request that could fit may wait for memory before the engine reports it
+    (`memory.starved`, `Engine.health()`).
+    """
 
     model: str = attrs.field(default="tiny")
     device: str = attrs.field(default="cpu")
-    dtype: str = attrs.field(default="float32", validator=_one_of("float32", "float16", "bfloat16"))
-    seed: int = attrs.field(default=0, validator=_int_at_least(0))
-    page_size: int = attrs.field(default=16, validator=_int_at_least(1))
-    num_kv_pages: int = attrs.field(default=1024, validator=_int_at_least(2))
-    max_running: int = attrs.field(default=64, validator=_int_at_least(1))
-    max_context: int = attrs.field(default=2048, validator=_int_at_least(2))
-    max_prefill_tokens: int = attrs.field(default=512, validator=_int_at_least(1))
-    max_queued: int = attrs.field(default=4096, validator=_int_at_least(1))
-    prefix_cache: bool = attrs.field(default=True)
+    #: "auto": float32 for the built-in models, a checkpoint's own torch_dtype
+    dtype: str = attrs.field(default="auto", validator=one_of("auto", "float32", "float16", "bfloat16"))
+    seed: int = attrs.field(default=0, validator=int_at_least(0))
+    page_size: int = attrs.field(default=16, validator=int_at_least(1))
+    num_kv_pages: int = attrs.field(default=1024, validator=int_at_least(2))
+    max_running: int = attrs.field(default=64, validator=int_at_least(1))
+    max_context: int | None = attrs.field(default=None, validator=optional_int_at_least(2))
+    max_prefill_tokens: int = attrs.field(default=512, validator=int_at_least(1))
+    max_queued: int = attrs.field(default=4096, validator=int_at_least(1))
+    prefix_cache: bool = attrs.field(default=True, validator=is_bool())
     hisparse: Any = attrs.field(default=None)
-    disaggregation: str = attrs.field(default="none", validator=_one_of("none", "decode"))
-    leak_check: str = attrs.field(default="raise", validator=_one_of("raise", "log", "off"))
+    disaggregation: str = attrs.field(default="none", validator=one_of("none", "decode"))
+    leak_check: str = attrs.field(default="raise", validator=one_of("raise", "log", "off"))
     resources: tuple[Any, ...] = attrs.field(default=(), converter=_tuple_if_sequence)
-    use_entry_points: bool = attrs.field(default=True)
-    fence_timeout: float = attrs.field(default=30.0)
-    mm_cache_bytes: int = attrs.field(default=64 << 20, validator=_int_at_least(1))
+    use_entry_points: bool = attrs.field(default=True, validator=is_bool())
+    fence_timeout: float = attrs.field(default=30.0, validator=number_above(0))
+    starvation_timeout: float = attrs.field(default=30.0, validator=number_above(0))
+    mm_cache_bytes: int = attrs.field(default=64 << 20, validator=int_at_least(1))
 
     def __attrs_post_init__(self) -> None:
         p = "EngineConfig"
-        _check(InvalidConfig, p, "model", self.model, isinstance(self.model, str) and self.model != "",
-               "'tiny', 'tiny-moe' or a checkpoint directory")
-        _check(InvalidConfig, p, "device", self.device, isinstance(self.device, str) and self.device != "",
-               "a torch device string such as 'cpu' or 'cuda'")
-        _check(InvalidConfig, p, "fence_timeout", self.fence_timeout,
-               _number(self.fence_timeout) and self.fence_timeout > 0, "a finite number > 0")
-        _check(InvalidConfig, p, "max_context", self.max_context,
-               self.max_context <= (self.num_kv_pages - 1) * self.page_size,
-               f"<= (num_kv_pages - 1) * page_size = {(self.num_kv_pages - 1) * self.page_size}")
-        _check(InvalidConfig, p, "seed", self.seed, self.seed < 2**63, "an integer < 2**63")
-        for name in ("prefix_cache", "use_entry_points"):
-            _check(InvalidConfig, p, name, getattr(self, name), isinstance(getattr(self, name), bool), "a bool")
-        _check(InvalidConfig, p, "resources", self.resources,
-               isinstance(self.resources, tuple) and all(callable(r) or hasattr(r, "release") for r in self.resources),
-               "a list of resource hooks or hook factories")
-        from hisparse.config import HiSparseConfig  # lazy: hisparse sits below engine
-
-        _check(InvalidConfig, p, "hisparse", self.hisparse,
-               self.hisparse is None or isinstance(self.hisparse, HiSparseConfig), "None or a hisparse.HiSparseConfig")
+        require(isinstance(self.model, str) and self.model != "", InvalidConfig, f"{p}.model",
+                "'tiny', 'tiny-moe' or a checkpoint directory", self.model)
+        require(isinstance(self.device, str) and self.device != "", InvalidConfig, f"{p}.device",
+                "a torch device string such as 'cpu' or 'cuda'", self.device)
+        require(self.max_context is None or self.max_context <= self.pool_tokens, InvalidConfig, f"{p}.max_context",
+                f"None or <= (num_kv_pages - 1) * page_size = {self.pool_tokens}", self.max_context)
+        require(self.seed < 2**63, InvalidConfig, f"{p}.seed", "an integer < 2**63", self.seed)
+        require(isinstance(self.resources, tuple) and all(callable(r) or hasattr(r, "release")
+                                                          for r in self.resources),
+                InvalidConfig, f"{p}.resources", "a list of resource hooks or hook factories", self.resources)
+        require(self.hisparse is None or isinstance(self.hisparse, HiSparseConfig), InvalidConfig, f"{p}.hisparse",
+                "None or a HiSparseConfig", self.hisparse)
         if self.hisparse is not None:
-            self.hisparse.validate_against(self)
+            self.hisparse.validate_against(self, self.context_bound)
 
     @property
     def pool_tokens(self) -> int:
         """Tokens the KV pool can hold (page 0 is reserved)."""
         return (self.num_kv_pages - 1) * self.page_size
+
+    @property
+    def context_bound(self) -> int:
+        """`max_context` if set, else the pool's tokens (the model may lower it further)."""
+        return self.max_context if self.max_context is not None else self.pool_tokens

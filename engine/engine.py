@@ -2,17 +2,17 @@
 
     async with Engine(EngineConfig()) as engine:
         async for out in engine.generate("Hello", SamplingParams(max_new_tokens=8)):
-            print(out.text)
+            print(out.new_text, end="")
 
 `generate` validates at once (raising `InvalidRequest` before anything is
 allocated) and returns a stream; a client that stops iterating, closes the
 stream or is cancelled aborts its request. Leaving `async with` finishes
-every request still in flight with SHUTDOWN and releases it.
+every request still in flight with SHUTDOWN and releases it, then runs the
+leak check (raising `LeakError` itself with `leak_check="raise"`).
 """
 
 from __future__ import annotations
 
-import math
 import time
 import uuid
 from collections import Counter
@@ -20,16 +20,33 @@ from collections.abc import Sequence
 from typing import Any
 
 import anyio
+import attrs
 
-from engine.runtime.assembly import build_parts
 from engine.config import EngineConfig, SamplingParams
-from engine.errors import EngineClosed, EngineOverloaded, HealthCheckFailed, InvalidConfig, InvalidRequest
-from engine.runtime.loop import DecodeLoop
+from engine.errors import EngineClosed, HealthCheckFailed, InvalidConfig, InvalidRequest
+from engine.logging import ensure_logging
 from engine.outputs import RequestOutput
+from engine.runtime.assembly import build_parts
+from engine.runtime.intake import RequestIntake
+from engine.runtime.loop import DecodeLoop
 from engine.stream import RequestStream
 from engine.testing import FaultInjector
-from resources import MemoryReport, check_memory, memory_report
-from states import FinishReason, Request, RequestKind, RequestState
+from resources.ledger import LeakError, MemoryReport, check_memory, memory_report
+from states import FinishReason, RequestKind, RequestState
+
+
+@attrs.frozen
+class HealthReport:
+    """`healthy` unless the engine is dead, its last idle leak check failed, a
+    request is starving for memory, or requests are live but nothing has
+    progressed for `stuck_after` seconds. `reason` is "ok" or which one."""
+
+    healthy: bool
+    reason: str
+    detail: str = ""
+    last_progress_age_s: float | None = None
+    live_requests: int = 0
+    leaks_found: int = 0
 
 
 class Engine:
@@ -41,27 +58,16 @@ class Engine:
         if faults is not None and not isinstance(faults, FaultInjector):
             raise InvalidConfig("Engine.faults", "None or an engine.testing.FaultInjector", faults)
         self.config = config if config is not None else EngineConfig(**overrides)
+        ensure_logging()
         self.parts = build_parts(self.config, faults=faults)
         self.tokenizer = self.parts.tokenizer
         self.model_config = self.parts.model_config
-        self.loop = DecodeLoop(
-            machine=self.parts.machine,
-            scheduler=self.parts.scheduler,
-            runner=self.parts.runner,
-            kv_hook=self.parts.kv_hook,
-            kv_pool=self.parts.kv_pool,
-            stop_ids=frozenset(self.model_config.stop_token_ids),
-            max_context=self.config.max_context,
-            check_memory=lambda: self.check_memory(),
-            leak_check=self.config.leak_check,
-            max_queued=self.config.max_queued,
-            after_prefill=self.parts.after_prefill,
-            admit_into=self.parts.admit_into,
-            grow=self.parts.grow,
-        )
-        self.loop.step_observers.extend(self.parts.step_observers)
-        self.loop.make_output = self._make_output
-        self.loop.release_observers.append(lambda r: self.parts.ledger.forget_request(r.request_id))
+        self.max_context = self.parts.max_context
+        self.loop = DecodeLoop(self.parts, tokenizer=self.tokenizer, max_context=self.max_context,
+                               check_memory=self.check_memory, memory_report=self.memory_report)
+        self._intake = RequestIntake(tokenizer=self.tokenizer, model=self.parts.model, model_config=self.model_config,
+                                     max_context=self.max_context, mm_cache_bytes=self.parts.mm_cache_bytes,
+                                     is_live=self.loop.is_live)
         self._task_group: Any = None
         self._running = False
         self._closed = False
@@ -73,10 +79,11 @@ class Engine:
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
         try:
-            if self.parts.prefill_worker is not None:
-                await self._task_group.start(self.parts.prefill_worker.run)
+            if self.parts.prefill_client is not None:
+                await self._task_group.start(self.parts.prefill_client.run)
             await self._task_group.start(self.loop.run)
         except BaseException:
+            self._task_group.cancel_scope.cancel()
             await self._task_group.__aexit__(None, None, None)
             raise
         self._running = True
@@ -88,32 +95,27 @@ class Engine:
         try:
             with anyio.CancelScope(shield=True):
                 await self.loop.shutdown()
-                await self._drain_prefill_worker()
-                if self.config.leak_check != "off" and exc_info[0] is None:
-                    try:
-                        self.check_memory()
-                    except Exception:
-                        if self.config.leak_check == "raise":
-                            raise
+                if self.parts.prefill_client is not None:
+                    await self.parts.prefill_client.close()
         finally:
             self._task_group.cancel_scope.cancel()
             await self._task_group.__aexit__(*exc_info)
+        if self.config.leak_check != "off" and exc_info[0] is None and self.loop.errored is None:
+            try:
+                self.check_memory()
+            except LeakError:
+                if self.config.leak_check == "raise":
+                    raise
         return None
-
-    async def _drain_prefill_worker(self) -> None:
-        """Let the prefill worker finish what it started (its fences bound the wait)."""
-        worker = self.parts.prefill_worker
-        if worker is None:
-            return
-        worker.jobs.clear()  # their decode requests are already finished
-        while worker.requests:
-            worker.release_finished()
-            if worker.requests:
-                await anyio.sleep(0.005)
 
     @property
     def running(self) -> bool:
         return self._running
+
+    @property
+    def errored(self) -> BaseException | None:
+        """What killed the loop, if it died (streams then raise `EngineDead`)."""
+        return self.loop.errored
 
     # ------------------------------------------------------------- requests
     def generate(
@@ -128,26 +130,14 @@ class Engine:
         """Submit a request; returns an async iterator of RequestOutput."""
         if not self._running:
             raise EngineClosed("the engine is not running (use `async with Engine(...)`)")
-        request = self._make_request(prompt, params, request_id, mm_inputs, kind)
-        send, receive = anyio.create_memory_object_stream(math.inf)
-        loop = self.loop
-        try:
-            loop.inbox_send.send_nowait(request)
-        except anyio.WouldBlock:
-            send.close()
-            receive.close()
-            raise EngineOverloaded(f"{self.config.max_queued} requests already queued") from None
-        loop.requests[request.request_id] = request
-        if loop.idle_event.is_set():
-            loop.idle_event = anyio.Event()
-        loop.outputs[request.request_id] = send
-        loop.stats.submitted += 1
-        loop.wake()
-        return RequestStream(request.request_id, receive, self._abandon)
+        request_id, requests = self._intake.build(prompt, params, request_id, mm_inputs, kind)
+        return self.loop.submit(request_id, requests)
 
     async def complete(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                        **kwargs: Any) -> RequestOutput:
-        """Run a request to the end and return its final output."""
+        """Run a request to the end and return its final output (one sequence: n == 1)."""
+        if params is not None and isinstance(params, SamplingParams) and params.n != 1:
+            raise InvalidRequest("SamplingParams.n", "1 for complete() (iterate generate() for n > 1)", params.n)
         stream = self.generate(prompt, params, **kwargs)
         final = None
         async with stream:
@@ -156,22 +146,9 @@ class Engine:
         assert final is not None and final.finished
         return final
 
-    async def abort(self, request_id: str) -> bool:
-        """Abort a live request. False if the id is unknown or already finished."""
-        request = self.loop.requests.get(request_id)
-        if request is None or request.is_finished:
-            return False
-        self.loop.pending_aborts.append((request_id, FinishReason.ABORT))
-        self.loop.wake()
-        return True
-
-    def _abandon(self, request_id: str) -> None:
-        """The client stopped listening: abort (safe from any thread or __del__).
-
-        NOTE: a request already released has nothing to abort; queueing one for
-        it would leave a stale entry behind while the engine idles."""
-        if request_id in self.loop.requests:
-            self.loop.pending_aborts.append((request_id, FinishReason.ABORT))
+    async def abort(self, request_id: Any) -> bool:
+        """Abort a live request. False if the id is unknown, odd or already finished."""
+        return self.loop.abort(request_id)
 
     async def health_check(self, timeout: float = 10.0) -> bool:
         """Run a one-token request through the whole path; True, or HealthCheckFailed."""
@@ -179,8 +156,8 @@ class Engine:
         prompt = [self.tokenizer.bos_token_id if self.tokenizer.bos_token_id is not None else 0]
         try:
             with anyio.fail_after(timeout):
-                final = await self.complete(prompt, SamplingParams(max_new_tokens=1), request_id=request_id,
-                                            kind=RequestKind.HEALTH_CHECK)
+                final = await self.complete(prompt, SamplingParams(max_new_tokens=1, detokenize=False),
+                                            request_id=request_id, kind=RequestKind.HEALTH_CHECK)
         except TimeoutError:
             await self.abort(request_id)
             raise HealthCheckFailed(f"no token within {timeout}s") from None
@@ -188,107 +165,53 @@ class Engine:
             raise HealthCheckFailed(f"health check finished with {final.finish_reason}: {final.error}")
         return True
 
+    def health(self, *, stuck_after: float = 30.0) -> HealthReport:
+        """Whether the engine is serving, without running a request (see `HealthReport`)."""
+        stats = self.loop.stats
+        live = len(self.loop.table)
+        age = None if stats.last_progress is None else time.monotonic() - stats.last_progress
+        common = dict(last_progress_age_s=age, live_requests=live, leaks_found=stats.leak_check_failures)
+        if self.loop.errored is not None:
+            return HealthReport(False, "dead", repr(self.loop.errored), **common)
+        if self.loop.last_leak:
+            return HealthReport(False, "leaking", "; ".join(self.loop.last_leak), **common)
+        if self.loop.planner.starved:
+            waiting = ", ".join(r.request_id for r in self.loop.planner.starved)
+            return HealthReport(False, "starved", f"waiting for memory: {waiting}", **common)
+        if live and self.loop.table.running() and (age is None or age > stuck_after):
+            return HealthReport(False, "stuck", f"no step or token for {stuck_after}s", **common)
+        return HealthReport(True, "ok", **common)
+
     # --------------------------------------------------------------- memory
+    def _report_extra(self) -> dict[str, Any]:
+        return dict(live_requests=len(self.loop.table), leaks_found=self.loop.stats.leak_check_failures,
+                    last_leak=self.loop.last_leak, starved=tuple(self.loop.planner.starved.values()))
+
     def memory_report(self) -> MemoryReport:
-        return memory_report(self.parts.pools, self.parts.ledger, idle=self.idle,
-                             live_requests=len(self.loop.requests))
+        return memory_report(self.parts.pools, self.parts.ledger, idle=self.idle, **self._report_extra())
 
     def check_memory(self) -> MemoryReport:
         """Raise LeakError if a pool does not add up, or anything is held while idle."""
-        return check_memory(self.parts.pools, self.parts.ledger, idle=self.idle,
-                            live_requests=len(self.loop.requests))
+        return check_memory(self.parts.pools, self.parts.ledger, idle=self.idle, **self._report_extra())
 
     async def wait_idle(self, timeout: float | None = None) -> None:
         """Wait until no request is outside RELEASED (aborts and releases are applied)."""
-        with anyio.fail_after(timeout):
-            while not self.idle:
-                if self.loop.requests:
-                    await self.loop.idle_event.wait()
-                else:  # only the prefill worker's own requests are left
-                    await anyio.sleep(0.005)
+        await self.loop.wait_idle(timeout)
 
     def requests_by_state(self) -> dict[RequestState, int]:
         """How many requests not yet RELEASED are in each state (a snapshot)."""
-        return dict(Counter(request.state for request in self.loop.requests.values()))
+        return dict(Counter(request.state for request in self.loop.requests()))
 
     @property
     def idle(self) -> bool:
-        worker = self.parts.prefill_worker
-        return not self.loop.requests and (worker is None or not worker.requests)
+        return self.loop.idle
 
-    def expert_distribution(self):
+    def expert_distribution(self) -> Any:
         """Routed-expert counts [moe_layers, num_experts] of every released request (MoE models)."""
         if self.parts.expert_distribution is None:
             raise RuntimeError(f"model {self.config.model!r} has no MoE layers")
         return self.parts.expert_distribution.counts.clone()
 
     @property
-    def stats(self):
+    def stats(self) -> Any:
         return self.loop.stats
-
-    # ------------------------------------------------------------ internals
-    def _make_request(self, prompt, params, request_id, mm_inputs, kind) -> Request:
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequest("params", "a SamplingParams", params)
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequest("prompt", "a non-empty string or token list", prompt)
-            token_ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)):
-            token_ids = list(prompt)
-        else:
-            raise InvalidRequest("prompt", "a string or a list of token ids", prompt)
-        if not token_ids:
-            raise InvalidRequest("prompt", "non-empty", prompt)
-        vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab)]
-        if bad:
-            raise InvalidRequest("prompt", f"token ids in [0, {vocab})", bad[0])
-        bad = [t for t in params.stop_token_ids if t >= vocab]
-        if bad:
-            raise InvalidRequest("SamplingParams.stop_token_ids", f"token ids in [0, {vocab})", bad[0])
-        total = len(token_ids) + params.max_new_tokens
-        cfg = self.config
-        if total > cfg.max_context:
-            raise InvalidRequest("prompt + max_new_tokens", f"<= max_context = {cfg.max_context}", total)
-        # NOTE: EngineConfig guarantees max_context <= the whole KV pool, so a
-        # request that passed the check above always fits once the pool drains.
-        if request_id is None:
-            request_id = uuid.uuid4().hex
-        elif not isinstance(request_id, str) or not request_id:
-            raise InvalidRequest("request_id", "a non-empty string", request_id)
-        elif request_id in self.loop.requests:
-            raise InvalidRequest("request_id", "unique among requests in flight", request_id)
-        if mm_inputs is not None and not isinstance(mm_inputs, (list, tuple)):
-            raise InvalidRequest("mm_inputs", "a list of images", type(mm_inputs).__name__)
-        images = list(mm_inputs or ())
-        if images:
-            from engine.model.vision import prepare_images
-
-            token_ids = prepare_images(self.parts.model, self.model_config.image_token_id, token_ids, images)
-            if len(token_ids) + params.max_new_tokens > cfg.max_context:
-                raise InvalidRequest("prompt + image tokens + max_new_tokens", f"<= max_context = {cfg.max_context}",
-                                     len(token_ids) + params.max_new_tokens)
-        return Request(request_id, token_ids, params, kind=kind, mm_inputs=images)
-
-    def _make_output(self, request: Request, new_tokens: list[int], final: bool) -> RequestOutput:
-        if not final:
-            return RequestOutput(request.request_id, new_tokens, list(request.output_token_ids), self.tokenizer)
-        now = time.monotonic()
-        admitted = request.entered_at(RequestState.PREFILLING) or request.entered_at(RequestState.TRANSFERRING)
-        return RequestOutput(
-            request.request_id,
-            new_tokens,
-            list(request.output_token_ids),
-            self.tokenizer,
-            finished=True,
-            finish_reason=request.finish_reason,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_cached_tokens=request.extras.get("cached_tokens", 0),
-            queue_time=None if admitted is None else admitted - request.arrival_time,
-            time_to_first_token=None if request.first_token_time is None
-            else request.first_token_time - request.arrival_time,
-            completion_time=now - request.arrival_time,
-            error=None if request.error is None else repr(request.error),
-        )

@@ -1,28 +1,14 @@
-"""Errors the engine raises to its callers."""
+"""Errors the engine raises to its callers.
+
+`InvalidRequest` and `InvalidConfig` are defined with the field validators in
+`states.validation` (so `hisparse` raises the same types) and re-exported here.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from states.validation import InvalidConfig, InvalidRequest
 
-
-class InvalidRequest(ValueError):
-    """A request (or its sampling parameters) is invalid; nothing was allocated.
-
-    `field` names the offending field and `limit` states what it must satisfy.
-    """
-
-    def __init__(self, field: str, limit: str, value: Any = None) -> None:
-        shown = repr(value)
-        if len(shown) > 80:
-            shown = shown[:77] + "..."
-        super().__init__(f"{field} must be {limit}, got {shown}")
-        self.field = field
-        self.limit = limit
-        self.value = value
-
-
-class InvalidConfig(InvalidRequest):
-    """An engine configuration field is invalid (same shape as InvalidRequest)."""
+__all__ = ["EngineClosed", "EngineDead", "EngineOverloaded", "HealthCheckFailed", "InvalidConfig", "InvalidRequest"]
 
 
 class EngineOverloaded(RuntimeError):
@@ -31,6 +17,15 @@ class EngineOverloaded(RuntimeError):
 
 class EngineClosed(RuntimeError):
     """The engine is not running (not started, or shut down)."""
+
+
+class EngineDead(RuntimeError):
+    """The engine's loop died; `cause` is what killed it. Every open stream ends
+    with this error and every new submission raises it."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(f"the engine's loop died: {cause!r}")
+        self.cause = cause
 
 
 class HealthCheckFailed(RuntimeError):

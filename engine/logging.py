@@ -21,9 +21,9 @@ LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNI
 class _CurrentStderr:
     """Writes to whatever `sys.stderr` is at write time.
 
-    NOTE: loggers are cached on first use, so binding `sys.stderr` itself would
-    keep writing to a stream that was swapped out (and closed) since, as
-    pytest's capsys does.
+    NOTE: a logger factory keeps the stream it was given, so binding
+    `sys.stderr` itself would keep writing to a stream that was swapped out
+    (and closed) since, as pytest's capsys does.
     """
 
     def write(self, text: str) -> int:
@@ -31,6 +31,13 @@ class _CurrentStderr:
 
     def flush(self) -> None:
         sys.stderr.flush()
+
+
+def ensure_logging() -> None:
+    """If the application has not configured structlog, log warnings and errors to
+    stderr (structlog's own default prints every debug event to stdout)."""
+    if not structlog.is_configured():
+        configure_logging("warning")
 
 
 def configure_logging(level: str = "info", *, json: bool = False, stream: TextIO | None = None) -> None:

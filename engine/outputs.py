@@ -1,8 +1,13 @@
-"""RequestOutput: what a client receives for each streamed chunk."""
+"""RequestOutput: what a client receives for each streamed chunk.
+
+Nothing here grows with the length of the output: `new_token_ids` and
+`new_text` are the chunk's own; `token_ids` and `text` are views of the
+request's whole output so far, materialised only when read.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
 
 import attrs
 
@@ -10,19 +15,35 @@ from states import FinishReason
 
 
 @attrs.frozen
+class TokenLogprob:
+    """A generated token's log probability, and the top alternatives' (best first)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@attrs.frozen
 class RequestOutput:
     """One chunk of a request's stream; the last one has `finished=True`.
 
-    `token_ids` is the whole output so far and `text` its decoding (computed
-    on first access, so streaming costs nothing for clients that only want
-    ids). On the final output the timings are set, in seconds from arrival:
-    `queue_time` to admission, `time_to_first_token`, `completion_time`.
+    `new_text` is the text this chunk adds (incremental detokenization: an
+    incomplete UTF-8 sequence, or text that may start a stop string, is held
+    back until it is decided); `index` says which of the request's `n`
+    sequences it belongs to. On the final output the timings are set, in
+    seconds from arrival: `queue_time` to admission, `time_to_first_token`,
+    `completion_time`.
     """
 
     request_id: str
     new_token_ids: list[int]
-    token_ids: list[int]
-    _tokenizer: Any = attrs.field(default=None, repr=False, eq=False, alias="tokenizer")
+    _all_ids: Sequence[int] = attrs.field(repr=False, eq=False, alias="all_ids")
+    _num_ids: int = attrs.field(repr=False, alias="num_ids")
+    new_text: str = ""
+    _text_parts: Sequence[str] = attrs.field(default=(), repr=False, eq=False, alias="text_parts")
+    _num_parts: int = attrs.field(default=0, repr=False, alias="num_parts")
+    index: int = 0
+    logprobs: tuple[TokenLogprob, ...] | None = None
     finished: bool = False
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
@@ -33,7 +54,11 @@ class RequestOutput:
     error: str | None = None
 
     @property
+    def token_ids(self) -> list[int]:
+        """The whole output so far (the stop string's tokens included, as in vLLM)."""
+        return list(self._all_ids[: self._num_ids])
+
+    @property
     def text(self) -> str:
-        if self._tokenizer is None:
-            return ""
-        return self._tokenizer.decode(self.token_ids)
+        """The whole text so far (the stop string excluded)."""
+        return "".join(self._text_parts[: self._num_parts])

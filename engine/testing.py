@@ -20,14 +20,18 @@ every injected fault with every pool whole.
 - `fail_transfer`: called with a request id in the decode role; True makes
   that KV transfer fail (TRANSFER_FAILED).
 - `stuck_fences`: fence names (e.g. "kv_transfer", "host_backup") whose
-  copies never complete, so the fence misses its deadline and quarantines.
+  copies do not complete, so the fence misses its deadline and quarantines.
   `stuck_fence_when(fence_name, request_id)` does the same for the fences
-  it returns True for; components ask `fence_stuck(name, request_id)`.
+  it returns True for; components ask `fence_stuck(name, request_id)` and
+  take the fence from `stuck_fence(...)`. `unstick()` completes every stuck
+  fence made so far: the late copy lands, and its quarantined memory must
+  come back.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 
@@ -48,6 +52,8 @@ class FaultInjector:
     stuck_fence_when: Callable[[str, str], bool] | None = None
     steps_failed: int = 0
     releases_failed: int = 0
+    #: every fence handed out by `stuck_fence`, for `unstick`
+    stuck: list = attrs.field(factory=list)
 
     def before_step(self, request_ids: Sequence[str]) -> None:
         if self.stall_step is not None:
@@ -68,6 +74,20 @@ class FaultInjector:
     def fence_stuck(self, fence_name: str, request_id: str) -> bool:
         return fence_name in self.stuck_fences or (
             self.stuck_fence_when is not None and bool(self.stuck_fence_when(fence_name, request_id)))
+
+    def stuck_fence(self, name: str, protects: Any, *, timeout: float) -> Any:
+        """A fence that completes only when `unstick()` is called."""
+        from resources.fences import ManualFence
+
+        fence = ManualFence(name, protects, timeout=timeout)
+        self.stuck.append(fence)
+        return fence
+
+    def unstick(self) -> int:
+        """Complete every stuck fence (the copies land late); returns how many."""
+        for fence in self.stuck:
+            fence.complete()
+        return len(self.stuck)
 
     def transfer_fails(self, request_id: str) -> bool:
         return self.fail_transfer is not None and bool(self.fail_transfer(request_id))

@@ -3,37 +3,18 @@ much host memory to back them with.
 
 Validated at construction (each field on its own) and again against the
 engine's config (`validate_against`, called by `EngineConfig`), raising
-`engine.errors.InvalidConfig` naming the field and the limit.
-
-NOTE: `engine.errors` is the one module of `engine` this package touches
-(the engine's error type is part of its public contract); it is imported
-lazily so `hisparse` never imports the engine package at import time.
+`InvalidConfig` naming the field and the limit, with the validators every
+config shares (`states.validation`).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import attrs
 
-
-def _fail(field: str, limit: str, value: Any) -> None:
-    from engine.errors import InvalidConfig
-
-    raise InvalidConfig(field, limit, value)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _int_at_least(low: int):
-    def check(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
-        if not (_is_int(value) and value >= low):
-            _fail(f"HiSparseConfig.{attribute.name}", f"an integer >= {low}", value)
-
-    return check
+from resources.paging import round_up
+from states.validation import InvalidConfig, int_at_least, is_int, number_above, optional_int_at_least, require
 
 
 @attrs.frozen
@@ -53,27 +34,21 @@ class HiSparseConfig:
       (counted within top_k); default min(16, top_k).
     """
 
-    top_k: int = attrs.field(default=256, validator=_int_at_least(1))
-    device_buffer_size: int = attrs.field(default=512, validator=_int_at_least(1))
-    host_pool_tokens: int | None = attrs.field(default=None)
-    host_pool_ratio: float = attrs.field(default=4.0)
-    index_dim: int = attrs.field(default=16, validator=_int_at_least(1))
+    top_k: int = attrs.field(default=256, validator=int_at_least(1))
+    device_buffer_size: int = attrs.field(default=512, validator=int_at_least(1))
+    host_pool_tokens: int | None = attrs.field(default=None, validator=optional_int_at_least(1))
+    host_pool_ratio: float = attrs.field(default=4.0, validator=number_above(0))
+    index_dim: int = attrs.field(default=16, validator=int_at_least(1))
     recent_window: int = attrs.field(  # the factory runs before validators: top_k may be anything here
-        default=attrs.Factory(lambda self: min(16, self.top_k) if _is_int(self.top_k) else 0, takes_self=True),
-        validator=_int_at_least(0))
+        default=attrs.Factory(lambda self: min(16, self.top_k) if is_int(self.top_k) else 0, takes_self=True),
+        validator=int_at_least(0))
 
     def __attrs_post_init__(self) -> None:
         p = "HiSparseConfig"
-        if self.device_buffer_size < self.top_k:
-            _fail(f"{p}.device_buffer_size", f">= top_k = {self.top_k}", self.device_buffer_size)
-        if self.recent_window > self.top_k:
-            _fail(f"{p}.recent_window", f"<= top_k = {self.top_k}", self.recent_window)
-        if self.host_pool_tokens is not None and not (_is_int(self.host_pool_tokens) and self.host_pool_tokens >= 1):
-            _fail(f"{p}.host_pool_tokens", "None or an integer >= 1", self.host_pool_tokens)
-        ratio = self.host_pool_ratio
-        if not (isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and math.isfinite(ratio)
-                and ratio > 0):
-            _fail(f"{p}.host_pool_ratio", "a finite number > 0", ratio)
+        require(self.device_buffer_size >= self.top_k, InvalidConfig, f"{p}.device_buffer_size",
+                f">= top_k = {self.top_k}", self.device_buffer_size)
+        require(self.recent_window <= self.top_k, InvalidConfig, f"{p}.recent_window", f"<= top_k = {self.top_k}",
+                self.recent_window)
 
     # ------------------------------------------------------- engine checks
     def host_tokens(self, engine_config: Any) -> int:
@@ -81,19 +56,16 @@ class HiSparseConfig:
         tokens = self.host_pool_tokens
         if tokens is None:
             tokens = int(self.host_pool_ratio * engine_config.pool_tokens)
-        page = engine_config.page_size
-        return -(-tokens // page) * page
+        return round_up(tokens, engine_config.page_size)
 
-    def validate_against(self, engine_config: Any) -> None:
-        """Raise InvalidConfig if this config cannot serve `engine_config`."""
+    def validate_against(self, engine_config: Any, max_context: int) -> None:
+        """Raise InvalidConfig if this config cannot serve `engine_config` at `max_context`."""
         p = "HiSparseConfig"
-        if self.device_buffer_size > engine_config.max_context:
-            _fail(f"{p}.device_buffer_size", f"<= EngineConfig.max_context = {engine_config.max_context}",
-                  self.device_buffer_size)
-        need = -(-engine_config.max_context // engine_config.page_size) * engine_config.page_size
+        require(self.device_buffer_size <= max_context, InvalidConfig, f"{p}.device_buffer_size",
+                f"<= EngineConfig.max_context = {max_context}", self.device_buffer_size)
+        need = round_up(max_context, engine_config.page_size)
         have = self.host_tokens(engine_config)
-        if have < need:
-            field = "host_pool_tokens" if self.host_pool_tokens is not None else "host_pool_ratio"
-            value = self.host_pool_tokens if self.host_pool_tokens is not None else self.host_pool_ratio
-            _fail(f"{p}.{field}", f"large enough for one max_context request ({need} tokens, got {have})",
-                  value)
+        field = "host_pool_tokens" if self.host_pool_tokens is not None else "host_pool_ratio"
+        value = self.host_pool_tokens if self.host_pool_tokens is not None else self.host_pool_ratio
+        require(have >= need, InvalidConfig, f"{p}.{field}",
+                f"large enough for one max_context request ({need} tokens, got {have})", value)

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from resources.fences import CopyFence, ManualFence
+from resources.fences import CopyFence
 
 BACKUP_FENCE = "host_backup"
 
@@ -46,11 +46,6 @@ class HostCopier:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             yield
-
-    def wait_side(self) -> None:
-        """Order the compute stream after the side stream's work so far (no-op on CPU)."""
-        if self.stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
     def to_host(self, dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:
         """dst[rows[i]] = src[i]; `dst` and `rows` on the host, `src` on device.
@@ -81,7 +76,7 @@ class HostCopier:
     def fence(self, protects: Iterable[str], request_id: str) -> CopyFence:
         """A fence for the side-stream copies issued so far (for `request_id`)."""
         if self._stuck(request_id):
-            return ManualFence(BACKUP_FENCE, protects, timeout=self.fence_timeout)
+            return self.faults.stuck_fence(BACKUP_FENCE, protects, timeout=self.fence_timeout)
         if self.stream is None:
             return CopyFence.completed(BACKUP_FENCE, protects)
         event = torch.cuda.Event()
@@ -99,11 +94,7 @@ class HostCopier:
             self.stream.synchronize()
 
     def _stuck(self, request_id: str) -> bool:
-        faults = self.faults
-        if faults is None:
-            return False
-        when = getattr(faults, "stuck_fence_when", None)
-        return BACKUP_FENCE in faults.stuck_fences or (when is not None and bool(when(BACKUP_FENCE, request_id)))
+        return self.faults is not None and self.faults.fence_stuck(BACKUP_FENCE, request_id)
 
     def event(self) -> Any:
         """An event after the side stream's work so far (None on CPU), for host readers."""

@@ -8,6 +8,7 @@ the KV hook (as SGLang's ``request_finished`` runs before
     hisparse_device   DECODING                   DECODING, FINISHED
     hisparse_host     PREFILLING, TRANSFERRING   TRANSFERRING .. DECODING, FINISHED
     hisparse_map      DECODING                   DECODING, FINISHED
+    hisparse_staging  STAGING                    STAGING (holds nothing: acquiring it stages)
 
 RETRACTED is in no scope, so preemption releases all three; QUEUED neither,
 so a re-queued request holds nothing here. Host pages are taken at admission
@@ -29,6 +30,7 @@ import torch
 from hisparse import lru
 from hisparse.pools import DEVICE_SLOTS, HOST_PAGES, SLOT_MAPS
 from resources.contract import ResourceExhausted, ResourceHook
+from resources.request_slots import RequestSlotHook
 from states import Handle, Request, RequestState
 
 if TYPE_CHECKING:
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
 
 S = RequestState
 HOST_HOOK, DEVICE_HOOK, MAP_HOOK = "hisparse_host", "hisparse_device", "hisparse_map"
+STAGING_HOOK = "hisparse_staging"
 
 
 @attrs.define(eq=False)
@@ -95,13 +98,7 @@ class _HiSparseHook(ResourceHook):
     before = ("kv",)
 
     def __init__(self, state: HiSparseState) -> None:
-        super().__init__()
         self.state = state
-
-    def quarantine(self, request: Request, handle: Handle) -> None:
-        """A fence missed its deadline: keep the memory, account it as quarantined."""
-        super().quarantine(request, handle)
-        self.state.ledger.quarantine(self.pool, request.request_id)
 
 
 class HostPagesHook(_HiSparseHook):
@@ -123,12 +120,15 @@ class HostPagesHook(_HiSparseHook):
         pages_dev = torch.zeros(host.pages_for(self.state.max_context), dtype=torch.int64, device=self.state.device)
         record = HostRecord([], locs, locs.numpy(), locs_dev, pages_dev)
         self._extend(record, pages)
-        self.state.ledger.hold(HOST_PAGES, request, need)
         return Handle(self.name, request.request_id, record, amount=need)
 
-    def grow(self, request: Request, num_tokens: int) -> bool:
+    @staticmethod
+    def record(request: Request) -> HostRecord:
+        """The host record of a request holding host pages."""
+        return request.handles[HOST_HOOK].payload
+
+    def grow(self, request: Request, handle: Handle, num_tokens: int) -> bool:
         """Cover `num_tokens` tokens; False (changing nothing) if the pool is short."""
-        handle: Handle = request.handles[self.name]
         record: HostRecord = handle.payload
         host = self.state.host
         need = host.pages_for(num_tokens) - len(record.pages)
@@ -139,7 +139,6 @@ class HostPagesHook(_HiSparseHook):
             return False
         self._extend(record, pages)
         handle.amount = len(record.pages)
-        self.state.ledger.hold(HOST_PAGES, request, need)
         return True
 
     def _extend(self, record: HostRecord, pages: torch.Tensor) -> None:
@@ -164,7 +163,6 @@ class HostPagesHook(_HiSparseHook):
     def release(self, request: Request, handle: Handle) -> None:
         record: HostRecord = handle.payload
         self.state.copier.drain()
-        self.state.ledger.drop(HOST_PAGES, request.request_id)
         self.state.host.allocator.free(torch.tensor(record.pages, dtype=torch.int64))
 
 
@@ -198,11 +196,9 @@ class DeviceBufferHook(_HiSparseHook):
             last_used=np.full((layers, size), -1, dtype=np.int64),
         )
         n = request.kv_len
-        kv = request.handles.get("kv")
-        if kv is not None and 0 < n <= size:
+        if RequestSlotHook.name in request.handles and 0 < n <= size:
             # NOTE: the KV pages are still held: this transition acquires before it releases.
-            self._preload(request, buffer, kv.payload.slot, n)
-        state.ledger.hold(DEVICE_SLOTS, request, size + 1)
+            self._preload(request, buffer, RequestSlotHook.slot(request), n)
         return Handle(self.name, request.request_id, buffer, amount=size + 1)
 
     def _preload(self, request: Request, buffer: DeviceBuffer, kv_slot: int, n: int) -> None:
@@ -219,7 +215,6 @@ class DeviceBufferHook(_HiSparseHook):
 
     def release(self, request: Request, handle: Handle) -> None:
         buffer: DeviceBuffer = handle.payload
-        self.state.ledger.drop(DEVICE_SLOTS, request.request_id)
         self.state.device_pool.allocator.free(torch.from_numpy(buffer.slots_np))
 
 
@@ -238,9 +233,24 @@ class SlotMapHook(_HiSparseHook):
             raise ResourceExhausted(f"all {maps.capacity} HiSparse slot maps are in use")
         table = maps.table[row]
         table.fill(-1)
-        self.state.ledger.hold(SLOT_MAPS, request, 1)
         return Handle(self.name, request.request_id, SlotMap(row, table), amount=1)
 
     def release(self, request: Request, handle: Handle) -> None:
-        self.state.ledger.drop(SLOT_MAPS, request.request_id)
         self.state.maps.free(handle.payload.row)
+
+
+class StagingHook(_HiSparseHook):
+    """Entering STAGING starts the fenced copy of the context's KV to host.
+
+    It holds no memory (the host pages are the host hook's): its acquisition is
+    the staging step, so a staging copy that cannot start is a refused move
+    like any other, and a failure finishes the request with ERROR.
+    """
+
+    name = STAGING_HOOK
+    acquire_on = frozenset({S.STAGING})
+    scope = frozenset({S.STAGING})
+
+    def acquire(self, request: Request, into: RequestState) -> Handle:
+        self.state.stage(request)
+        return Handle(self.name, request.request_id)

@@ -2,19 +2,21 @@
 
 The returned `HiSparseInstall` carries:
 
-- `hooks`: device slots, host pages, slot maps, in release order, each
-  declared to be released before "kv";
+- `hooks`: device slots, host pages, slot maps and staging, in release
+  order, each declared to be released before "kv";
 - `pools`: the three pools, for the memory report and the leak check;
-- `kv_scope`: the KV hook's narrowed scope. Device KV pages are held only
-  until the prompt is on the host: TRANSFERRING, PREFILLING, PREBUILT,
-  STAGING and FINISHED (FINISHED so that an abort in STAGING keeps them
-  until the staging copy's fence is done; TRANSFERRING because the KV hook
-  acquires there in the decode role). STAGING -> DECODING releases them;
+- `kv_scope`: the KV (and request-slot) hooks' narrowed scope. Device KV
+  pages are held only until the prompt is on the host: TRANSFERRING,
+  PREFILLING, PREBUILT, STAGING and FINISHED (FINISHED so that an abort in
+  STAGING keeps them until the staging copy's fence is done; TRANSFERRING
+  because the KV hook acquires there in the decode role). STAGING ->
+  DECODING releases them;
 - `attention_factory(dense)` and `slot_of(paged)`: the runner's attention
   factory and slot lookup, built from the dense ones (sparse decode rows
-  need no KV slot);
-- `grow(request, num_tokens)`: the loop's per-step growth (host pages);
-- `on_transition`: a machine observer that starts the staging copy.
+  need no KV slot).
+
+Growth (host pages per decode token) is the host hook's `grow`, which the
+machine calls like any other; staging is the staging hook's acquisition.
 
 Decode role (disaggregation): the host hook already acquires on TRANSFERRING,
 so a transfer can land straight in `HostRecord.locs` rows; it then sets
@@ -30,7 +32,7 @@ import attrs
 import torch
 
 from hisparse.attention import make_factory
-from hisparse.hooks import DEVICE_HOOK, DeviceBufferHook, HostPagesHook, SlotMapHook
+from hisparse.hooks import DEVICE_HOOK, DeviceBufferHook, HostPagesHook, SlotMapHook, StagingHook
 from hisparse.state import HiSparseState
 from states import Request, RequestState
 
@@ -56,20 +58,12 @@ class HiSparseInstall:
         """The runner's slot lookup: sparse decode rows have no KV slot (their KV is in the buffer)."""
         return lambda request: None if DEVICE_HOOK in request.handles else paged_slot_of(request)
 
-    def grow(self, request: Request, num_tokens: int) -> bool:
-        return self.state.grow(request, num_tokens)
 
-    def on_transition(self, request: Request, src: RequestState, dst: RequestState) -> None:
-        self.state.on_transition(request, src, dst)
-
-
-def install_hisparse(*, config: Any, model_config: Any, device: torch.device, ledger: Any, kv_pool: Any,
+def install_hisparse(*, config: Any, max_context: int, model_config: Any, device: torch.device, kv_pool: Any,
                      kv_buffers: Any, faults: Any = None) -> HiSparseInstall:
     """Build HiSparse for an engine whose `config.hisparse` is a HiSparseConfig."""
-    state = HiSparseState(config=config.hisparse, engine_config=config, model_config=model_config,
-                          device=device, ledger=ledger, kv_pool=kv_pool, kv_buffers=kv_buffers,
-                          faults=faults)
-    host_hook = HostPagesHook(state)
-    state.host_hook = host_hook
-    hooks = [DeviceBufferHook(state), host_hook, SlotMapHook(state)]
+    config.hisparse.validate_against(config, max_context)
+    state = HiSparseState(config=config.hisparse, engine_config=config, model_config=model_config, device=device,
+                          max_context=max_context, kv_pool=kv_pool, kv_buffers=kv_buffers, faults=faults)
+    hooks = [DeviceBufferHook(state), HostPagesHook(state), SlotMapHook(state), StagingHook(state)]
     return HiSparseInstall(state=state, hooks=hooks, pools=state.pools, kv_scope=KV_SCOPE)

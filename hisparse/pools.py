@@ -14,8 +14,8 @@ Memory layout (one tensor per layer; K and V of a token side by side)::
     slot maps (host memory: LRU bookkeeping)       unit: one map per request
         table: [num_maps, num_layers, max_context]  token -> local slot, -1
 
-Each pool answers `stats()` from two independent views, its own free list
-and the ledger's record of what requests hold, so the leak check's
+Each pool answers `stats()` from its own free list; the ledger's record of
+what requests hold (kept by the machine) is independent, so the leak check's
 ``free + evictable + held == capacity`` means something at every moment.
 Only the hooks in `hisparse.hooks` allocate from or free into them.
 """
@@ -25,17 +25,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from resources.ledger import Ledger, PoolStats
+from resources.free_list import FreeList
+from resources.ledger import PoolUsage
 from resources.page_allocator import PageAllocator
+from resources.paging import pages_for
 
 HOST_PAGES = "hisparse_host_pages"
 DEVICE_SLOTS = "hisparse_device_slots"
 SLOT_MAPS = "hisparse_slot_maps"
-
-
-def _stats(name: str, ledger: Ledger, capacity: int, free: int, unit: str) -> PoolStats:
-    return PoolStats(capacity=capacity, free=free, evictable=0, held=ledger.held(name),
-                     quarantined=ledger.quarantined(name), suspect=name in ledger.suspect, unit=unit)
 
 
 class HostKVPool:
@@ -44,9 +41,8 @@ class HostKVPool:
     name = HOST_PAGES
 
     def __init__(self, *, num_tokens: int, page_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                 index_dim: int, dtype: torch.dtype, device: torch.device, ledger: Ledger) -> None:
+                 index_dim: int, dtype: torch.dtype, device: torch.device) -> None:
         self.page_size = page_size
-        self.ledger = ledger
         self.allocator = PageAllocator(num_tokens // page_size + 1, page_size)
         rows = self.allocator.num_pages * page_size
         pin = device.type == "cuda"
@@ -56,7 +52,7 @@ class HostKVPool:
         self._offsets = torch.arange(page_size, dtype=torch.int64)
 
     def pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
+        return pages_for(num_tokens, self.page_size)
 
     def locations(self, pages: torch.Tensor) -> torch.Tensor:
         """Token locations (host rows) of `pages`, in order."""
@@ -72,9 +68,8 @@ class HostKVPool:
         """Device bytes of one token's index keys over all layers."""
         return sum(t[0].numel() * t.element_size() for t in self.index)
 
-    def stats(self) -> PoolStats:
-        a = self.allocator
-        return _stats(self.name, self.ledger, a.capacity, a.num_free, "pages")
+    def stats(self) -> PoolUsage:
+        return PoolUsage(capacity=self.allocator.capacity, free=self.allocator.num_free, unit="pages")
 
 
 class DeviceBufferPool:
@@ -83,8 +78,7 @@ class DeviceBufferPool:
     name = DEVICE_SLOTS
 
     def __init__(self, *, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, ledger: Ledger) -> None:
-        self.ledger = ledger
+                 dtype: torch.dtype, device: torch.device) -> None:
         self.allocator = PageAllocator(num_slots + 1, 1)  # slot 0: padding
         shape = (num_slots + 1, 2, num_kv_heads, head_dim)
         self.kv = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -94,9 +88,8 @@ class DeviceBufferPool:
         """Device bytes of one slot's K and V over all layers."""
         return sum(t[0].numel() * t.element_size() for t in self.kv)
 
-    def stats(self) -> PoolStats:
-        a = self.allocator
-        return _stats(self.name, self.ledger, a.capacity, a.num_free, "slots")
+    def stats(self) -> PoolUsage:
+        return PoolUsage(capacity=self.allocator.capacity, free=self.allocator.num_free, unit="slots")
 
 
 class SlotMapPool:
@@ -104,29 +97,20 @@ class SlotMapPool:
 
     name = SLOT_MAPS
 
-    def __init__(self, *, num_maps: int, num_layers: int, max_context: int, ledger: Ledger) -> None:
-        self.ledger = ledger
+    def __init__(self, *, num_maps: int, num_layers: int, max_context: int) -> None:
         self.capacity = num_maps
         self.table = np.full((num_maps, num_layers, max_context), -1, dtype=np.int64)
-        self._free = list(range(num_maps - 1, -1, -1))
-        self._in_use = [False] * num_maps
+        self._free = FreeList(num_maps, what="slot map")
 
     def alloc(self) -> int | None:
-        if not self._free:
-            return None
-        row = self._free.pop()
-        self._in_use[row] = True
-        return row
+        return self._free.alloc()
 
     def free(self, row: int) -> None:
-        if not 0 <= row < self.capacity or not self._in_use[row]:
-            raise ValueError(f"slot map {row} is not in use")
-        self._in_use[row] = False
-        self._free.append(row)
+        self._free.free(row)
 
     @property
     def bytes_per_map(self) -> int:
         return self.table[0].nbytes
 
-    def stats(self) -> PoolStats:
-        return _stats(self.name, self.ledger, self.capacity, len(self._free), "maps")
+    def stats(self) -> PoolUsage:
+        return PoolUsage(capacity=self.capacity, free=self._free.num_free, unit="maps")

@@ -1,14 +1,16 @@
 """HiSparseState: one engine's HiSparse pools, copier and index projection,
-and the lifecycle steps that are not resource hooks (staging, growth).
+and the staging copy the staging hook runs.
 
 Lifecycle of a HiSparse request (hooks in `hisparse.hooks`)::
 
     PREFILLING   host pages taken for the prompt (admission)
     PREBUILT     prompt KV complete in device KV pages
-    STAGING      `stage`: prompt KV -> host (fenced), index keys computed
+    STAGING      the staging hook's acquisition runs `stage`: prompt KV ->
+                 host (fenced), index keys computed
     DECODING     (fences done) device buffer + slot map taken, short contexts
                  preloaded from the KV pages, then the KV pages are released
-    each step    `grow` adds host pages; sparse attention backs up the new token
+    each step    the machine grows the host pages; sparse attention backs up
+                 the new token
     FINISHED     fences awaited (or quarantined at their deadline), then all
                  handles released, HiSparse before KV
 """
@@ -22,10 +24,10 @@ import torch
 
 from hisparse.config import HiSparseConfig
 from hisparse.copies import HostCopier
-from hisparse.hooks import DEVICE_HOOK, HOST_HOOK, DeviceBuffer, HostRecord
+from hisparse.hooks import DEVICE_HOOK, HOST_HOOK, DeviceBuffer, HostPagesHook, HostRecord
 from hisparse.pools import DeviceBufferPool, HostKVPool, SlotMapPool
 from hisparse.selection import IndexProjection
-from resources.kv_hook import KVHook
+from resources.request_slots import RequestSlotHook
 from states import Request, RequestState
 
 log = structlog.get_logger("kvlife.hisparse")
@@ -35,14 +37,13 @@ class HiSparseState:
     """Shared by the hooks, the sparse attention and the loop's callbacks."""
 
     def __init__(self, *, config: HiSparseConfig, engine_config: Any, model_config: Any, device: torch.device,
-                 ledger: Any, kv_pool: Any, kv_buffers: Any, faults: Any = None) -> None:
+                 max_context: int, kv_pool: Any, kv_buffers: Any, faults: Any = None) -> None:
         self.config = config
         self.device = device
-        self.ledger = ledger
         self.kv_pool = kv_pool
         self.kv_buffers = kv_buffers
         self.num_layers = model_config.num_layers
-        self.max_context = engine_config.max_context
+        self.max_context = max_context
         dtype = kv_buffers.k[0].dtype
         kv_heads, head_dim = model_config.num_kv_heads, model_config.head_dim
         self.projection = IndexProjection(num_heads=model_config.num_heads, num_kv_heads=kv_heads,
@@ -50,13 +51,13 @@ class HiSparseState:
                                           dtype=dtype, seed=engine_config.seed)
         self.host = HostKVPool(num_tokens=config.host_tokens(engine_config), page_size=engine_config.page_size,
                                num_layers=self.num_layers, num_kv_heads=kv_heads, head_dim=head_dim,
-                               index_dim=self.projection.dim, dtype=dtype, device=device, ledger=ledger)
+                               index_dim=self.projection.dim, dtype=dtype, device=device)
         max_running = engine_config.max_running
         self.device_pool = DeviceBufferPool(num_slots=max_running * (config.device_buffer_size + 1),
                                             num_layers=self.num_layers, num_kv_heads=kv_heads, head_dim=head_dim,
-                                            dtype=dtype, device=device, ledger=ledger)
+                                            dtype=dtype, device=device)
         self.maps = SlotMapPool(num_maps=max_running, num_layers=self.num_layers,
-                                max_context=engine_config.max_context, ledger=ledger)
+                                max_context=max_context)
         self.copier = HostCopier(device, fence_timeout=engine_config.fence_timeout, faults=faults)
         #: a staging copy reads KV pages and writes host pages
         self.staging_protects = frozenset({"kv", HOST_HOOK})
@@ -64,8 +65,6 @@ class HiSparseState:
         self.backup_protects = frozenset({HOST_HOOK})
         #: tokens copied host -> device by swap-ins (for benchmarks)
         self.swapped_in = 0
-        #: the host-pages hook (set by `install_hisparse`), which `grow` extends
-        self.host_hook: Any = None
         #: when a list, sparse attention appends one record per request and layer (tests)
         self.trace: list[dict[str, Any]] | None = None
 
@@ -78,25 +77,16 @@ class HiSparseState:
         return request.state is RequestState.DECODING and DEVICE_HOOK in request.handles
 
     # ------------------------------------------------------------- staging
-    def on_transition(self, request: Request, src: RequestState, dst: RequestState) -> None:
-        """Machine observer: entering STAGING starts the staging copy; entering
-        DECODING, the request's complete KV is the host copy (releasing the KV
-        pages zeroed `kv_len`, which counts complete KV in this engine's pools)."""
-        if dst is RequestState.STAGING:
-            self.stage(request)
-        elif dst is RequestState.DECODING and HOST_HOOK in request.handles:
-            request.kv_len = request.handles[HOST_HOOK].payload.on_host
-
     def stage(self, request: Request) -> None:
         """Copy the context's KV from device pages to host, compute index keys; fenced.
 
         Copies only tokens not on the host yet (a decode-role transfer that
         landed in the host pages sets `HostRecord.on_host` and is not copied).
         """
-        record: HostRecord = request.handles[HOST_HOOK].payload
+        record: HostRecord = HostPagesHook.record(request)
         start, end = record.on_host, request.kv_len
         if end > start:
-            src = self.kv_pool.slots.req_to_token[KVHook.slot(request), start:end]
+            src = self.kv_pool.slots.req_to_token[RequestSlotHook.slot(request), start:end]
             rows, rows_dev = record.locs[start:end], record.locs_dev[start:end]
             with self.copier.side():
                 for layer in range(self.num_layers):
@@ -108,17 +98,6 @@ class HiSparseState:
             record.on_host = end
         request.fences.append(self.copier.fence(self.staging_protects, request.request_id))
         log.debug("hisparse.staged", request_id=request.request_id, tokens=end - start)
-
-    # --------------------------------------------------------------- growth
-    def grow(self, request: Request, num_tokens: int) -> bool:
-        """Before a decode step: host pages for `num_tokens`; False if the pool is short.
-
-        Also drops the request's completed fences, so a long decode does not
-        accumulate one per token.
-        """
-        if request.fences:
-            request.fences[:] = [f for f in request.fences if not f.done()]
-        return self.host_hook.grow(request, num_tokens)
 
     # ------------------------------------------------------------ reporting
     def device_bytes(self, request: Request) -> dict[str, int]:

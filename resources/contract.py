@@ -1,70 +1,108 @@
 """The resource-hook contract: the one place that says how resources are held.
 
-A *resource hook* owns one kind of resource for every request (KV pages,
-HiSparse buffers, multimodal references, an MoE record, a plugin's own
-resource). It declares:
+A *resource hook* owns one kind of resource for every request (a request
+slot, KV pages, HiSparse buffers, multimodal references, an MoE record, a
+plugin's own resource). `ResourceHookProtocol` below is the contract, member
+by member; `ResourceHook` is a base class with the optional members filled
+in. Duck-typed hooks work too: `validate_hook` checks, at registration, the
+members the protocol declares (`REQUIRED_MEMBERS`) and fills in nothing.
 
-``name``
-    unique among the engine's hooks; the key of the request's handle.
-``acquire_on``
-    states whose entry acquires the handle, if the request does not hold
-    one yet. Must be a subset of ``scope``.
-``scope``
-    the states in which the handle is held. On every transition the machine
-    releases each handle whose scope does not contain the destination, so
-    reaching RELEASED (in no scope) releases everything, and RETRACTED
-    releases exactly the hooks that leave it out of their scope.
-``before`` / ``after``
-    names of hooks this one must be released before / after. The release
-    order is derived once, at registration (`order_hooks`), deterministically
-    (ties keep registration order); a cycle or an unknown name is a
-    `HookOrderError` then, never at release time. Acquisition runs in the
-    reverse order.
-``pool``
-    the name of the pool the hook accounts in, if any (a hook that raises on
-    release marks that pool suspect in the memory report).
+Who does what:
 
-and three methods, all called only by the machine (`states.RequestMachine`):
-
-``acquire(request, into) -> Handle | None``
-    take what the request needs on entering state `into` (the request is
-    still in its source state while this runs), or return None when
-    it needs nothing. Either succeed whole or raise and change nothing (the
-    machine then releases whatever else this transition acquired and leaves
-    the request where it was). Raise `ResourceExhausted` when the pool is
-    full.
-``release(request, handle)``
-    give back everything the handle holds. Called at most once per handle:
-    the machine marks the handle released first, so a second release raises
-    `states.DoubleRelease` without reaching the hook. If it raises, the error
-    is logged as ``resource.release_failed``, the other hooks still run and
-    the request still moves on.
-``quarantine(request, handle)``
-    a fence protecting this handle missed its deadline: keep the memory
-    allocated forever (an in-flight copy may still write it) and account it
-    as quarantined, so the leak check names it instead of failing.
-
-Pools never free memory except from a hook's ``release``.
+- A hook allocates (in `acquire`, `grow`) and frees (in `release`), and
+  nothing else. The machine (`states.RequestMachine`) calls it, records
+  every amount in the ownership ledger, logs, and isolates every call: a hook
+  that raises in `release` or `quarantine` is logged
+  (``resource.release_failed``), its pool is marked suspect, and the rest of
+  the release sequence still runs; the request always reaches RELEASED.
+- Memory nobody owns (unlocked prefix-cache pages, unreferenced cached
+  embeddings) is not released by any hook: its pool evicts it when an
+  allocation needs room, and reports it as `evictable` meanwhile.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
-from states import HELD_STATES, Handle, Request, RequestState
+from states import HELD_STATES, Handle, Request, RequestState, ResourceExhausted
 
-
-class ResourceExhausted(Exception):
-    """A pool cannot satisfy an acquisition now; the caller may retry later."""
+__all__ = [
+    "REQUIRED_MEMBERS",
+    "HookOrderError",
+    "ResourceExhausted",
+    "ResourceHook",
+    "ResourceHookProtocol",
+    "order_hooks",
+    "validate_hook",
+]
 
 
 class HookOrderError(ValueError):
-    """The hooks' names or before/after constraints cannot be ordered."""
+    """A hook's declaration breaks the contract, or the hooks cannot be ordered."""
+
+
+@runtime_checkable
+class ResourceHookProtocol(Protocol):
+    """What every resource hook declares and does."""
+
+    #: Unique among the engine's hooks; the key of the request's handle.
+    name: str
+    #: States whose entry acquires the handle if the request holds none yet; a subset of
+    #: `scope`. Never FINISHED or RELEASED: finishing is never refused for lack of memory.
+    acquire_on: frozenset[RequestState]
+    #: States in which the handle is held. On every transition the machine releases each
+    #: handle whose scope does not contain the destination (RELEASED is in no scope).
+    scope: frozenset[RequestState]
+    #: Hooks this one is released before / after. The one release order is derived at
+    #: registration (`order_hooks`); acquisition runs in reverse.
+    before: tuple[str, ...]
+    after: tuple[str, ...]
+    #: The ledger pool the handle's `amount` counts in, or None for a hook that holds no
+    #: pool memory (the timing hook). One hook, one pool.
+    pool: str | None
+
+    def acquire(self, request: Request, into: RequestState) -> Handle | None:
+        """Take what the request needs on entering `into` (the request is still in its
+        source state), or return None when it needs nothing. Succeed whole or raise and
+        change nothing. Raise `ResourceExhausted` when the pool is short *now*: the
+        machine then releases whatever else this transition acquired and leaves the
+        request exactly where it was (unstarted, for QUEUED), and the engine retries
+        later. Any other exception finishes the request with ERROR.
+        `handle.amount` is what the machine records in the ledger for `pool`."""
+        ...
+
+    def release(self, request: Request, handle: Handle) -> None:
+        """Give back everything the handle holds. Called exactly once per handle (a second
+        release raises `states.DoubleRelease` before reaching the hook), also for a
+        quarantined handle once its fence completes (`handle.was_quarantined` is then
+        True: its memory may have been written late, so never cache it)."""
+        ...
+
+
+#: The members `validate_hook` checks, exactly those the protocol declares.
+REQUIRED_MEMBERS: tuple[str, ...] = ("name", "acquire_on", "scope", "before", "after", "pool", "acquire",
+                                     "release")
+
+#: Optional members, called only if present:
+#:
+#: ``grow(request, handle, num_tokens) -> bool``
+#:     make the handle cover `num_tokens` tokens (decode growth), updating
+#:     `handle.amount`; return False (or raise `ResourceExhausted`) when the
+#:     pool is short, changing nothing that is not accounted in the amount.
+#: ``quarantine(request, handle)``
+#:     a fence protecting this handle missed its deadline: the memory stays
+#:     allocated (a copy may still write it) until `release` is called when
+#:     the fence completes. Must not free anything; may drop references that
+#:     are only read (nothing needs to).
+#: ``pools``
+#:     the hook's pools (each with `name` and `stats() -> PoolUsage`), so the
+#:     leak check covers them.
+OPTIONAL_MEMBERS: tuple[str, ...] = ("grow", "quarantine", "pools")
 
 
 class ResourceHook:
-    """Base class for resource hooks; see the module docstring for the contract."""
+    """Base class for resource hooks; see `ResourceHookProtocol` for the contract."""
 
     name: str = ""
     acquire_on: frozenset[RequestState] = frozenset()
@@ -73,31 +111,43 @@ class ResourceHook:
     after: tuple[str, ...] = ()
     pool: str | None = None
 
-    def __init__(self) -> None:
-        self.quarantined: list[Handle] = []
-
     def acquire(self, request: Request, into: RequestState) -> Handle | None:
         return None
 
     def release(self, request: Request, handle: Handle) -> None:
         """Give back what `handle` holds."""
 
-    def quarantine(self, request: Request, handle: Handle) -> None:
-        self.quarantined.append(handle)
-
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
 
 
+def _is_state_set(value: Any) -> bool:
+    return isinstance(value, (set, frozenset, tuple, list)) and all(isinstance(s, RequestState) for s in value)
+
+
 def validate_hook(hook: Any) -> None:
     """Raise HookOrderError if a hook's declaration breaks the contract."""
-    for attr in ("name", "acquire_on", "scope", "before", "after", "acquire", "release", "quarantine"):
+    for attr in REQUIRED_MEMBERS:
         if not hasattr(hook, attr):
-            raise HookOrderError(f"resource hook {hook!r} has no {attr!r}")
+            raise HookOrderError(f"resource hook {hook!r} has no {attr!r} (see resources.contract)")
     if not isinstance(hook.name, str) or not hook.name:
         raise HookOrderError(f"resource hook {hook!r} needs a non-empty string name")
+    for attr in ("acquire_on", "scope"):
+        if not _is_state_set(getattr(hook, attr)):
+            raise HookOrderError(f"hook {hook.name!r}: {attr} must be a set of RequestState")
+    for attr in ("before", "after"):
+        value = getattr(hook, attr)
+        if not isinstance(value, (tuple, list)) or not all(isinstance(n, str) for n in value):
+            raise HookOrderError(f"hook {hook.name!r}: {attr} must be a tuple of hook names")
+    if hook.pool is not None and (not isinstance(hook.pool, str) or not hook.pool):
+        raise HookOrderError(f"hook {hook.name!r}: pool must be None or a non-empty string")
+    for attr in ("acquire", "release", *(m for m in ("grow", "quarantine") if hasattr(hook, m))):
+        if not callable(getattr(hook, attr)):
+            raise HookOrderError(f"hook {hook.name!r}: {attr} must be callable")
     if RequestState.RELEASED in hook.scope:
         raise HookOrderError(f"hook {hook.name!r}: RELEASED cannot be in a scope")
+    if {RequestState.FINISHED, RequestState.RELEASED} & set(hook.acquire_on):
+        raise HookOrderError(f"hook {hook.name!r}: a hook cannot acquire on FINISHED or RELEASED")
     if not set(hook.acquire_on) <= set(hook.scope):
         raise HookOrderError(f"hook {hook.name!r}: acquire_on must be a subset of scope")
 
@@ -141,4 +191,3 @@ def _lookup(index: dict[str, int], name: str, referrer: str) -> int:
     if name not in index:
         raise HookOrderError(f"hook {referrer!r} refers to unknown hook {name!r}")
     return index[name]
-

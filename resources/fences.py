@@ -2,16 +2,17 @@
 
 A fence is done when its `poll` says so. On CUDA, `for_cuda_event` polls an
 event recorded on the stream that did the copy; on CPU copies complete at
-once (`completed`) or in a worker thread (`for_future`). `ManualFence` is
-completed by whoever holds it: tests and fault injection use it to make a
-copy that never finishes.
+once (`completed`). `ManualFence` is completed by whoever holds it (a
+transfer's receiving side, tests and fault injection); its deadline can be
+armed when the operation actually starts, so time spent waiting for a
+worker never counts against the copy.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future
 from typing import Any
 
 
@@ -24,12 +25,14 @@ class CopyFence:
         protects: Iterable[str],
         *,
         poll: Callable[[], bool],
-        timeout: float = 30.0,
+        timeout: float | None = 30.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.name = name
         self.protects = frozenset(protects)
-        self.deadline = clock() + timeout
+        self.clock = clock
+        self.timeout = timeout
+        self.deadline = math.inf if timeout is None else clock() + timeout
         self._poll = poll
         self._done = False
 
@@ -38,28 +41,35 @@ class CopyFence:
             self._done = bool(self._poll())
         return self._done
 
+    def arm(self, timeout: float | None = None) -> None:
+        """Start the deadline now (`timeout`, else the one given at construction)."""
+        timeout = self.timeout if timeout is None else timeout
+        self.deadline = math.inf if timeout is None else self.clock() + timeout
+
     def __repr__(self) -> str:
-        return f"CopyFence({self.name!r}, protects={sorted(self.protects)}, done={self._done})"
+        return f"{type(self).__name__}({self.name!r}, protects={sorted(self.protects)}, done={self._done})"
 
     @classmethod
-    def completed(cls, name: str, protects: Iterable[str]) -> "CopyFence":
+    def completed(cls, name: str, protects: Iterable[str]) -> CopyFence:
         return cls(name, protects, poll=lambda: True)
 
     @classmethod
-    def for_cuda_event(cls, name: str, protects: Iterable[str], event: Any, timeout: float = 30.0) -> "CopyFence":
+    def for_cuda_event(cls, name: str, protects: Iterable[str], event: Any, timeout: float = 30.0) -> CopyFence:
         return cls(name, protects, poll=event.query, timeout=timeout)
-
-    @classmethod
-    def for_future(cls, name: str, protects: Iterable[str], future: Future, timeout: float = 30.0) -> "CopyFence":
-        return cls(name, protects, poll=future.done, timeout=timeout)
 
 
 class ManualFence(CopyFence):
-    """A fence that is done only once `complete()` is called."""
+    """A fence that is done only once `complete()` is called.
 
-    def __init__(self, name: str, protects: Iterable[str], *, timeout: float = 30.0, clock=time.monotonic) -> None:
+    `timeout=None` leaves it unarmed (no deadline) until `arm()`.
+    """
+
+    def __init__(self, name: str, protects: Iterable[str], *, timeout: float | None = 30.0,
+                 armed: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
         self._completed = False
         super().__init__(name, protects, poll=lambda: self._completed, timeout=timeout, clock=clock)
+        if not armed:
+            self.deadline = math.inf
 
     def complete(self) -> None:
         self._completed = True

@@ -1,14 +1,19 @@
-"""The KV hook: a request's slot, its KV pages and its prefix-cache lock.
+"""The KV hook: a request's KV pages and its prefix-cache lock.
 
 Acquired on admission (entering PREFILLING, or TRANSFERRING in the decode
-role, where the pages are pre-allocated to receive a transfer). Held until
-FINISHED; RETRACTED is outside its scope, so preemption releases it.
+role, where the pages are pre-allocated to receive a transfer), after the
+request slot whose token-table row it writes. Held until FINISHED;
+RETRACTED is outside its scope, so preemption releases it.
+
+`handle.amount` is the number of pages the request owns (the matched prefix
+is the cache's, locked, and reported as the pool's shared pages).
 
 Release, in this order: insert the request's complete KV (its first
 `kv_len` tokens, whole pages only) into the prefix cache, free the pages the
-cache did not take, unlock the matched prefix, free the request slot.
-Incomplete KV (aborted mid-prefill, failed transfer) is never cached,
-because `kv_len` only ever counts tokens whose KV is complete.
+cache did not take, unlock the matched prefix. Incomplete KV (aborted
+mid-prefill, failed transfer) is never cached, because `kv_len` only ever
+counts tokens whose KV is complete, and neither is the KV of a handle that
+was quarantined (a late copy may have written it).
 
 NOTE: a request with images neither matches nor inserts prefixes. Its
 placeholder token ids are the same for every image, so token-keyed pages
@@ -22,7 +27,8 @@ import attrs
 import torch
 
 from resources.contract import ResourceExhausted, ResourceHook
-from resources.kv_pool import KV_PAGES, REQUEST_SLOTS, KVPool
+from resources.kv_pool import KV_PAGES, KVPool
+from resources.request_slots import KV_SCOPE, RequestSlotHook
 from states import Handle, Request, RequestState
 
 S = RequestState
@@ -41,55 +47,45 @@ class KVBlock:
 class KVHook(ResourceHook):
     name = "kv"
     acquire_on = frozenset({S.PREFILLING, S.TRANSFERRING})
-    scope = frozenset({S.TRANSFERRING, S.PREFILLING, S.PREBUILT, S.STAGING, S.DECODING, S.FINISHED})
+    scope = KV_SCOPE
     pool = KV_PAGES
 
     def __init__(self, kv: KVPool, *, scope: frozenset[RequestState] | None = None) -> None:
-        super().__init__()
         self.kv = kv
         if scope is not None:  # HiSparse narrows it: device pages only until staging is done
             self.scope = frozenset(scope)
-
-    # ------------------------------------------------------------ accessors
-    @staticmethod
-    def slot(request: Request) -> int:
-        """The request's row of the token table (the request must hold its KV)."""
-        return request.handles[KVHook.name].payload.slot
 
     # ------------------------------------------------------------- acquire
     def acquire(self, request: Request, into: RequestState) -> Handle:
         kv = self.kv
         tokens = request.all_token_ids
-        slot = kv.slots.alloc()
-        if slot is None:
-            raise ResourceExhausted("no free request slot")
+        slot = RequestSlotHook.slot(request)
         prefix_pages: list[int] = []
         node = None
-        if kv.radix is not None and into is S.PREFILLING and not request.mm_inputs:
+        if self._caches(request) and into is S.PREFILLING:
             # leave at least one token to compute: its logits give the next token
             prefix_pages, node = kv.radix.match(tokens[: len(tokens) - 1])
-            kv.radix.lock(node)
+            if prefix_pages:
+                kv.radix.lock(node)
+            else:
+                node = None
         need = kv.pages_for(len(tokens)) - len(prefix_pages)
         pages = kv.alloc_pages(need)
         if pages is None:
             if node is not None:
                 kv.radix.unlock(node)
-            kv.slots.free(slot)
             raise ResourceExhausted(f"need {need} KV pages, {kv.available_pages} available")
         if prefix_pages:
             kv.write_locations(slot, 0, torch.tensor(prefix_pages, dtype=torch.int64))
         kv.write_locations(slot, len(prefix_pages), pages)
         block = KVBlock(slot, prefix_pages + pages.tolist(), len(prefix_pages), node)
         if node is not None:
-            kv.prefix_locks[request.request_id] = (node, len(prefix_pages))
+            kv.prefix_locks[request] = (node, len(prefix_pages))
         request.kv_len = len(prefix_pages) * kv.page_size
-        kv.ledger.hold(KV_PAGES, request, need)
-        kv.ledger.hold(REQUEST_SLOTS, request, 1)
-        return Handle(self.name, request.request_id, block, amount=len(block.pages))
+        return Handle(self.name, request.request_id, block, amount=need)
 
-    def grow(self, request: Request, num_tokens: int) -> bool:
+    def grow(self, request: Request, handle: Handle, num_tokens: int) -> bool:
         """Make the request's pages cover `num_tokens` tokens; False if the pool is short."""
-        handle: Handle = request.handles[self.name]
         block: KVBlock = handle.payload
         need = self.kv.pages_for(num_tokens) - len(block.pages)
         if need <= 0:
@@ -99,38 +95,34 @@ class KVHook(ResourceHook):
             return False
         self.kv.write_locations(block.slot, len(block.pages), pages)
         block.pages.extend(pages.tolist())
-        handle.amount = len(block.pages)
-        self.kv.ledger.hold(KV_PAGES, request, need)
+        handle.amount += need
         return True
 
     # ------------------------------------------------------------- release
     def release(self, request: Request, handle: Handle) -> None:
         kv = self.kv
         block: KVBlock = handle.payload
-        own = block.pages[block.num_prefix_pages :]
-        to_free = own
-        if kv.radix is not None and not request.mm_inputs:  # NOTE: see the module docstring
+        to_free = block.pages[block.num_prefix_pages :]
+        if self._caches(request) and not handle.was_quarantined:  # NOTE: see the module docstring
             full = min(request.kv_len // kv.page_size, len(block.pages))
             if full > block.num_prefix_pages:
                 tokens = request.all_token_ids[: full * kv.page_size]
                 duplicates = kv.radix.insert(tokens, block.pages[:full])
                 to_free = duplicates + block.pages[full:]
-        kv.ledger.drop(KV_PAGES, request.request_id)
         if to_free:
             kv.allocator.free(torch.tensor(to_free, dtype=torch.int64))
         if block.prefix_node is not None:
             kv.radix.unlock(block.prefix_node)
-            kv.prefix_locks.pop(request.request_id, None)
-        kv.slots.free(block.slot)
-        kv.ledger.drop(REQUEST_SLOTS, request.request_id)
-        request.kv_len = 0
+            kv.prefix_locks.pop(request, None)
 
     def quarantine(self, request: Request, handle: Handle) -> None:
-        """Keep the request's own pages and slot forever; the shared prefix is only read."""
-        super().quarantine(request, handle)
+        """A copy may still write the request's own pages: they stay allocated until the
+        fence completes. The matched prefix is only read, so its lock goes now."""
         block: KVBlock = handle.payload
         if block.prefix_node is not None:
             self.kv.radix.unlock(block.prefix_node)
-            self.kv.prefix_locks.pop(request.request_id, None)
-        self.kv.ledger.quarantine(KV_PAGES, request.request_id)
-        self.kv.ledger.quarantine(REQUEST_SLOTS, request.request_id)
+            self.kv.prefix_locks.pop(request, None)
+            block.prefix_node = None
+
+    def _caches(self, request: Request) -> bool:
+        return self.kv.prefix_cache and not request.mm_inputs

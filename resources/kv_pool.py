@@ -1,31 +1,37 @@
-"""KV memory: pages, request slots and the prefix cache, as two leak-checked pools.
+"""KV memory: pages and the prefix cache, as the leak-checked pool ``kv_pages``.
 
-`KVPool` composes the page allocator, the request slots (with the
-request -> token-location table) and the radix prefix cache, and exposes
-them to the leak check as two pools:
+`KVPool` composes the page allocator, the request slots (with the request
+-> token-location table) and the radix prefix cache. The ``kv_pages`` pool
+reports: capacity = usable pages; free = the allocator's free pages;
+evictable = unlocked prefix-cache pages; shared = prefix-cache pages locked
+by running requests. The ledger adds the pages requests own, so
 
-- ``kv_pages``: capacity = usable pages; free = allocator; evictable =
-  unlocked prefix-cache pages; held = pages owned by requests (ledger) +
-  prefix-cache pages locked by running requests.
-- ``request_slots``: capacity = max_running; held = slots owned (ledger).
+    free + evictable + shared + owned == capacity
 
-Only `resources.kv_hook.KVHook` allocates from or frees into it.
+Only `resources.kv_hook.KVHook` allocates from or frees into it; unlocked
+prefix-cache pages leave by eviction when an allocation needs room.
+
+The radix cache always exists: `prefix_cache=False` only stops ordinary
+requests from matching and inserting.
 """
 
 from __future__ import annotations
 
 import torch
 
-from resources.ledger import Ledger, Owner, PoolStats
+from resources.ledger import Owner, PoolUsage
 from resources.page_allocator import PageAllocator
+from resources.paging import pages_for
 from resources.radix_cache import RadixCache
 from resources.request_slots import RequestSlots
+from states import Request
 
 KV_PAGES = "kv_pages"
-REQUEST_SLOTS = "request_slots"
 
 
 class KVPool:
+    name = KV_PAGES
+
     def __init__(
         self,
         *,
@@ -34,36 +40,45 @@ class KVPool:
         max_running: int,
         max_context: int,
         device: torch.device | str,
-        ledger: Ledger,
         prefix_cache: bool = True,
     ) -> None:
         self.page_size = page_size
         self.device = torch.device(device)
-        self.ledger = ledger
+        self.prefix_cache = prefix_cache
         self.allocator = PageAllocator(num_pages, page_size)
-        self.slots = RequestSlots(max_running, max_context, device)
-        self.radix = RadixCache(page_size) if prefix_cache else None
-        #: request id -> (locked radix node, pages it protects), for attribution
-        self.prefix_locks: dict[str, tuple[object, int]] = {}
+        self.slots = RequestSlots(max_running, max_context, page_size, device)
+        self.radix = RadixCache(page_size)
+        #: request -> (locked radix node, pages it protects), for attribution
+        self.prefix_locks: dict[Request, tuple[object, int]] = {}
         self._offsets = torch.arange(page_size, dtype=torch.int64, device=self.device)
-        self.pools = (_PageStatsView(self), _SlotStatsView(self))
 
     # ----------------------------------------------------------- queries
     def pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
+        return pages_for(num_tokens, self.page_size)
+
+    @property
+    def capacity(self) -> int:
+        return self.allocator.capacity
 
     @property
     def available_pages(self) -> int:
         """Pages an allocation could get now: free plus evictable."""
-        evictable = self.radix.evictable_pages if self.radix else 0
-        return self.allocator.num_free + evictable
+        return self.allocator.num_free + self.radix.evictable_pages
+
+    def stats(self) -> PoolUsage:
+        return PoolUsage(capacity=self.allocator.capacity, free=self.allocator.num_free,
+                         evictable=self.radix.evictable_pages, shared=self.radix.protected_pages, unit="pages")
+
+    def shared_owners(self) -> list[Owner]:
+        """The requests holding locked prefix-cache pages (shared, so possibly overlapping)."""
+        return [Owner.of(request, pages) for request, (_node, pages) in self.prefix_locks.items()]
 
     # ------------------------------------------------- used by the KV hook
     def alloc_pages(self, n: int) -> torch.Tensor | None:
         """Allocate `n` pages, evicting unlocked prefix-cache pages if needed."""
         short = n - self.allocator.num_free
         if short > 0:
-            if self.radix is None or short > self.radix.evictable_pages:
+            if short > self.radix.evictable_pages:
                 return None
             evicted = self.radix.evict(short)
             self.allocator.free(torch.tensor(evicted, dtype=torch.int64))
@@ -77,49 +92,3 @@ class KVPool:
         locs = (pages.to(self.device).unsqueeze(1) * ps + self._offsets).reshape(-1)
         start = first_page_index * ps
         self.slots.req_to_token[slot, start : start + locs.numel()] = locs
-
-
-class _PageStatsView:
-    name = KV_PAGES
-
-    def __init__(self, kv: KVPool) -> None:
-        self.kv = kv
-
-    def stats(self) -> PoolStats:
-        kv = self.kv
-        radix = kv.radix
-        return PoolStats(
-            capacity=kv.allocator.capacity,
-            free=kv.allocator.num_free,
-            evictable=radix.evictable_pages if radix else 0,
-            held=kv.ledger.held(KV_PAGES) + (radix.protected_pages if radix else 0),
-            quarantined=kv.ledger.quarantined(KV_PAGES),
-            suspect=KV_PAGES in kv.ledger.suspect,
-            unit="pages",
-        )
-
-    def owners(self) -> list[Owner]:
-        owners = self.kv.ledger.owners(KV_PAGES)
-        for rid, (_node, pages) in self.kv.prefix_locks.items():
-            req = self.kv.ledger.request(rid)
-            owners.append(Owner(rid, req.state if req else None, req.finish_reason if req else None, pages))
-        return owners
-
-
-class _SlotStatsView:
-    name = REQUEST_SLOTS
-
-    def __init__(self, kv: KVPool) -> None:
-        self.kv = kv
-
-    def stats(self) -> PoolStats:
-        kv = self.kv
-        return PoolStats(
-            capacity=kv.slots.capacity,
-            free=kv.slots.num_free,
-            evictable=0,
-            held=kv.ledger.held(REQUEST_SLOTS),
-            quarantined=kv.ledger.quarantined(REQUEST_SLOTS),
-            suspect=REQUEST_SLOTS in kv.ledger.suspect,
-            unit="slots",
-        )

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from resources import ResourceHook
+from resources.contract import ResourceHook
 from states import HELD_STATES, Handle, Request, RequestState
 
 S = RequestState
@@ -31,10 +31,6 @@ class ExpertDistribution:
         self.counts += record
         self.records_folded += 1
 
-    @property
-    def total(self) -> int:
-        return int(self.counts.sum())
-
 
 class MoERecordHook(ResourceHook):
     name = "moe_record"
@@ -42,7 +38,6 @@ class MoERecordHook(ResourceHook):
     scope = HELD_STATES
 
     def __init__(self, distribution: ExpertDistribution) -> None:
-        super().__init__()
         self.distribution = distribution
 
     def acquire(self, request: Request, into: RequestState) -> Handle:

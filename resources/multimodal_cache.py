@@ -8,8 +8,8 @@ entries stay cached and are evicted least-recently-used when a new entry
 needs room: that eviction, not a release, is how unowned memory leaves.
 
 Accounting (pool ``mm_embeddings``, in bytes): free = budget - bytes cached;
-evictable = bytes of unreferenced entries; held = bytes of referenced ones.
-The ledger counts each request's references, so a leak names its owner.
+evictable = bytes of unreferenced entries; shared = bytes of referenced ones.
+The ledger lists each request holding references, so a leak names its owner.
 The model side (placeholder expansion, embedding substitution) lives in
 `engine.model.vision`.
 """
@@ -19,13 +19,12 @@ from __future__ import annotations
 import hashlib
 import itertools
 from collections.abc import Callable
-from typing import Any
 
 import attrs
 import torch
 
 from resources.contract import ResourceExhausted, ResourceHook
-from resources.ledger import Ledger, Owner, PoolStats
+from resources.ledger import PoolUsage
 from states import HELD_STATES, Handle, Request, RequestState
 
 S = RequestState
@@ -50,9 +49,8 @@ class MultimodalCache:
 
     name = MM_POOL
 
-    def __init__(self, budget_bytes: int, ledger: Ledger) -> None:
+    def __init__(self, budget_bytes: int) -> None:
         self.capacity = budget_bytes
-        self.ledger = ledger
         self.entries: dict[str, _Entry] = {}
         self.used_bytes = 0
         self._tick = itertools.count(1)
@@ -87,16 +85,13 @@ class MultimodalCache:
                     return
         raise ResourceExhausted(f"multimodal cache: {nbytes} bytes needed, {self.capacity - self.used_bytes} free")
 
-    def stats(self) -> PoolStats:
-        held = sum(e.nbytes for e in self.entries.values() if e.refs > 0)
+    def stats(self) -> PoolUsage:
+        referenced = sum(e.nbytes for e in self.entries.values() if e.refs > 0)
         evictable = sum(e.nbytes for e in self.entries.values() if e.refs == 0)
-        # NOTE: held + evictable is recomputed from the entries, free from the running
+        # NOTE: referenced + evictable is recomputed from the entries, free from the running
         # counter: the two only add up to the budget if every insert/evict was counted.
-        return PoolStats(capacity=self.capacity, free=self.capacity - self.used_bytes, evictable=evictable,
-                         held=held, quarantined=0, suspect=MM_POOL in self.ledger.suspect, unit="bytes")
-
-    def owners(self) -> list[Owner]:
-        return self.ledger.owners(MM_POOL)
+        return PoolUsage(capacity=self.capacity, free=self.capacity - self.used_bytes, evictable=evictable,
+                         shared=referenced, unit="bytes")
 
 
 class MultimodalHook(ResourceHook):
@@ -106,7 +101,6 @@ class MultimodalHook(ResourceHook):
     pool = MM_POOL
 
     def __init__(self, cache: MultimodalCache, project: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        super().__init__()
         self.cache = cache
         self._project = project
 
@@ -123,14 +117,14 @@ class MultimodalHook(ResourceHook):
             for key in keys:
                 self.cache.unreference(key)
             raise
-        self.cache.ledger.hold(MM_POOL, request, len(keys))
-        return Handle(self.name, request.request_id, (keys, torch.cat(embeddings)), amount=len(keys))
+        # NOTE: amount 0: the bytes are the cache's (shared between requests with the same
+        # image); the ledger entry names the request as a holder of references.
+        return Handle(self.name, request.request_id, (keys, torch.cat(embeddings)), amount=0)
 
     def release(self, request: Request, handle: Handle) -> None:
         keys, _ = handle.payload
         for key in keys:
             self.cache.unreference(key)
-        self.cache.ledger.drop(MM_POOL, request.request_id)
 
     def embeddings(self, request: Request) -> torch.Tensor | None:
         """The request's image embeddings, all images' patches in order; None without images."""

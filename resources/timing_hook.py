@@ -1,8 +1,8 @@
 """The timing hook: the completion time is stamped on every path.
 
-It holds no memory; its handle is acquired when the request enters QUEUED
-and released last of all hooks, so whatever way a request ends, reaching
-RELEASED stamps `completion_time`.
+It holds no memory (no pool); its handle is acquired when the request enters
+QUEUED and released last of all hooks, so whatever way a request ends,
+reaching RELEASED stamps `completion_time`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ class TimingHook(ResourceHook):
     scope = HELD_STATES
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        super().__init__()
         self.clock = clock
 
     def acquire(self, request: Request, into: RequestState) -> Handle:

@@ -4,8 +4,8 @@ Pure Python: no torch, no I/O. Nothing here imports `resources`, `hisparse`
 or `engine`.
 """
 
-from states.handle import DoubleRelease, Fence, Handle
-from states.machine import FencePending, RequestMachine
+from states.handle import DoubleRelease, Fence, Handle, ResourceExhausted
+from states.machine import FencePending, Quarantined, RequestMachine
 from states.request import Request, RequestKind
 from states.request_state import (
     HELD_STATES,
@@ -26,8 +26,10 @@ __all__ = [
     "FinishReason",
     "Handle",
     "IllegalTransition",
+    "Quarantined",
     "Request",
     "RequestKind",
     "RequestMachine",
     "RequestState",
+    "ResourceExhausted",
 ]

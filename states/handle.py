@@ -22,10 +22,18 @@ class DoubleRelease(Exception):
     """A handle was released twice: a bug in whoever asked for it."""
 
 
+class ResourceExhausted(Exception):
+    """A pool cannot satisfy an acquisition or a growth now; the caller waits and retries.
+
+    Defined here (and re-exported by `resources`) because the machine gives it
+    its meaning: a refused move leaves the request exactly where it was.
+    """
+
+
 class Handle:
     """One resource held by one request. `payload` is the hook's own record."""
 
-    __slots__ = ("resource", "request_id", "amount", "payload", "_status")
+    __slots__ = ("resource", "request_id", "amount", "payload", "_status", "_was_quarantined")
 
     HELD, RELEASED, QUARANTINED = "held", "released", "quarantined"
 
@@ -35,6 +43,7 @@ class Handle:
         self.payload = payload
         self.amount = amount
         self._status = Handle.HELD
+        self._was_quarantined = False
 
     def __repr__(self) -> str:
         return f"Handle({self.resource!r}, {self.request_id!r}, amount={self.amount}, {self._status})"
@@ -47,9 +56,16 @@ class Handle:
     def held(self) -> bool:
         return self._status == Handle.HELD
 
+    @property
+    def was_quarantined(self) -> bool:
+        """Whether a fence protecting this handle ever missed its deadline (its
+        memory may have been written after the request finished)."""
+        return self._was_quarantined
+
     def mark_released(self) -> None:
-        """Flip to released; raises `DoubleRelease` if this already happened."""
-        if self._status != Handle.HELD:
+        """Flip to released (from held, or from quarantined once its fence is
+        done); raises `DoubleRelease` if this already happened."""
+        if self._status == Handle.RELEASED:
             raise DoubleRelease(f"{self!r} released twice")
         self._status = Handle.RELEASED
 
@@ -57,6 +73,7 @@ class Handle:
         if self._status != Handle.HELD:
             raise DoubleRelease(f"{self!r} quarantined after release")
         self._status = Handle.QUARANTINED
+        self._was_quarantined = True
 
     def __del__(self) -> None:
         if getattr(self, "_status", None) == Handle.HELD:

@@ -4,20 +4,31 @@ Every transition goes through `RequestMachine._move`, which, in order:
 
 1. checks the edge against `TRANSITIONS` (else `IllegalTransition`);
 2. acquires the handles of hooks whose `acquire_on` contains the destination
-   and that the request does not hold yet (reverse release order); if one
-   acquisition raises, the handles acquired by this transition are released
-   again and the request stays where it was;
+   and that the request does not hold yet (reverse release order). If one
+   acquisition raises, the handles this transition acquired are released
+   again, nothing else changed, and the error propagates (`ResourceExhausted`
+   means "wait and retry"; anything else is a faulty hook);
 3. releases, in the one release order, every held handle whose hook's
-   `scope` does not contain the destination;
-4. records history and logs `request.transition`.
+   `scope` does not contain the destination. The sequence always runs to
+   its end: a hook that raises is logged and its pool marked suspect, and a
+   `BaseException` (a cancellation) is re-raised only after the last hook;
+4. records history, logs `request.transition` and tells the observers.
 
-The hooks are the objects described in `resources.contract` (this package
-stays free of torch and pools, so it only relies on their attributes:
-`name`, `acquire_on`, `scope`, `acquire`, `release`, `quarantine`). They are
-given to the machine already in release order.
+The machine, not the hooks, keeps the ownership ledger: after an
+acquisition it records `hook.pool` / `handle.amount`, after a release it
+drops it, on quarantine it moves it, and `grow` reconciles a growth. Every
+call into a hook or an observer is isolated: nothing a plugin does can stop
+a release sequence or leave a request between states.
 
 FINISHED -> RELEASED happens in `try_release` once the request's fences are
-done; a fence past its deadline quarantines the handles it protects.
+done; a fence past its deadline quarantines the handles it protects. A
+quarantined handle is released by `reap_quarantine` once its fence does
+complete after all.
+
+The hooks are the objects described in `resources.contract` (this package
+stays free of torch and pools, so it reads their attributes by name:
+`name`, `acquire_on`, `scope`, `pool`, `acquire`, `release`, and optionally
+`quarantine` and `grow`). They are given to the machine in release order.
 """
 
 from __future__ import annotations
@@ -26,23 +37,40 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import attrs
 import structlog
 
-from states.handle import Handle
+from states.handle import Handle, ResourceExhausted
 from states.request import Request
-from states.request_state import (
-    TRANSITIONS,
-    FinishReason,
-    IllegalTransition,
-    RequestState,
-)
+from states.request_state import TRANSITIONS, FinishReason, IllegalTransition, RequestState
 
+S = RequestState
 TransitionObserver = Callable[[Request, RequestState, RequestState], None]
-ReleaseErrorObserver = Callable[[Any, Request, BaseException], None]
 
 
 class FencePending(Exception):
     """A transition would free memory that an in-flight operation still uses."""
+
+
+class _NoLedger:
+    """The ledger of a machine built without one (unit tests of the machine)."""
+
+    def hold(self, pool: str, owner: Any, amount: int) -> None: ...
+    def adjust(self, pool: str, owner: Any, delta: int) -> None: ...
+    def drop(self, pool: str, owner: Any, amount: int) -> None: ...
+    def quarantine(self, pool: str, owner: Any, amount: int) -> None: ...
+    def unquarantine(self, pool: str, owner: Any, amount: int) -> None: ...
+    def mark_suspect(self, pool: str) -> None: ...
+
+
+@attrs.define(eq=False)
+class Quarantined:
+    """A handle kept past its request's release because `fence` missed its deadline."""
+
+    request: Request
+    hook: Any
+    handle: Handle
+    fence: Any
 
 
 class RequestMachine:
@@ -52,52 +80,56 @@ class RequestMachine:
         self,
         hooks: Sequence[Any],
         *,
+        ledger: Any = None,
         clock: Callable[[], float] = time.monotonic,
         logger: Any = None,
     ) -> None:
         self.hooks = tuple(hooks)  # release order
         self._acquire_order = tuple(reversed(self.hooks))
+        self._growers = tuple(h for h in self._acquire_order if callable(getattr(h, "grow", None)))
+        self.ledger = ledger if ledger is not None else _NoLedger()
         self.clock = clock
         self.log = logger if logger is not None else structlog.get_logger("kvlife.machine")
         self.transition_observers: list[TransitionObserver] = []
-        self.release_error_observers: list[ReleaseErrorObserver] = []
+        #: handles whose fence missed its deadline, until the fence completes
+        self.quarantined: list[Quarantined] = []
 
     # ------------------------------------------------------------------ moves
-    def start(self, request: Request) -> None:
-        """Enter QUEUED: the request's first state, acquiring QUEUED hooks."""
+    def start(self, request: Request, *, acquire: bool = True) -> None:
+        """Enter QUEUED, the first state, acquiring the QUEUED hooks.
+
+        A refused acquisition leaves the request unstarted (no history, no
+        handles) and propagates. `acquire=False` enters QUEUED holding nothing:
+        for a request whose start a faulty hook refused, so it can be finished
+        with ERROR through the one release path.
+        """
         if request.history:
-            raise IllegalTransition(request.request_id, request.state, RequestState.QUEUED)
-        request.state = RequestState.QUEUED
-        self._acquire(request, RequestState.QUEUED)
-        now = self.clock()
-        request.history.append((RequestState.QUEUED, now))
-        self.log.debug("request.transition", request_id=request.request_id, src=None, dst="QUEUED", reason="submit")
+            raise IllegalTransition(request.request_id, request.state, S.QUEUED)
+        if acquire:
+            self._acquire(request, S.QUEUED)
+        request.state = S.QUEUED
+        self._record(request, None, S.QUEUED, "submit")
 
     def advance(self, request: Request, dst: RequestState, *, reason: str | None = None) -> None:
         """Move to `dst` (not FINISHED: use `finish`, not RELEASED: `try_release`)."""
-        if dst in (RequestState.FINISHED, RequestState.RELEASED):
+        if dst in (S.FINISHED, S.RELEASED):
             raise IllegalTransition(request.request_id, request.state, dst)
         self._move(request, dst, reason)
 
     def finish(self, request: Request, reason: FinishReason, *, error: BaseException | None = None) -> bool:
-        """Finish from any live state. Returns False if it had already finished."""
-        if request.state in (RequestState.FINISHED, RequestState.RELEASED):
+        """Finish from any live state; never refused. False if it had already finished."""
+        if request.state in (S.FINISHED, S.RELEASED):
             return False
-        before = request.finish_reason, request.error
         request.finish_reason = reason  # set first: FINISHED releases may read it
         if error is not None:
             request.error = error
-        try:
-            self._move(request, RequestState.FINISHED, reason.value)
-        except BaseException:  # refused (fence pending, acquisition failed): still live
-            request.finish_reason, request.error = before
-            raise
+        self._move(request, S.FINISHED, reason.value)
         return True
 
     def try_release(self, request: Request) -> bool:
         """FINISHED -> RELEASED once every fence is done or past its deadline."""
-        if request.state is not RequestState.FINISHED:
-            raise IllegalTransition(request.request_id, request.state, RequestState.RELEASED)
+        if request.state is not S.FINISHED:
+            raise IllegalTransition(request.request_id, request.state, S.RELEASED)
         now = self.clock()
         pending = [f for f in request.fences if not f.done()]
         if any(f.deadline > now for f in pending):
@@ -105,37 +137,79 @@ class RequestMachine:
         for fence in pending:  # every one left has missed its deadline
             self._quarantine(request, fence)
         request.fences.clear()
-        self._move(request, RequestState.RELEASED, "fences done")
+        self._move(request, S.RELEASED, "fences done")
         return True
+
+    def grow(self, request: Request, num_tokens: int) -> bool:
+        """Make every held growable handle cover `num_tokens` tokens.
+
+        False when a pool is short (what grew stays held and accounted); any
+        other hook error propagates, and the caller finishes the request.
+        """
+        for hook in self._growers:
+            handle = request.handles.get(hook.name)
+            if handle is None:
+                continue
+            before = handle.amount
+            try:
+                ok = hook.grow(request, handle, num_tokens)
+            except ResourceExhausted:
+                ok = False
+            finally:
+                self._reconcile(request, hook, handle, before)
+            if not ok:
+                return False
+        return True
+
+    def reap_quarantine(self) -> int:
+        """Release quarantined handles whose fences have completed; returns how many."""
+        done = [q for q in self.quarantined if _fence_done(q.fence)]
+        if not done:
+            return 0
+        self.quarantined = [q for q in self.quarantined if q not in done]
+        interrupted: BaseException | None = None
+        for q in done:
+            pool = getattr(q.hook, "pool", None)
+            if pool is not None:
+                self.ledger.unquarantine(pool, q.request, q.handle.amount)
+                self.ledger.drop(pool, q.request, q.handle.amount)
+            try:
+                self._release_handle(q.request, q.hook, q.handle, after_quarantine=True)
+            except BaseException as exc:  # noqa: BLE001 - the others are released first
+                interrupted = interrupted or exc
+        if interrupted is not None:
+            raise interrupted
+        return len(done)
 
     # -------------------------------------------------------------- internals
     def _move(self, request: Request, dst: RequestState, reason: str | None) -> None:
         src = request.state
         if dst not in TRANSITIONS[src]:
             raise IllegalTransition(request.request_id, src, dst)
-        leaving = [
-            h for h in self.hooks if h.name in request.handles and dst not in h.scope
-        ]
-        if leaving and dst is not RequestState.RELEASED:
-            self._check_no_pending_fence(request, leaving)
-        self._acquire(request, dst)
-        for hook in leaving:
-            self._release(request, hook)
+        leaving = [h for h in self.hooks if h.name in request.handles and dst not in h.scope]
+        if leaving and dst is not S.RELEASED:
+            fenced = self._fenced(request, leaving)
+            if fenced and dst is not S.FINISHED:
+                names = sorted(f.name for f in request.fences if not f.done() and fenced & f.protects)
+                raise FencePending(f"request {request.request_id!r}: {', '.join(names)} still uses {sorted(fenced)}")
+            # NOTE: finishing never frees fenced memory early: those handles stay
+            # held until RELEASED, which waits for the fence (or quarantines).
+            leaving = [h for h in leaving if h.name not in fenced]
+        if dst is not S.FINISHED:  # NOTE: no hook acquires on FINISHED (the contract forbids it)
+            self._acquire(request, dst)
+        interrupted = self._release_all(request, leaving)
         request.state = dst
-        request.history.append((dst, self.clock()))
-        self.log.debug(
-            "request.transition", request_id=request.request_id, src=src.name, dst=dst.name, reason=reason
-        )
-        for observer in self.transition_observers:
-            observer(request, src, dst)
+        self._record(request, src, dst, reason)
+        if interrupted is not None:
+            raise interrupted
 
-    def _check_no_pending_fence(self, request: Request, leaving: list[Any]) -> None:
+    def _fenced(self, request: Request, leaving: list[Any]) -> set[str]:
         names = {h.name for h in leaving}
+        fenced: set[str] = set()
         for fence in request.fences:
-            if not fence.done() and names & fence.protects:
-                raise FencePending(
-                    f"request {request.request_id!r}: {fence.name} still uses {sorted(names & fence.protects)}"
-                )
+            if not fence.done():
+                fenced |= names & fence.protects
+        return fenced
 
     def _acquire(self, request: Request, dst: RequestState) -> None:
         acquired: list[Any] = []
@@ -146,40 +220,86 @@ class RequestMachine:
                     if handle is not None:
                         request.handles[hook.name] = handle
                         acquired.append(hook)
+                        pool = getattr(hook, "pool", None)
+                        if pool is not None:
+                            self.ledger.hold(pool, request, handle.amount)
         except BaseException:
-            for hook in (h for h in self.hooks if h in acquired):
-                self._release(request, hook)
+            self._release_all(request, [h for h in self.hooks if h in acquired])
             raise
 
-    def _release(self, request: Request, hook: Any) -> None:
-        handle: Handle = request.handles.pop(hook.name)
+    def _release_all(self, request: Request, hooks: list[Any]) -> BaseException | None:
+        """Release each hook's handle, all of them whatever happens; returns a
+        BaseException that interrupted one (to re-raise once all are done)."""
+        interrupted: BaseException | None = None
+        for hook in hooks:
+            handle: Handle = request.handles.pop(hook.name)
+            pool = getattr(hook, "pool", None)
+            if pool is not None:
+                self.ledger.drop(pool, request, handle.amount)
+            try:
+                self._release_handle(request, hook, handle)
+            except BaseException as exc:  # noqa: BLE001 - re-raised after the last hook
+                interrupted = interrupted or exc
+        return interrupted
+
+    def _release_handle(self, request: Request, hook: Any, handle: Handle, *, after_quarantine: bool = False) -> None:
         handle.mark_released()  # raises DoubleRelease before any pool is touched
         try:
             hook.release(request, handle)
         except Exception as exc:  # a faulty hook must not stop the others
-            self.log.error(
-                "resource.release_failed",
-                request_id=request.request_id,
-                resource=hook.name,
-                error=repr(exc),
-            )
-            for observer in self.release_error_observers:
-                observer(hook, request, exc)
+            self._hook_failed(request, hook, "release", exc)
             return
-        self.log.debug(
-            "resource.released", request_id=request.request_id, resource=hook.name, amount=handle.amount
-        )
+        self.log.debug("resource.released", request_id=request.request_id, resource=hook.name,
+                       amount=handle.amount, after_quarantine=after_quarantine)
 
     def _quarantine(self, request: Request, fence: Any) -> None:
         for hook in self.hooks:
-            if hook.name in fence.protects and hook.name in request.handles:
-                handle = request.handles.pop(hook.name)
-                handle.mark_quarantined()
-                hook.quarantine(request, handle)
-                self.log.warning(
-                    "resource.quarantined",
-                    request_id=request.request_id,
-                    resource=hook.name,
-                    amount=handle.amount,
-                    fence=fence.name,
-                )
+            if hook.name not in fence.protects or hook.name not in request.handles:
+                continue
+            handle = request.handles.pop(hook.name)
+            handle.mark_quarantined()
+            pool = getattr(hook, "pool", None)
+            if pool is not None:
+                self.ledger.quarantine(pool, request, handle.amount)
+            self.quarantined.append(Quarantined(request, hook, handle, fence))
+            quarantine = getattr(hook, "quarantine", None)
+            if quarantine is not None:
+                try:
+                    quarantine(request, handle)
+                except Exception as exc:
+                    self._hook_failed(request, hook, "quarantine", exc)
+            self.log.warning("resource.quarantined", request_id=request.request_id, resource=hook.name,
+                             amount=handle.amount, fence=fence.name)
+
+    def _reconcile(self, request: Request, hook: Any, handle: Handle, before: int) -> None:
+        """Record in the ledger what a hook call changed in `handle.amount`."""
+        pool = getattr(hook, "pool", None)
+        delta = handle.amount - before
+        if pool is None or not delta:
+            return
+        self.ledger.adjust(pool, request, delta)
+
+    def _hook_failed(self, request: Request, hook: Any, call: str, exc: Exception) -> None:
+        name = getattr(hook, "name", repr(hook))
+        self.log.error(f"resource.{call}_failed", request_id=request.request_id, resource=name, error=repr(exc))
+        self.ledger.mark_suspect(getattr(hook, "pool", None) or name)
+
+    def _record(self, request: Request, src: RequestState | None, dst: RequestState, reason: str | None) -> None:
+        request.history.append((dst, self.clock()))
+        self.log.debug("request.transition", request_id=request.request_id,
+                       src=None if src is None else src.name, dst=dst.name, reason=reason)
+        if src is None:
+            return
+        for observer in self.transition_observers:
+            try:
+                observer(request, src, dst)
+            except Exception as exc:  # an observer is told, it cannot refuse or stop a move
+                self.log.error("machine.observer_failed", request_id=request.request_id, observer=repr(observer),
+                               error=repr(exc))
+
+
+def _fence_done(fence: Any) -> bool:
+    try:
+        return bool(fence.done())
+    except Exception:  # a fence that cannot say is never done: the memory stays quarantined
+        return False

@@ -48,8 +48,13 @@ class Request:
     kv_len: int = 0
     arrival_time: float = attrs.field(factory=time.monotonic)
     first_token_time: float | None = None
+    last_token_time: float | None = None
     completion_time: float | None = None
-    #: free-form per-request scratch for hooks and plugins (never read by the machine)
+    #: order of the latest admission (the scheduler retracts the newest first); 0 before any
+    admitted_seq: int = 0
+    #: prompt tokens found in the prefix cache at the first admission (None before it)
+    num_cached_tokens: int | None = None
+    #: free-form per-request scratch for plugins' hooks; the engine itself never reads or writes it
     extras: dict[str, Any] = attrs.field(factory=dict)
 
     def __repr__(self) -> str:

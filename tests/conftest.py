@@ -18,8 +18,10 @@ torch.set_num_threads(1)
 @pytest.fixture(autouse=True)
 def default_structlog_config():
     """Every test starts on structlog's defaults (all levels), so capture_logs sees debug
-    events even after a test that configured a level filter (the CLI does)."""
+    events even after a test that configured a level filter (the CLI does); marked
+    configured, so an Engine keeps them instead of applying its warning-level default."""
     structlog.reset_defaults()
+    structlog.configure()
     yield
     structlog.reset_defaults()
 
@@ -39,7 +41,7 @@ def assert_engines_leave_pools_whole(monkeypatch):
     for engine in built:
         if engine.config.leak_check == "off" or getattr(engine, "_expect_leak", False):
             continue
-        assert engine.idle, f"engine left requests in flight: {list(engine.loop.requests)}"
+        assert engine.idle, f"engine left requests in flight: {engine.loop.requests()}"
         report = engine.check_memory()
         for name, stats in report.pools.items():
             assert stats.held == stats.quarantined, f"{name} holds {stats.held} after the test"

@@ -13,19 +13,34 @@ def small_config(**overrides) -> EngineConfig:
     return EngineConfig(**fields)
 
 
+class Clock:
+    """A hand-set monotonic clock for machines and fences."""
+
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 async def collect(stream) -> list:
     """Every output of a stream, in order."""
     return [output async for output in stream]
 
 
+def live_request(engine, request_id: str):
+    """The live request with this id (one sequence), or None."""
+    return next((r for r in engine.loop.requests() if r.request_id == request_id), None)
+
+
 def abort_when_step_sees(engine, request_id: str, state) -> None:
-    """Queue an abort for `request_id` the first time a model step ends with it in `state`."""
-    from states import FinishReason
+    """Abort `request_id` the first time a model step ends with it in `state`."""
+    sent: set[str] = set()
 
     def observer(batch, output):
-        request = engine.loop.requests.get(request_id)
-        if request is not None and request.state is state and "abort_sent" not in request.extras:
-            request.extras["abort_sent"] = True
-            engine.loop.pending_aborts.append((request_id, FinishReason.ABORT))
+        request = live_request(engine, request_id)
+        if request is not None and request.state is state and request_id not in sent:
+            sent.add(request_id)
+            engine.loop.abort(request_id)
 
-    engine.loop.step_observers.append(observer)
+    engine.loop.finisher.step_observers.append(observer)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from resources import PoolStats, ResourceExhausted, ResourceHook
+from resources import PoolUsage, ResourceExhausted, ResourceHook
 from states import HELD_STATES, Handle, RequestState
 
 
@@ -11,15 +11,12 @@ class LoraSlots:
 
     name = "lora_slots"
 
-    def __init__(self, ledger, capacity: int = 4) -> None:
-        self.ledger = ledger
+    def __init__(self, capacity: int = 4) -> None:
         self.capacity = capacity
         self.free = list(range(capacity))
 
-    def stats(self) -> PoolStats:
-        held = self.ledger.held(self.name)
-        return PoolStats(capacity=self.capacity, free=len(self.free), evictable=0, held=held,
-                         quarantined=self.ledger.quarantined(self.name), unit="slots")
+    def stats(self) -> PoolUsage:
+        return PoolUsage(capacity=self.capacity, free=len(self.free), unit="slots")
 
 
 class LoraSlotHook(ResourceHook):
@@ -30,17 +27,13 @@ class LoraSlotHook(ResourceHook):
     pool = LoraSlots.name
 
     def __init__(self, context) -> None:
-        super().__init__()
-        self.slots = LoraSlots(context.ledger)
+        self.slots = LoraSlots()
         self.pools = [self.slots]
 
     def acquire(self, request, into) -> Handle:
         if not self.slots.free:
             raise ResourceExhausted("no LoRA slot free")
-        slot = self.slots.free.pop()
-        self.slots.ledger.hold(self.pool, request, 1)
-        return Handle(self.name, request.request_id, slot, amount=1)
+        return Handle(self.name, request.request_id, self.slots.free.pop(), amount=1)
 
     def release(self, request, handle: Handle) -> None:
         self.slots.free.append(handle.payload)
-        self.slots.ledger.drop(self.pool, request.request_id)

@@ -29,6 +29,8 @@ from anyio.from_thread import start_blocking_portal
 from engine import Engine, EngineConfig, InvalidRequest, SamplingParams
 from engine.model.dense_reference import dense_forward
 from engine.testing import FaultInjector
+from helpers import live_request
+from resources import PoolUsage, ResourceExhausted
 from states import Handle, RequestState
 
 DEADLINE = 60.0  # seconds any single wait may take before the engine is declared hung
@@ -105,6 +107,55 @@ class Rec:
         return self.outputs[-1] if self.outputs and self.outputs[-1].finished else None
 
 
+class _LeasePool:
+    name = "chaos_leases"
+
+    def __init__(self, hook: ChaosLease) -> None:
+        self.hook = hook
+
+    def stats(self) -> PoolUsage:
+        return PoolUsage(capacity=64, free=self.hook.free, unit="leases")
+
+
+class ChaosLease:
+    """A duck-typed plugin hook (no base class) with its own pool, failing as requests are tagged:
+    ``plugin:acquire`` raises a bug at admission, ``plugin:busy`` refuses it once as exhausted,
+    ``plugin:release`` raises after giving the lease back, ``plugin:grow`` raises while decoding."""
+
+    name = "chaos_lease"
+    pool = "chaos_leases"
+    acquire_on = frozenset({RequestState.PREFILLING, RequestState.TRANSFERRING})
+    scope = frozenset(RequestState) - {RequestState.QUEUED, RequestState.RETRACTED, RequestState.RELEASED}
+    before: tuple[str, ...] = ()
+    after = ("kv",)
+
+    def __init__(self, tags_of: Callable[[str], frozenset[str]]) -> None:
+        self.tags_of = tags_of
+        self.free = 64
+        self.refused: set[str] = set()
+        self.pools = [_LeasePool(self)]
+
+    def acquire(self, request, into):
+        tags = self.tags_of(request.request_id)
+        if "plugin:acquire" in tags:
+            raise RuntimeError("chaos: acquire bug")
+        if "plugin:busy" in tags and request.request_id not in self.refused:
+            self.refused.add(request.request_id)
+            raise ResourceExhausted("chaos: leases busy")
+        self.free -= 1
+        return Handle(self.name, request.request_id, amount=1)
+
+    def release(self, request, handle):
+        self.free += 1
+        if "plugin:release" in self.tags_of(request.request_id):
+            raise RuntimeError("chaos: release bug")
+
+    def grow(self, request, handle, num_tokens):
+        if "plugin:grow" in self.tags_of(request.request_id):
+            raise RuntimeError("chaos: grow bug")
+        return True
+
+
 class EngineDriver:
     """One engine in a portal, parked at a step gate between rules."""
 
@@ -115,7 +166,8 @@ class EngineDriver:
         self.faults = FaultInjector(stall_step=self.gate, fail_step=self._fail_step,
                                     fail_release_when=self._fail_release, fail_transfer=self._fail_transfer,
                                     stuck_fence_when=lambda fence, rid: "stuck" in self._tags_of(rid))
-        self.config = config
+        self.chaos = ChaosLease(self._tags_of)
+        self.config = attrs.evolve(config, resources=(*config.resources, self.chaos))
         self.drain_at_end = drain_at_end
         self.built = built
         self.recs: dict[str, Rec] = {}
@@ -128,7 +180,7 @@ class EngineDriver:
         self.portal = self._portal_cm.__enter__()
         self.engine: Engine = self.portal.call(lambda: Engine(self.config, faults=self.faults))
         machines = [self.engine.parts.machine]
-        worker = getattr(self.engine.parts, "prefill_worker", None)
+        worker = getattr(self.engine.parts, "prefill_client", None)
         if worker is not None:
             machines.append(worker.machine)
         for machine in machines:
@@ -201,7 +253,7 @@ class EngineDriver:
 
     async def _abort(self, request_id: str) -> tuple[bool, bool]:
         """(what abort() returned, whether the request was live): one step of the loop thread."""
-        request = self.engine.loop.requests.get(request_id)
+        request = live_request(self.engine, request_id)
         expected = request is not None and not request.is_finished
         return await self.engine.abort(request_id), expected
 
@@ -230,16 +282,16 @@ class EngineDriver:
         self.portal.call(self._duplicate, request_id)
 
     def _duplicate(self, request_id: str) -> None:
-        if request_id not in self.engine.loop.requests:
+        if not self.engine.loop.is_live(request_id):
             return
-        before = len(self.engine.loop.requests)
+        before = len(self.engine.loop.requests())
         try:
             self.engine.generate([1, 2], request_id=request_id)
         except InvalidRequest as exc:
             assert "unique among requests in flight" in str(exc)
         else:
             raise AssertionError(f"a duplicate of {request_id!r} in flight was accepted")
-        assert len(self.engine.loop.requests) == before
+        assert len(self.engine.loop.requests()) == before
 
     def health_check(self) -> None:
         self.portal.call(self._spawn, self._health)
@@ -293,7 +345,7 @@ class EngineDriver:
                 while not all(r.done for r in self.recs.values()):
                     await anyio.sleep(0.001)
         except TimeoutError:
-            worker = getattr(self.engine.parts, "prefill_worker", None)
+            worker = getattr(self.engine.parts, "prefill_client", None)
             jobs = None if worker is None else (len(worker.jobs), len(worker.requests))
             raise AssertionError(f"not idle after {DEADLINE}s: {self.engine.requests_by_state()}, "
                                  f"{self.engine.memory_report().as_dict()}, worker jobs/requests {jobs}") from None
@@ -328,9 +380,11 @@ class EngineDriver:
                 assert owner.quarantined, f"{name}: {owner.describe()} is held but not quarantined"
                 assert owner.request_id.removeprefix("prefill:") in stuck, owner.describe()
         suspects = {n for n, s in report.pools.items() if s.suspect}
-        assert not suspects or any(t.startswith("release:") for ts in self.tags.values() for t in ts), suspects
-        tables = {"outputs": loop.outputs, "waiting": loop.waiting, "running": loop.running,
-                  "finished": loop.finished, "pending_aborts": loop.pending_aborts,
+        assert not suspects or any(t.startswith("release:") or t == "plugin:release"
+                                   for ts in self.tags.values() for t in ts), suspects
+        table = loop.table
+        tables = {"submissions": table.submissions, "owner": table.owner, "waiting": table.waiting,
+                  "unstarted": table.unstarted, "aborts": table.aborts, "starved": loop.planner.starved,
                   "prefix_locks": engine.parts.kv_pool.prefix_locks}
         assert not any(tables.values()), {k: len(v) for k, v in tables.items() if v}
         assert loop.stats.leak_check_failures == 0

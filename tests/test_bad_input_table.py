@@ -183,7 +183,7 @@ def _assert_names(exc: InvalidRequest, field: str, fragment: str) -> None:
 
 
 def _assert_nothing_allocated(engine: Engine) -> None:
-    assert engine.idle and not engine.loop.requests and not engine.loop.outputs
+    assert engine.idle and not engine.loop.requests() and not engine.loop.table.submissions
     assert engine.stats.submitted == 0 and engine.parts.ledger.num_tracked_requests == 0
     for name, stats in engine.memory_report().pools.items():
         assert stats.held == 0 and stats.free + stats.evictable == stats.capacity, name
@@ -312,6 +312,6 @@ class TestLifecycleMisuse:
 
 def _assert_nothing_allocated_but_counted(engine: Engine) -> None:
     """Idle with every pool whole after real requests ran (evictable prefix pages allowed)."""
-    assert engine.idle and not engine.loop.outputs
+    assert engine.idle and not engine.loop.table.submissions
     for name, stats in engine.check_memory().pools.items():
         assert stats.held == 0 and stats.adds_up, name

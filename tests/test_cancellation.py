@@ -20,7 +20,7 @@ from engine import Engine, HealthCheckFailed, SamplingParams
 from engine.testing import FaultInjector
 from hisparse import HiSparseConfig
 from states import FinishReason, RequestState
-from helpers import collect, small_config
+from helpers import collect, live_request, small_config
 
 DEADLINE = 30
 PROMPT = list(range(1, 20))
@@ -67,7 +67,7 @@ def _assert_whole(engine: Engine, *, quarantined: bool = False) -> None:
         assert stats.adds_up and stats.held == stats.quarantined, (name, stats)
         assert all(owner.quarantined for owner in report.owners[name])
     assert quarantined == any(s.quarantined for s in report.pools.values())
-    assert not engine.loop.outputs and not engine.loop.running and not engine.loop.finished
+    assert not engine.loop.requests() and not engine.loop.table.submissions
 
 
 class TestConsumerCancelled:
@@ -88,7 +88,7 @@ class TestConsumerCancelled:
                     for i, scope in enumerate(scopes):
                         tg.start_soon(consume, i, scope)
                     await anyio.sleep(0.05)
-                    while not all(f"c{i}" in engine.loop.requests or i in finals for i in range(6)):
+                    while not all(engine.loop.is_live(f"c{i}") or i in finals for i in range(6)):
                         await anyio.sleep(0.01)
                     for i in (1, 3, 5):
                         scopes[i].cancel()
@@ -176,7 +176,7 @@ class TestExitDuringTransfer:
             async with Engine(config, faults=FaultInjector(fail_transfer=held)) as engine:
                 stream = engine.generate(PROMPT, LONG, request_id="moving")
                 await held.wait_entered()
-                assert engine.loop.requests["moving"].state is RequestState.TRANSFERRING
+                assert live_request(engine, "moving").state is RequestState.TRANSFERRING
                 held.release_later(0.3)
             final = (await collect(stream))[-1]
         assert final.finish_reason is FinishReason.SHUTDOWN
@@ -206,7 +206,7 @@ class TestExitDuringStaging:
         with anyio.fail_after(DEADLINE):
             async with Engine(config, faults=faults) as engine:
                 streams = [engine.generate(PROMPT, LONG) for _ in range(2)]
-                while not any(r.state is RequestState.STAGING for r in engine.loop.requests.values()):
+                while not any(r.state is RequestState.STAGING for r in engine.loop.requests()):
                     await anyio.sleep(0.005)
             finals = [(await collect(stream))[-1] for stream in streams]
         assert {f.finish_reason for f in finals} <= {FinishReason.SHUTDOWN, FinishReason.ERROR}

@@ -1,16 +1,19 @@
-"""Tests for engine.model.checkpoint: save/load round trips, clear errors for
-broken directories, and (when transformers is installed) agreement with
-Hugging Face's own Llama/Qwen2 implementation."""
+"""Tests for engine.model.checkpoint: save/load round trips, errors that name
+the file or tensor, and (when transformers is installed) transformers reading
+kvlife's own checkpoints with the same logits."""
 
 from __future__ import annotations
 
 import json
+import re
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from engine.errors import InvalidConfig
 from engine.model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from engine.model.dense_reference import dense_forward
 from engine.model.model_config import ModelConfig, RopeScaling
@@ -25,8 +28,13 @@ _VARIANTS = {
     "qwen2-bias-tied": ModelConfig.tiny(attention_bias=True, tie_word_embeddings=True),
     "llama3-rope": ModelConfig.tiny(
         rope_scaling=RopeScaling(
-            factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8
+            rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+            original_max_position_embeddings=8,
         )
+    ),
+    "qwen3-qk-norm": ModelConfig.tiny(qk_norm=True, vision=None, image_token_id=None),
+    "yarn-rope": ModelConfig.tiny(
+        rope_scaling=RopeScaling(rope_type="yarn", factor=4.0, original_max_position_embeddings=64)
     ),
 }
 
@@ -67,6 +75,13 @@ class TestRoundTrip:
         _, _, tokenizer = load_checkpoint(directory)
         assert isinstance(tokenizer, HFTokenizer) and tokenizer.encode("hi") == [0]
 
+    def test_dtype_comes_from_the_config(self, tmp_path):
+        """With no dtype asked for, a bfloat16 checkpoint loads as bfloat16 (its config's torch_dtype)."""
+        model = LlamaModel.from_seed(ModelConfig.tiny(), seed=0, dtype=torch.bfloat16)
+        directory = save_checkpoint(model, ModelConfig.tiny(), tmp_path / "ckpt")
+        loaded, config, _ = load_checkpoint(directory)
+        assert loaded.dtype == torch.bfloat16 and config.dtype == "bfloat16"
+
 
 class TestBrokenCheckpoints:
     def test_missing_config_names_the_file(self, tmp_path):
@@ -76,6 +91,21 @@ class TestBrokenCheckpoints:
         with pytest.raises(CheckpointError, match="config.json"):
             load_checkpoint(directory)
 
+    def test_not_a_directory_is_a_bad_model_name(self, tmp_path):
+        """A model path that is no directory is an InvalidConfig on EngineConfig.model, as any unknown name."""
+        with pytest.raises(InvalidConfig) as caught:
+            load_checkpoint(tmp_path / "nowhere")
+        assert caught.value.field == "EngineConfig.model" and "checkpoint directory" in str(caught.value)
+
+    @pytest.mark.parametrize("name", ["config.json", "model.safetensors"])
+    def test_unreadable_file_is_named(self, tmp_path, name):
+        """A corrupt config.json or safetensors file raises CheckpointError naming the file."""
+        _, directory = _save(tmp_path, ModelConfig.tiny())
+        (directory / name).write_bytes(b"\x00garbage")
+        with pytest.raises(CheckpointError) as caught:
+            load_checkpoint(directory)
+        assert caught.value.field.endswith(name) and "unreadable" in str(caught.value)
+
     def test_missing_weights_file_is_named(self, tmp_path):
         """A directory without safetensors files raises CheckpointError saying so."""
         _, directory = _save(tmp_path, ModelConfig.tiny())
@@ -84,26 +114,52 @@ class TestBrokenCheckpoints:
             load_checkpoint(directory)
 
     def test_missing_tensor_is_named(self, tmp_path):
-        """A checkpoint lacking a tensor raises CheckpointError naming that tensor."""
+        """A checkpoint lacking a tensor raises CheckpointError whose field is that tensor."""
         _, directory = _save(tmp_path, ModelConfig.tiny())
         _rewrite_weights(directory, lambda t: t.pop("model.layers.2.mlp.down_proj.weight"))
-        with pytest.raises(CheckpointError, match=r"model\.layers\.2\.mlp\.down_proj\.weight"):
+        with pytest.raises(CheckpointError, match=r"missing tensor 'model\.layers\.2\.mlp\.down_proj\.weight'") as caught:
             load_checkpoint(directory)
+        assert caught.value.field == "model.layers.2.mlp.down_proj.weight"
 
     def test_unknown_tensor_is_named(self, tmp_path):
         """A tensor the model does not have (e.g. a q_norm) raises CheckpointError naming it."""
         _, directory = _save(tmp_path, ModelConfig.tiny())
         _rewrite_weights(directory, lambda t: t.update({"model.layers.0.self_attn.q_norm.weight": torch.ones(64)}))
-        with pytest.raises(CheckpointError, match="q_norm"):
+        with pytest.raises(CheckpointError, match="unexpected tensor 'model.layers.0.self_attn.q_norm.weight'"):
             load_checkpoint(directory)
 
-    def test_wrong_shape_is_named(self, tmp_path):
-        """A tensor whose shape contradicts config.json raises CheckpointError naming it."""
+    def test_wrong_shape_names_tensor_expected_and_found(self, tmp_path):
+        """A tensor whose shape contradicts config.json: its name, the shape found and the shape expected."""
         _, directory = _save(tmp_path, ModelConfig.tiny())
         config = json.loads((directory / "config.json").read_text())
         config["intermediate_size"] = 512
         (directory / "config.json").write_text(json.dumps(config))
-        with pytest.raises(CheckpointError, match=r"mlp\.\w+_proj\.weight"):
+        with pytest.raises(CheckpointError) as caught:
+            load_checkpoint(directory)
+        message = str(caught.value)
+        assert re.match(r"model\.layers\.0\.mlp\.\w+_proj\.weight$", caught.value.field)
+        assert "has shape [1024, 256], config.json implies [512, 256]" in message
+        assert "missing" not in message  # a misshapen tensor is reported once, not also as missing
+
+    def test_mixtral_names_are_reported_as_stored(self, tmp_path):
+        """A Mixtral checkpoint's missing expert is named by its block_sparse_moe name."""
+        transformers = pytest.importorskip("transformers")
+        config = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=1,
+                                            num_attention_heads=2, num_key_value_heads=1, num_local_experts=2)
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+        load_checkpoint(tmp_path)  # loads as is
+        _rewrite_weights(tmp_path, lambda t: t.pop("model.layers.0.block_sparse_moe.experts.1.w3.weight"))
+        with pytest.raises(CheckpointError) as caught:
+            load_checkpoint(tmp_path)
+        assert caught.value.field == "model.layers.0.block_sparse_moe.experts.1.w3.weight"
+
+    @pytest.mark.parametrize("module", ["safetensors", "tokenizers"])
+    def test_missing_extra_names_the_install_command(self, tmp_path, monkeypatch, module):
+        """Without the checkpoints extra, loading says `pip install 'kvlife[checkpoints]'`."""
+        _, directory = _save(tmp_path, ModelConfig.tiny())
+        (directory / "tokenizer.json").write_text("{}")
+        monkeypatch.setitem(sys.modules, module, None)
+        with pytest.raises(CheckpointError, match=re.escape("pip install 'kvlife[checkpoints]'")):
             load_checkpoint(directory)
 
     def test_legacy_inv_freq_tensors_are_ignored(self, tmp_path):
@@ -114,8 +170,12 @@ class TestBrokenCheckpoints:
         )
         load_checkpoint(directory)
 
+    def test_checkpoint_error_is_an_invalid_config(self):
+        """CheckpointError is an InvalidConfig, so the CLI and callers treat it as a bad configuration."""
+        assert issubclass(CheckpointError, InvalidConfig)
 
-@pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-bias-tied", "llama3-rope"])
+
+@pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-bias-tied", "llama3-rope", "qwen3-qk-norm", "yarn-rope"])
 def test_transformers_reads_the_same_model(tmp_path, variant):
     """Hugging Face's LlamaForCausalLM / Qwen2ForCausalLM give the same logits for a saved checkpoint."""
     transformers = pytest.importorskip("transformers")

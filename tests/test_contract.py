@@ -10,15 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import resources.plugins
-from resources import (
-    HookOrderError,
-    Ledger,
-    PluginContext,
-    ResourceHook,
-    build_plugin_hooks,
-    order_hooks,
-)
-from resources.contract import validate_hook
+from resources import HookOrderError, PluginContext, PluginError, ResourceHook, ResourceHookProtocol, order_hooks
+from resources.contract import REQUIRED_MEMBERS, validate_hook
+from resources.plugins import build_plugin_hooks
 from states import DoubleRelease, FinishReason, Handle, Request, RequestMachine, RequestState
 
 S = RequestState
@@ -140,8 +134,14 @@ class TestValidateHook:
             ({"name": 7}, "non-empty string name"),
             ({"scope": frozenset(S)}, "RELEASED cannot be in a scope"),
             ({"acquire_on": frozenset({S.QUEUED}), "scope": frozenset({S.DECODING})}, "subset of scope"),
+            ({"acquire_on": frozenset({S.FINISHED})}, "cannot acquire on FINISHED"),
+            ({"scope": {"QUEUED"}}, "scope must be a set of RequestState"),
+            ({"before": "kv"}, "before must be a tuple of hook names"),
+            ({"pool": 3}, "pool must be None or a non-empty string"),
+            ({"release": None}, "release must be callable"),
         ],
-        ids=["empty-name", "int-name", "released-in-scope", "acquire-outside-scope"],
+        ids=["empty-name", "int-name", "released-in-scope", "acquire-outside-scope", "acquire-on-finished",
+             "scope-of-strings", "before-a-string", "int-pool", "release-not-callable"],
     )
     def test_bad_declarations_raise(self, attrs, message):
         """A hook whose declaration breaks the contract is refused before any request runs."""
@@ -151,15 +151,27 @@ class TestValidateHook:
         with pytest.raises(HookOrderError, match=message):
             order_hooks([hook])
 
-    @pytest.mark.parametrize("missing", ["acquire_on", "scope", "release", "quarantine"])
+    @pytest.mark.parametrize("missing", REQUIRED_MEMBERS)
     def test_missing_attribute_raises(self, missing):
-        """Duck-typed hooks must have every part of the contract."""
+        """Duck-typed hooks must have every member the protocol declares."""
         spec = {"name": "x", "acquire_on": frozenset(), "scope": frozenset(), "before": (), "after": (),
-                "acquire": None, "release": None, "quarantine": None}
+                "pool": None, "acquire": lambda self, r, into: None, "release": lambda self, r, h: None}
         del spec[missing]
         hook = type("Partial", (), spec)()
         with pytest.raises(HookOrderError, match=repr(missing)):
             validate_hook(hook)
+
+    def test_the_checked_members_are_the_protocols(self):
+        """validate_hook checks exactly the members ResourceHookProtocol declares."""
+        declared = set(ResourceHookProtocol.__annotations__) | {"acquire", "release"}
+        assert set(REQUIRED_MEMBERS) == declared
+
+    def test_a_duck_typed_hook_needs_no_base_class(self):
+        """An object with the protocol's members (no quarantine, no grow) is a valid hook."""
+        spec = {"name": "x", "acquire_on": frozenset(), "scope": frozenset({S.QUEUED}), "before": (), "after": (),
+                "pool": None, "acquire": lambda self, r, into: None, "release": lambda self, r, h: None}
+        hook = type("Duck", (), spec)()
+        assert order_hooks([hook]) == [hook] and isinstance(hook, ResourceHookProtocol)
 
 
 class TestResourceHookBase:
@@ -173,14 +185,15 @@ class TestResourceHookBase:
         machine.finish(req, FinishReason.STOP)
         assert machine.try_release(req)
 
-    def test_default_quarantine_keeps_the_handle(self):
-        """The base quarantine records the handle so it is never reused."""
-        hook = _make_hook("x")
-        handle = Handle("x", "r1")
-        handle.mark_quarantined()
-        hook.quarantine(Request("r1", [1], None), handle)
-        assert hook.quarantined == [handle]
-        assert repr(hook) == "<ResourceHook 'x'>"
+    def test_base_hook_holds_no_state_and_names_itself(self):
+        """The base class needs no __init__ call: a subclass that skips super().__init__() still works."""
+        class NoSuper(ResourceHook):
+            name = "x"
+
+            def __init__(self) -> None:
+                pass
+
+        assert order_hooks([NoSuper()])[0].name == "x" and repr(NoSuper()) == "<NoSuper 'x'>"
 
 
 def _forget(obj) -> None:
@@ -206,9 +219,9 @@ class TestHandleLifetime:
 
     @pytest.mark.parametrize(("first", "second"), [("mark_released", "mark_released"),
                                                    ("mark_released", "mark_quarantined"),
-                                                   ("mark_quarantined", "mark_released")])
+                                                   ("mark_quarantined", "mark_quarantined")])
     def test_a_handle_ends_once(self, first, second):
-        """After release or quarantine, any second ending raises DoubleRelease."""
+        """After release, any second ending raises DoubleRelease; a quarantine happens once."""
         handle = Handle("kv", "r1")
         getattr(handle, first)()
         status = handle.status
@@ -217,7 +230,19 @@ class TestHandleLifetime:
         assert handle.status == status and not handle.held
 
 
+def test_a_quarantined_handle_is_released_once_its_fence_is_done():
+    """Quarantine ends in one release (when the late copy completes); a second one raises."""
+    handle = Handle("kv", "r1")
+    handle.mark_quarantined()
+    handle.mark_released()
+    assert handle.was_quarantined and handle.status == Handle.RELEASED
+    with pytest.raises(DoubleRelease):
+        handle.mark_released()
+
+
 class _EntryPoint:
+    value = "test:factory"
+
     def __init__(self, name: str, target) -> None:
         self.name, self._target = name, target
 
@@ -227,7 +252,7 @@ class _EntryPoint:
 
 class TestPlugins:
     def _context(self) -> PluginContext:
-        return PluginContext(ledger=Ledger(), device="cpu", config=None)
+        return PluginContext(device="cpu", config=None)
 
     def test_instances_and_factories(self):
         """A configured hook is used as is; a factory is called with the context."""
@@ -249,3 +274,23 @@ class TestPlugins:
         monkeypatch.setattr(resources.plugins, "entry_points", fake)
         hooks = build_plugin_hooks([_make_hook("cfg")], self._context())
         assert _names(hooks) == ["cfg", "a", "z"]
+
+    def test_a_broken_entry_point_is_named(self, monkeypatch):
+        """An entry point that fails to load raises PluginError naming it, not a bare traceback."""
+        class Broken(_EntryPoint):
+            value = "nowhere:hook"
+
+            def load(self):
+                raise ImportError("No module named 'nowhere'")
+
+        monkeypatch.setattr(resources.plugins, "entry_points", lambda group: [Broken("gpu_lease", None)])
+        with pytest.raises(PluginError, match="plugin entry point 'gpu_lease' \\(nowhere:hook\\) failed to load"):
+            build_plugin_hooks([], self._context())
+
+    def test_a_factory_that_raises_is_named(self):
+        """A factory that raises is reported with the plugin it came from."""
+        def factory(context):
+            raise RuntimeError("no GPU lease service")
+
+        with pytest.raises(PluginError, match="failed to build its hook: RuntimeError"):
+            build_plugin_hooks([factory], self._context(), use_entry_points=False)

@@ -12,7 +12,7 @@ import structlog
 from engine import Engine, HealthCheckFailed, SamplingParams
 from engine.testing import FaultInjector
 from states import FinishReason, RequestState
-from helpers import abort_when_step_sees, collect, small_config
+from helpers import abort_when_step_sees, collect, live_request, small_config
 
 PROMPT = [5, 17, 42, 99, 3, 8, 120, 77, 31]
 
@@ -74,7 +74,7 @@ class TestAborts:
             first = engine.generate(PROMPT, SamplingParams(max_new_tokens=30), request_id="first")
             second = engine.generate(PROMPT, SamplingParams(max_new_tokens=30), request_id="second")
             await first.__anext__()
-            assert engine.loop.requests["second"].state is RequestState.QUEUED
+            assert live_request(engine, "second").state is RequestState.QUEUED
             assert await engine.abort("second") is True
             outputs = await collect(second)
             await collect(first)

@@ -39,7 +39,7 @@ class _Watch:
         self.released: Counter = Counter()
         self.forward_tokens = 0
         self._watch_parts(engine.parts, engine.loop.step_observers)
-        worker = engine.parts.prefill_worker
+        worker = engine.parts.prefill_client
         if worker is not None:
             self._watch_parts(worker.parts, worker.parts.step_observers)
 
@@ -100,7 +100,7 @@ async def test_every_finish_path_releases_everything(role, hisparse, with_images
 
     def abort_while_transferring(request_id: str) -> bool:
         if request_id == "abort-transferring":  # called during the send: the request is TRANSFERRING
-            holder["engine"].loop.pending_aborts.append((request_id, FinishReason.ABORT))
+            holder["engine"].loop.abort(request_id)
         return request_id == "transfer-failed"
 
     faults = FaultInjector(fail_step=lambda ids: "error" in ids, fail_transfer=abort_while_transferring)

@@ -11,6 +11,8 @@ import torch
 
 from engine import Engine, SamplingParams
 from engine.runtime.assembly import build_parts
+from resources.ledger import check_memory
+from resources.request_slots import RequestSlotHook
 from hisparse import DEVICE_SLOTS, HiSparseConfig
 from hisparse.attention import SparseDecodeAttention, _Row
 from states import FinishReason, Request, RequestState
@@ -114,7 +116,7 @@ class TestDeviceBound:
         request = Request("long", [1] * prompt_len, SamplingParams(max_new_tokens=16))
         machine.start(request)
         machine.advance(request, S.PREFILLING)
-        locs = parts.kv_pool.slots.req_to_token[request.handles["kv"].payload.slot, :prompt_len]
+        locs = parts.kv_pool.slots.req_to_token[RequestSlotHook.slot(request), :prompt_len]
         gen = torch.Generator().manual_seed(0)
         shape = (prompt_len, *parts.kv_buffers.k[0].shape[1:])
         for layer in range(state.num_layers):
@@ -128,7 +130,7 @@ class TestDeviceBound:
         kv_heads = parts.model_config.num_kv_heads
         for _ in range(8):
             p = request.kv_len
-            assert parts.grow(request, p + 1)
+            assert parts.machine.grow(request, p + 1)
             backend = SparseDecodeAttention(state, [request], [p])
             for layer in range(state.num_layers):
                 q = torch.randn(1, heads, head_dim, generator=gen)
@@ -139,7 +141,7 @@ class TestDeviceBound:
                 rows = host_rows[torch.cat((state.trace[-1]["selected"], torch.tensor([p])))]
                 torch.testing.assert_close(out[0], _reference(q[0], state.host.kv[layer][rows, 0],
                                                               state.host.kv[layer][rows, 1]), atol=1e-4, rtol=1e-4)
-                assert parts.ledger.holding(DEVICE_SLOTS, "long") == 65
+                assert parts.ledger.holding(DEVICE_SLOTS, request) == 65
             request.kv_len = p + 1
             request.output_token_ids.append(1)
         assert state.swapped_in >= 32 * state.num_layers
@@ -152,6 +154,5 @@ class TestDeviceBound:
         assert state.device_bytes(request)["kv_buffer"] == 65 * state.device_pool.bytes_per_slot
         machine.finish(request, FinishReason.LENGTH)
         assert machine.try_release(request)
-        for pool in parts.pools:
-            stats = pool.stats()
-            assert stats.held == 0 and stats.adds_up, pool.name
+        report = check_memory(parts.pools, parts.ledger, idle=True)
+        assert all(stats.held == 0 for stats in report.pools.values())

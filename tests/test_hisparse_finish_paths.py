@@ -15,9 +15,9 @@ import structlog
 from engine import Engine, HealthCheckFailed, SamplingParams
 from engine.testing import FaultInjector
 from hisparse import DEVICE_SLOTS, HOST_PAGES, SLOT_MAPS, HiSparseConfig
-from resources import KV_PAGES
+from resources.kv_pool import KV_PAGES
 from states import FinishReason, RequestState
-from helpers import collect, small_config
+from helpers import collect, live_request, small_config
 
 S = RequestState
 PROMPT = list(range(3, 33))  # 30 tokens: longer than the 16-slot buffer, so decoding swaps in
@@ -43,7 +43,7 @@ def _abort_on_entry(engine: Engine, request_id: str, state: RequestState) -> Non
 
     def observer(request, src, dst):
         if request.request_id == request_id and dst is state:
-            engine.loop.pending_aborts.append((request_id, FinishReason.ABORT))
+            engine.loop.abort(request_id)
 
     engine.parts.machine.transition_observers.append(observer)
 
@@ -82,7 +82,7 @@ class TestNormalFinishes:
                 await engine.wait_idle(5)
         assert final.finish_reason is FinishReason.LENGTH
         released = [e["resource"] for e in logs if e["event"] == "resource.released"]
-        assert released == ["hisparse_host", "kv", "timing"]
+        assert released == ["hisparse_host", "kv", "request_slot", "timing"]
         assert ("PREBUILT", "STAGING") not in engine.stats.transitions
 
     @pytest.mark.asyncio
@@ -135,7 +135,7 @@ class TestAborts:
             stream = engine.generate(PROMPT, SamplingParams(max_new_tokens=5), request_id="stuck")
             await stream.__anext__()
             await anyio.sleep(0.05)
-            assert engine.loop.requests["stuck"].state is S.STAGING
+            assert live_request(engine, "stuck").state is S.STAGING
             assert await engine.abort("stuck")
             outputs = await collect(stream)
             await engine.wait_idle(5)

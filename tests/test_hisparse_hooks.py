@@ -13,7 +13,9 @@ from engine.runtime.assembly import build_parts
 from engine.config import SamplingParams
 from engine.testing import FaultInjector
 from hisparse import DEVICE_SLOTS, HOST_PAGES, SLOT_MAPS, HiSparseConfig
-from resources import KV_PAGES, REQUEST_SLOTS, check_memory
+from resources.kv_pool import KV_PAGES
+from resources.ledger import check_memory
+from resources.request_slots import REQUEST_SLOTS, RequestSlotHook
 from states import FinishReason, Request, RequestState
 from helpers import small_config
 
@@ -37,7 +39,7 @@ def _to_staging(parts, prompt_len: int, rid: str = "r", max_new_tokens: int = 8)
     request = Request(rid, list(range(1, prompt_len + 1)), SamplingParams(max_new_tokens=max_new_tokens))
     machine.start(request)
     machine.advance(request, S.PREFILLING)
-    locs = parts.kv_pool.slots.req_to_token[request.handles["kv"].payload.slot, :prompt_len]
+    locs = parts.kv_pool.slots.req_to_token[RequestSlotHook.slot(request), :prompt_len]
     for layer in range(parts.model_config.num_layers):
         parts.kv_buffers.k[layer][locs] = torch.randn(prompt_len, *parts.kv_buffers.k[layer].shape[1:])
         parts.kv_buffers.v[layer][locs] = torch.randn(prompt_len, *parts.kv_buffers.v[layer].shape[1:])
@@ -65,7 +67,7 @@ class TestStaging:
         request = _to_staging(parts, 10)
         state = _state(parts)
         record = request.handles["hisparse_host"].payload
-        kv_locs = parts.kv_pool.slots.req_to_token[request.handles["kv"].payload.slot, :10]
+        kv_locs = parts.kv_pool.slots.req_to_token[RequestSlotHook.slot(request), :10]
         for layer in range(parts.model_config.num_layers):
             keys = parts.kv_buffers.k[layer][kv_locs]
             assert torch.equal(state.host.kv[layer][record.locs[:10], 0], keys)
@@ -78,7 +80,7 @@ class TestStaging:
         """STAGING -> DECODING releases KV pages and slot; a context within the buffer is preloaded."""
         parts = _make_parts()
         request = _to_staging(parts, 6)
-        kv_locs = parts.kv_pool.slots.req_to_token[request.handles["kv"].payload.slot, :6].clone()
+        kv_locs = parts.kv_pool.slots.req_to_token[RequestSlotHook.slot(request), :6].clone()
         expected = parts.kv_buffers.k[2][kv_locs].clone()
         parts.machine.advance(request, S.DECODING)
         assert "kv" not in request.handles and request.kv_len == 6
@@ -163,13 +165,13 @@ class TestFencedAbort:
 
 class TestReleaseOrder:
     def test_hisparse_hooks_precede_kv(self):
-        """The release order is device slots, host pages, slot maps, then KV."""
+        """The release order is device slots, host pages, slot maps, staging, then KV and its slot."""
         parts = _make_parts()
-        assert [h.name for h in parts.machine.hooks][:4] == ["hisparse_device", "hisparse_host", "hisparse_map",
-                                                              "kv"]
+        assert [h.name for h in parts.machine.hooks][:6] == ["hisparse_device", "hisparse_host", "hisparse_map",
+                                                              "hisparse_staging", "kv", "request_slot"]
 
     @pytest.mark.parametrize(("decode", "expected"), [
-        (False, ["hisparse_host", "kv", "timing"]),
+        (False, ["hisparse_staging", "hisparse_host", "kv", "request_slot", "timing"]),
         (True, ["hisparse_device", "hisparse_host", "hisparse_map", "timing"]),
     ])
     def test_finish_releases_in_order(self, decode, expected):
@@ -185,11 +187,12 @@ class TestReleaseOrder:
 
 class TestGrowth:
     def test_grow_adds_host_pages_and_prunes_fences(self):
-        """grow covers the next token with host pages and drops completed fences."""
+        """The machine's grow covers the next token with host pages (the only growable hook held)."""
         parts = _make_parts()
         request = _to_staging(parts, 8)
         parts.machine.advance(request, S.DECODING)
-        assert parts.grow(request, 9) and not request.fences
+        assert "kv" not in request.handles and parts.machine.grow(request, 9)
+        assert parts.ledger.holding(HOST_PAGES, request) == 3
         assert _held(parts)[HOST_PAGES] == 3
         _release(parts, request)
 
@@ -199,9 +202,9 @@ class TestGrowth:
         request = _to_staging(parts, 8)
         parts.machine.advance(request, S.DECODING)
         free = _state(parts).host.allocator.num_free
-        assert not parts.grow(request, 8 + 4 * free + 1)
+        assert not parts.machine.grow(request, 8 + 4 * free + 1)
         assert _state(parts).host.allocator.num_free == free
-        assert parts.grow(request, 8 + 4 * free)
+        assert parts.machine.grow(request, 8 + 4 * free)
         _release(parts, request)
 
 

@@ -9,30 +9,16 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from resources import (
-    KV_PAGES,
-    REQUEST_SLOTS,
-    KVHook,
-    KVPool,
-    LeakError,
-    Ledger,
-    ManualFence,
-    ResourceExhausted,
-    ResourceHook,
-    check_memory,
-)
+from resources import ManualFence, ResourceExhausted, ResourceHook
+from resources.kv_hook import KVHook
+from resources.kv_pool import KV_PAGES, KVPool
+from resources.ledger import LeakError, Ledger, check_memory, memory_report
+from resources.request_slots import REQUEST_SLOTS, RequestSlotHook
+from helpers import Clock
 from states import DoubleRelease, FinishReason, Request, RequestMachine, RequestState
 
 S = RequestState
 PS = 2
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class _Full(ResourceHook):
@@ -48,26 +34,31 @@ class _Full(ResourceHook):
 def _make_kv(num_pages=9, max_running=2, max_context=32, extra_hooks=(), clock=None):
     ledger = Ledger()
     kv = KVPool(num_pages=num_pages, page_size=PS, max_running=max_running, max_context=max_context,
-                device="cpu", ledger=ledger)
+                device="cpu")
     hook = KVHook(kv)
-    machine = RequestMachine([*extra_hooks, hook], **({"clock": clock} if clock else {}))
+    machine = RequestMachine([*extra_hooks, hook, RequestSlotHook(kv.slots)], ledger=ledger,
+                             **({"clock": clock} if clock else {}))
     return kv, hook, machine, ledger
 
 
-def _stats(kv: KVPool) -> dict:
-    return {p.name: p.stats() for p in kv.pools}
+def _pools(kv: KVPool) -> list:
+    return [kv, kv.slots]
+
+
+def _stats(kv: KVPool, ledger: Ledger) -> dict:
+    return memory_report(_pools(kv), ledger, idle=False).pools
 
 
 def _snapshot(kv: KVPool, ledger: Ledger) -> tuple:
     radix = (kv.radix.evictable_pages, kv.radix.protected_pages) if kv.radix else None
-    return (_stats(kv), kv.allocator._stack[: kv.allocator.num_free].tolist(), kv.slots.num_free, radix,
+    return (_stats(kv, ledger), kv.allocator._stack[: kv.allocator.num_free].tolist(), kv.slots.num_free, radix,
             ledger.held(KV_PAGES), ledger.held(REQUEST_SLOTS), dict(kv.prefix_locks))
 
 
 def _assert_whole(kv: KVPool, ledger: Ledger, *, idle: bool = False):
-    for stats in _stats(kv).values():
+    for stats in _stats(kv, ledger).values():
         assert stats.adds_up, stats
-    return check_memory(kv.pools, ledger, idle=idle)
+    return check_memory(_pools(kv), ledger, idle=idle)
 
 
 def _admit(machine, rid, tokens, into=S.PREFILLING) -> Request:
@@ -102,7 +93,7 @@ class TestAdmission:
         assert len(block.pages) == 2 and req.kv_len == 0
         row = kv.slots.req_to_token[block.slot, :3].tolist()
         assert row == [block.pages[i // PS] * PS + i % PS for i in range(3)]
-        assert (ledger.holding(KV_PAGES, "a"), ledger.holding(REQUEST_SLOTS, "a")) == (2, 1)
+        assert (ledger.holding(KV_PAGES, req), ledger.holding(REQUEST_SLOTS, req)) == (2, 1)
         _assert_whole(kv, ledger)
         _release(machine, req, FinishReason.ABORT)
 
@@ -116,7 +107,7 @@ class TestAdmission:
         second = _admit(machine, "b", [1, 2, 3, 4, 9])
         assert _block(second).pages[:2] == shared and _block(second).num_prefix_pages == 2
         assert second.kv_len == 4 and kv.radix.protected_pages == 2
-        assert ledger.holding(KV_PAGES, "b") == 1  # the prefix is the cache's, not the request's
+        assert ledger.holding(KV_PAGES, second) == 1  # the prefix is the cache's, not the request's
         _release(machine, second, FinishReason.ABORT)
         assert kv.radix.protected_pages == 0
         _assert_whole(kv, ledger, idle=True)
@@ -128,7 +119,7 @@ class TestAdmission:
         _prefill(first, machine)
         _release(machine, first)
         req = _admit(machine, "b", [1, 2, 3, 4, 5], into=S.TRANSFERRING)
-        assert _block(req).num_prefix_pages == 0 and ledger.holding(KV_PAGES, "b") == 3
+        assert _block(req).num_prefix_pages == 0 and ledger.holding(KV_PAGES, req) == 3
         _release(machine, req, FinishReason.TRANSFER_FAILED)
         _assert_whole(kv, ledger, idle=True)
 
@@ -151,7 +142,7 @@ class TestAdmission:
     def test_failed_later_acquisition_rolls_kv_back(self):
         """A hook failing after KV on admission leaves pages, slot and prefix lock as before."""
         kv, _, machine, ledger = _make_kv(extra_hooks=[_Full()])
-        seed = RequestMachine([KVHook(kv)])
+        seed = RequestMachine([KVHook(kv), RequestSlotHook(kv.slots)])
         first = _admit(seed, "a", [1, 2, 3, 4, 5])
         _prefill(first, seed)
         _release(seed, first)
@@ -170,9 +161,9 @@ class TestGrow:
         kv, hook, machine, ledger = _make_kv()
         req = _admit(machine, "a", [1, 2, 3])
         _prefill(req, machine)
-        assert hook.grow(req, 4) and len(_block(req).pages) == 2
-        assert hook.grow(req, 5) and len(_block(req).pages) == 3
-        assert req.handles["kv"].amount == 3 and ledger.holding(KV_PAGES, "a") == 3
+        assert machine.grow(req, 4) and len(_block(req).pages) == 2
+        assert machine.grow(req, 5) and len(_block(req).pages) == 3
+        assert req.handles["kv"].amount == 3 and ledger.holding(KV_PAGES, req) == 3
         assert kv.slots.req_to_token[_block(req).slot, 4] == _block(req).pages[2] * PS
         _release(machine, req)
 
@@ -182,7 +173,7 @@ class TestGrow:
         req = _admit(machine, "a", [1, 2, 3, 4])
         _prefill(req, machine)
         before = _snapshot(kv, ledger)
-        assert hook.grow(req, 5) is False and _snapshot(kv, ledger) == before
+        assert machine.grow(req, 5) is False and _snapshot(kv, ledger) == before
         _release(machine, req)
 
 
@@ -222,9 +213,8 @@ class TestRelease:
         handle = req.handles["kv"]
         _release(machine, req, FinishReason.ABORT)
         before = _snapshot(kv, ledger)
-        req.handles["kv"] = handle
         with pytest.raises(DoubleRelease):
-            machine._release(req, hook)
+            machine._release_handle(req, hook, handle)
         assert _snapshot(kv, ledger) == before
 
     def test_live_request_at_idle_is_named(self):
@@ -233,7 +223,7 @@ class TestRelease:
         req = _admit(machine, "req-42", [1, 2, 3])
         _prefill(req, machine)
         with pytest.raises(LeakError) as info:
-            check_memory(kv.pools, ledger, idle=True)
+            check_memory(_pools(kv), ledger, idle=True)
         assert "kv_pages: 2 pages held while idle" in str(info.value)
         assert "req-42 (DECODING, -) 2" in str(info.value) and "request_slots: 1 slots" in str(info.value)
         _release(machine, req)
@@ -243,7 +233,7 @@ class TestFences:
     @pytest.mark.parametrize("meets_deadline", [True, False], ids=["meets", "misses"])
     def test_fence_deadline(self, meets_deadline):
         """A fence that completes lets pages go; one that misses its deadline quarantines them."""
-        clock = _Clock()
+        clock = Clock()
         kv, hook, machine, ledger = _make_kv(clock=clock)
         req = _admit(machine, "req-q", [1, 2, 3, 4, 5])
         _prefill(req, machine)
@@ -260,21 +250,23 @@ class TestFences:
         report = _assert_whole(kv, ledger, idle=True)  # quarantine is not a leak...
         pages = report.pools[KV_PAGES]
         if meets_deadline:
-            assert pages.held == pages.quarantined == 0 and hook.quarantined == []
+            assert pages.held == pages.quarantined == 0 and machine.quarantined == []
             return
-        assert pages.held == pages.quarantined == 3 and report.pools[REQUEST_SLOTS].quarantined == 1
-        assert kv.radix.protected_pages == 0 and len(hook.quarantined) == 1
+        # the slot is not under the fence (the copy writes pages, not the table): it is back at once
+        assert pages.held == pages.quarantined == 3 and report.pools[REQUEST_SLOTS].held == 0
+        assert kv.radix.protected_pages == 0 and len(machine.quarantined) == 1
         owners = report.owners[KV_PAGES]  # ...but the report names it
         assert [(o.request_id, o.amount, o.quarantined) for o in owners] == [("req-q", 3, True)]
         assert owners[0].describe() == "req-q (RELEASED, TRANSFER_FAILED) 3 quarantined"
-        quarantined = set(_block_of(hook.quarantined[0]).pages)
+        quarantined = set(machine.quarantined[0].handle.payload.pages)
         fresh = _admit(machine, "b", [7] * 8)
         assert not quarantined & set(_block(fresh).pages)  # never reused
         _release(machine, fresh, FinishReason.ABORT)
-
-
-def _block_of(handle):
-    return handle.payload
+        fence.complete()  # the late copy is done at last: the pages come back, uncached
+        assert machine.reap_quarantine() == 1 and machine.quarantined == []
+        report = _assert_whole(kv, ledger, idle=True)
+        assert report.pools[KV_PAGES].held == report.pools[KV_PAGES].quarantined == 0
+        assert kv.radix.match([1, 2, 3, 4, 5])[0] == []
 
 
 class KVModel(RuleBasedStateMachine):
@@ -339,7 +331,7 @@ class KVModel(RuleBasedStateMachine):
         if req.num_tokens >= 30:
             return
         before = _snapshot(self.kv, self.ledger)
-        if not self.hook.grow(req, req.kv_len + 1):
+        if not self.machine.grow(req, req.kv_len + 1):
             assert _snapshot(self.kv, self.ledger) == before
             self.retract_request(req)
             return
@@ -348,7 +340,8 @@ class KVModel(RuleBasedStateMachine):
 
     def retract_request(self, req: Request) -> None:
         self.machine.advance(req, S.RETRACTED)
-        assert "kv" not in req.handles and req.kv_len == 0
+        assert "kv" not in req.handles and RequestSlotHook.name not in req.handles
+        req.kv_len = 0  # as the loop does: nothing of it is in this engine's pools any more
         self.machine.advance(req, S.QUEUED)
 
     @precondition(lambda self: self._in(S.DECODING))
@@ -362,7 +355,6 @@ class KVModel(RuleBasedStateMachine):
         req = data.draw(st.sampled_from(self.live))
         _release(self.machine, req, reason)
         self.live.remove(req)
-        self.ledger.forget_request(req.request_id)
 
     @invariant()
     def pools_add_up(self):

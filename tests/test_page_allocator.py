@@ -8,7 +8,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from resources import DoubleFree, ForeignPage, PageAllocator
+from resources.page_allocator import DoubleFree, ForeignPage, PageAllocator
 
 
 def _snapshot(alloc: PageAllocator) -> tuple:

@@ -9,24 +9,29 @@ import sys
 import pytest
 
 PUBLIC = {
+    "engine": {
+        "Engine", "EngineClosed", "EngineConfig", "EngineDead", "EngineOverloaded", "FinishReason",
+        "HealthCheckFailed", "HealthReport", "HiSparseConfig", "InvalidConfig", "InvalidRequest", "LeakError",
+        "MemoryReport", "RequestKind", "RequestOutput", "RequestState", "RequestStream", "SamplingParams",
+        "TokenLogprob", "configure_logging",
+    },
     "states": {
         "HELD_STATES", "LIVE_STATES", "TRANSITIONS", "DoubleRelease", "Fence", "FencePending",
-        "FinishReason", "Handle", "IllegalTransition", "Request", "RequestKind", "RequestMachine",
-        "RequestState",
+        "FinishReason", "Handle", "IllegalTransition", "Quarantined", "Request", "RequestKind", "RequestMachine",
+        "RequestState", "ResourceExhausted",
     },
     "resources": {
-        "ENTRY_POINT_GROUP", "KV_PAGES", "REQUEST_SLOTS", "CopyFence", "DoubleFree", "ForeignPage",
-        "HookOrderError", "KVBlock", "KVBuffers", "KVHook", "KVPool", "LeakError", "Ledger",
-        "ManualFence", "MemoryReport", "Owner", "PageAllocator", "PluginContext", "PoolStats",
-        "RadixCache", "RequestSlots", "ResourceExhausted", "ResourceHook", "TimingHook",
-        "build_plugin_hooks", "check_memory", "memory_report", "order_hooks",
+        "ENTRY_POINT_GROUP", "CopyFence", "HookOrderError", "LeakError", "ManualFence", "MemoryReport", "Owner",
+        "PluginContext", "PluginError", "PoolStats", "PoolUsage", "ResourceExhausted", "ResourceHook",
+        "ResourceHookProtocol", "order_hooks", "validate_hook",
     },
 }
 
 #: The names docs/architecture.md tells users to rely on.
 DOCUMENTED = [
-    ("states", "RequestState"), ("states", "FinishReason"), ("states", "IllegalTransition"),
-    ("resources", "LeakError"),
+    ("engine", "Engine"), ("engine", "EngineConfig"), ("engine", "SamplingParams"), ("engine", "RequestOutput"),
+    ("engine", "InvalidRequest"), ("states", "RequestState"), ("states", "FinishReason"),
+    ("states", "IllegalTransition"), ("resources", "LeakError"),
 ]
 
 
@@ -46,6 +51,16 @@ class TestPublicNames:
     def test_documented_names_are_public(self, package, name):
         """The names the architecture document promises are in `__all__`."""
         assert name in importlib.import_module(package).__all__
+
+    def test_an_embedder_needs_one_import(self):
+        """What an embedding application uses day to day comes from `engine` alone, and is the same object."""
+        import engine
+        import hisparse
+        import resources
+        import states
+
+        assert engine.FinishReason is states.FinishReason and engine.RequestState is states.RequestState
+        assert engine.LeakError is resources.LeakError and engine.HiSparseConfig is hisparse.HiSparseConfig
 
     def test_states_stays_free_of_the_other_packages(self):
         """`states` is pure Python: importing it pulls in neither torch nor resources."""

@@ -9,7 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from resources import RadixCache
+from resources.radix_cache import RadixCache
 
 PS = 2
 TOKENS = st.lists(st.integers(0, 2), max_size=12)

@@ -70,7 +70,8 @@ PROMPTS = [tuple(p) for p in (
 )]
 IMAGES = [torch.arange(8 * 8 * 3, dtype=torch.uint8).reshape(8, 8, 3),
           torch.randint(0, 256, (16, 16, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))]
-FAULTS = [None] * 20 + ["step", "release", "release", "transfer", "stuck"]
+FAULTS = [None] * 20 + ["step", "release", "release", "transfer", "stuck", "plugin:acquire", "plugin:busy",
+                        "plugin:release", "plugin:grow"]
 
 
 def _quiet_logs() -> None:
@@ -115,9 +116,11 @@ PROFILE = os.environ.get("KVLIFE_HYPOTHESIS_PROFILE", "ci")
 
 @st.composite
 def engine_configs(draw, variant: str) -> tuple[str, EngineConfig]:
-    page_size = draw(st.sampled_from([4, 2, 1]))
-    pages = -(-MAX_CONTEXT // page_size)
+    page_size = draw(st.sampled_from([4, 2, 1, 3, 5]))  # 3 and 5 do not divide any max_context drawn
+    max_context = draw(st.sampled_from([MAX_CONTEXT, 37, 33]))
+    pages = -(-max_context // page_size)
     fields = dict(BASE, model=draw(st.sampled_from(["null", "null", "tiny"])), page_size=page_size,
+                  max_context=max_context,
                   num_kv_pages=draw(st.integers(2 * pages + 1, 3 * pages + 1)), max_running=draw(st.integers(1, 4)),
                   max_prefill_tokens=draw(st.sampled_from([8, 64, 3])), prefix_cache=draw(st.booleans()))
     fields.update(VARIANTS[variant])
@@ -160,7 +163,7 @@ class EngineChaos(RuleBasedStateMachine):
         self.variant, config = drawn
         self.driver = EngineDriver(config, self.backend, drain_at_end=drain_at_end, built=self.built)
         self.budget = 30 if config.model == "null" else 8  # requests per example: the tiny models are slow
-        fits = (config.num_kv_pages - 1) // -(-MAX_CONTEXT // config.page_size)
+        fits = (config.num_kv_pages - 1) // -(-config.max_context // config.page_size)
         self.stuck_budget = min(fits, config.max_running) - 1  # a quarantine keeps pages and a slot forever
 
     def _key(self) -> tuple:
@@ -174,14 +177,14 @@ class EngineChaos(RuleBasedStateMachine):
         prompt = PROMPTS[spec["prompt"]]
         image = None if spec["image"] is None else IMAGES[spec["image"]]
         image_tokens = 0 if image is None else (image.shape[0] // 8) * (image.shape[1] // 8)
-        max_new = min(spec["max_new"], MAX_CONTEXT - len(prompt) - image_tokens)
+        max_new = min(spec["max_new"], self.driver.config.max_context - len(prompt) - image_tokens)
         fault, tags = spec["fault"], frozenset()
         if fault == "release":
             tags = frozenset({f"release:{self.driver.hook_names[spec['hook'] % len(self.driver.hook_names)]}"})
         elif fault == "stuck" and self.stuck_budget > 0:
             self.stuck_budget -= 1
             tags = frozenset({"stuck"})
-        elif fault in ("step", "transfer"):
+        elif fault is not None and (fault in ("step", "transfer") or fault.startswith("plugin:")):
             tags = frozenset({fault})
         stop = ()
         self.count += 1
@@ -273,6 +276,8 @@ class EngineChaos(RuleBasedStateMachine):
             allowed |= {FinishReason.ERROR, FinishReason.TRANSFER_FAILED}
         if rec.tags & {"transfer", "stuck"}:
             allowed.add(FinishReason.TRANSFER_FAILED)
+        if rec.tags & {"plugin:acquire", "plugin:grow"}:  # a plugin bug finishes its request, nothing else
+            allowed.add(FinishReason.ERROR)
         if not self.driver.drain_at_end:
             allowed.add(FinishReason.SHUTDOWN)
         assert reason in allowed, (rec.request_id, reason, error, rec.tags)
@@ -345,10 +350,10 @@ class TestFoundByTheStateMachine:
                 stream = engine.generate([1, 2, 3], SamplingParams(max_new_tokens=2), request_id="done")
                 await engine.wait_idle(10)
                 await stream.aclose()  # the final output was never read
-                assert not engine.loop.pending_aborts
+                assert not engine.loop.table.aborts
                 engine.generate([1, 2, 3], SamplingParams(max_new_tokens=30), request_id="late")
                 await engine.abort("late")
-            assert not engine.loop.pending_aborts and engine.idle
+            assert not engine.loop.table.aborts and engine.idle
 
 
 class TestVariants:

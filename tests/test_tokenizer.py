@@ -1,28 +1,33 @@
-"""Tests for engine.tokenizer: the byte tokenizer and the tokenizer.json wrapper."""
+"""Tests for engine.model.tokenizer: the byte tokenizer, tokenizer.json encoded as
+transformers encodes it, and checkpoints without a tokenizer."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from structlog.testing import capture_logs
 
+from engine.errors import InvalidRequest
+from engine.model.checkpoint import CheckpointError
 from engine.model.model_config import ModelConfig
-from engine.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from engine.model.tokenizer import ByteTokenizer, HFTokenizer, TokenIdsOnly, Tokenizer, load_tokenizer
 
 
 class TestByteTokenizer:
     @given(st.text())
     def test_round_trip(self, text):
         """decode(encode(text)) == text for any text, with or without BOS."""
-        tokenizer = ByteTokenizer()
-        assert tokenizer.decode(tokenizer.encode(text)) == text
-        assert tokenizer.decode(tokenizer.encode(text, add_bos=True)) == text
+        assert ByteTokenizer().decode(ByteTokenizer().encode(text)) == text
+        assert ByteTokenizer().decode(ByteTokenizer(add_bos=True).encode(text)) == text
 
     def test_ids_are_utf8_bytes_with_optional_bos(self):
-        """encode gives UTF-8 bytes, preceded by BOS only when asked."""
-        tokenizer = ByteTokenizer()
-        assert tokenizer.encode("hé") == [104, 0xC3, 0xA9]
-        assert tokenizer.encode("hé", add_bos=True) == [256, 104, 0xC3, 0xA9]
+        """encode gives UTF-8 bytes, preceded by BOS only for a tokenizer built to add it."""
+        assert ByteTokenizer().encode("hé") == [104, 0xC3, 0xA9]
+        assert ByteTokenizer(add_bos=True).encode("hé") == [256, 104, 0xC3, 0xA9]
+        assert ByteTokenizer(add_bos=True).encode("hé", add_special_tokens=False) == [104, 0xC3, 0xA9]
 
     def test_decode_skips_specials_and_replaces_bad_utf8(self):
         """decode drops ids >= 256 and turns invalid UTF-8 into U+FFFD."""
@@ -48,23 +53,67 @@ class TestByteTokenizer:
             ByteTokenizer(eos_token_id=10)
 
 
+def _backend(template: str | None = None):
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {"<s>": 0, "</s>": 1, "<pad>": 2, "<image>": 3, "hello": 4, "world": 5, "[UNK]": 6, "<x>": 7}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    backend.add_special_tokens(["<s>", "</s>", "<pad>", "<image>"])
+    if template is not None:
+        backend.post_processor = tokenizers.processors.TemplateProcessing(
+            single=template, special_tokens=[("<s>", 0), ("</s>", 1)])
+    return backend
+
+
+_CONFIG = ModelConfig.tiny(vocab_size=8, bos_token_id=0, eos_token_id=1, pad_token_id=2, image_token_id=3)
+
+
+def _save(directory, backend, tokenizer_config=None):
+    backend.save(str(directory / "tokenizer.json"))
+    if tokenizer_config is not None:
+        (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    return directory
+
+
 class TestHFTokenizer:
     @pytest.fixture
     def tokenizer(self, tmp_path) -> HFTokenizer:
-        tokenizers = pytest.importorskip("tokenizers")
-        vocab = {"<s>": 0, "</s>": 1, "<pad>": 2, "<image>": 3, "hello": 4, "world": 5, "[UNK]": 6}
-        backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
-        backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-        backend.add_special_tokens(["<s>", "</s>", "<pad>", "<image>"])
-        path = tmp_path / "tokenizer.json"
-        backend.save(str(path))
-        config = ModelConfig.tiny(vocab_size=8, bos_token_id=0, eos_token_id=1, pad_token_id=2, image_token_id=3)
-        return HFTokenizer.from_file(path, config)
+        return HFTokenizer.from_file(_save(tmp_path, _backend()) / "tokenizer.json", _CONFIG)
 
-    def test_encode_adds_only_requested_bos(self, tokenizer):
-        """encode adds no specials except BOS when asked."""
+    def test_no_post_processor_adds_nothing(self, tokenizer):
+        """Without a post-processor encode adds no specials, as transformers does."""
         assert tokenizer.encode("hello world") == [4, 5]
-        assert tokenizer.encode("hello world", add_bos=True) == [0, 4, 5]
+
+    @pytest.mark.parametrize(("template", "ids"), [("<s> $A", [0, 4, 5]), ("<s> $A </s>", [0, 4, 5, 1])])
+    def test_post_processor_adds_bos_and_eos(self, tmp_path, template, ids):
+        """A template post-processor's BOS/EOS are added by encode, and not with add_special_tokens=False."""
+        tokenizer = load_tokenizer(_save(tmp_path, _backend(template)), _CONFIG)
+        assert tokenizer.encode("hello world") == ids
+        assert tokenizer.encode("hello world", add_special_tokens=False) == [4, 5]
+
+    def test_special_tokens_in_text_are_one_id(self, tokenizer):
+        """A special token written in the text encodes to its id, never split."""
+        assert tokenizer.encode("hello</s>world") == [4, 1, 5]
+
+    def test_specials_declared_in_tokenizer_config_are_registered(self, tmp_path):
+        """A special token only tokenizer_config.json declares is never split, and decode drops it."""
+        directory = _save(tmp_path, _backend(), {"additional_special_tokens": ["<x>"], "eos_token": "</s>"})
+        tokenizer = load_tokenizer(directory, _CONFIG)
+        assert tokenizer.encode("hello<x>world") == [4, 7, 5]
+        assert tokenizer.decode([4, 7, 5]) == "hello world"
+
+    def test_split_special_tokens_is_honoured(self, tmp_path):
+        """tokenizer_config.json's split_special_tokens=true splits them, as transformers does."""
+        directory = _save(tmp_path, _backend(), {"split_special_tokens": True})
+        assert 1 not in load_tokenizer(directory, _CONFIG).encode("hello </s> world")
+
+    def test_add_bos_token_that_tokenizer_json_contradicts_is_warned_about(self, tmp_path):
+        """add_bos_token=true with no BOS in the post-processor: a warning, and tokenizer.json wins."""
+        directory = _save(tmp_path, _backend(), {"add_bos_token": True})
+        with capture_logs() as logs:
+            tokenizer = load_tokenizer(directory, _CONFIG)
+        assert tokenizer.encode("hello") == [4]
+        assert [e["flag"] for e in logs if e["event"] == "checkpoint.tokenizer_flag_ignored"] == ["add_bos_token"]
 
     def test_decode_skips_specials(self, tokenizer):
         """decode drops BOS, EOS, PAD and IMAGE."""
@@ -79,4 +128,29 @@ class TestHFTokenizer:
             2,
             3,
         )
-        assert tokenizer.vocab_size == 7
+        assert tokenizer.vocab_size == 8
+
+    def test_unreadable_tokenizer_json_is_named(self, tmp_path):
+        """A corrupt tokenizer.json raises CheckpointError naming the file."""
+        (tmp_path / "tokenizer.json").write_text("{not json")
+        with pytest.raises(CheckpointError, match="tokenizer.json"):
+            load_tokenizer(tmp_path, _CONFIG)
+
+
+class TestWithoutTokenizer:
+    def test_a_directory_without_tokenizer_json_warns_and_takes_ids_only(self, tmp_path):
+        """No tokenizer.json: a warning naming the directory, and a tokenizer that refuses text with InvalidRequest."""
+        with capture_logs() as logs:
+            tokenizer = load_tokenizer(tmp_path, _CONFIG)
+        assert [e["path"] for e in logs if e["event"] == "checkpoint.no_tokenizer"] == [str(tmp_path)]
+        assert isinstance(tokenizer, TokenIdsOnly) and isinstance(tokenizer, Tokenizer)
+        with pytest.raises(InvalidRequest, match="token ids: this checkpoint has no tokenizer.json") as caught:
+            tokenizer.encode("hello")
+        assert caught.value.field == "prompt"
+        assert tokenizer.decode([4, 5]) == "" and tokenizer.vocab_size == 8
+
+    def test_byte_level_checkpoints_get_the_byte_tokenizer(self, tmp_path):
+        """A checkpoint marked byte-level (kvlife's own) gets the byte tokenizer, no warning."""
+        with capture_logs() as logs:
+            tokenizer = load_tokenizer(tmp_path, ModelConfig.tiny(), byte_level=True)
+        assert isinstance(tokenizer, ByteTokenizer) and not logs

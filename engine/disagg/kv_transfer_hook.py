@@ -1,42 +1,108 @@
-"""The `kv_transfer` hook: a decode request's prefill job, held while TRANSFERRING.
+"""The `kv_transfer` hook: a decode request's prefill job, held while TRANSFERRING,
+and the `PrefillClient` protocol every prefill backend implements.
 
-Acquiring it (on entering TRANSFERRING, after the KV hook has pre-allocated
-the slot and pages to receive) creates a `TransferJob`, puts its fence on the
-request's KV and hands the job to the prefill worker. Leaving TRANSFERRING
-for any reason releases it: on an abort that cancels the job if it has not
-been sent. The KV pages themselves wait for the fence, so a copy still in
-flight never writes freed memory.
+Acquiring the hook (on entering TRANSFERRING, after the slot and KV hooks
+have pre-allocated the pages to receive) creates a `TransferJob`, puts its
+fence on the request's KV and hands the job to the prefill client. Leaving
+TRANSFERRING for any reason releases it, which cancels the job: a job not
+started yet is resolved at once (its fence completes, so an abort frees the
+pages immediately); a job in flight keeps its fence until the client's
+receiving side has returned. The KV pages wait for the fence, so a copy still
+in flight never writes freed memory; a fence past its deadline quarantines
+them until it completes after all.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import attrs
 import torch
 
 from resources import ManualFence, ResourceHook
-from resources.kv_hook import KVHook
+from resources.request_slots import RequestSlotHook
 from states import Handle, Request, RequestState
-
-if TYPE_CHECKING:
-    from engine.disagg.prefill_worker import PrefillWorker
 
 S = RequestState
 TRANSFER_FENCE = "kv_transfer"
 
 
+class TransferCancelled(RuntimeError):
+    """The decode side gave the job up (abort, shutdown) before it landed."""
+
+
 @attrs.define(eq=False)
 class TransferJob:
+    """One prefill for one decode request.
+
+    The prefill computes the KV of `prompt_token_ids + output_token_ids` (the
+    outputs are those generated before a retraction) and samples the next
+    token at output position ``len(output_token_ids)``, so seeded sampling
+    does not depend on the path. Its KV lands at `dst_locs` of the decode
+    side's KV buffers. The fence's deadline starts when the job starts
+    (`start`), not while it waits for a worker.
+    """
+
     request_id: str
-    token_ids: list[int]
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
     params: Any
     mm_inputs: list
     dst_locs: torch.Tensor
     fence: ManualFence
+    fence_timeout: float
+    started: bool = False
     cancelled: bool = False
-    #: set by the worker: ("ok", first_token) or ("failed", error)
+    #: set once: ("ok", first_token) or ("failed", error)
     outcome: tuple[str, Any] | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def start(self) -> None:
+        self.started = True
+        self.fence.arm(self.fence_timeout)
+
+    def resolve(self, status: str, value: Any, *, landed: bool = True) -> None:
+        """Record the outcome; `landed=False` leaves the fence pending (a copy that may still write)."""
+        if self.outcome is None:
+            self.outcome = (status, value)
+        if landed:
+            self.fence.complete()
+
+
+class PrefillClient(Protocol):
+    """Where a decode engine's prefills run: in process (`PrefillWorker`) or remote."""
+
+    #: extra pools for the decode engine's memory report (may be empty)
+    pools: list[Any]
+
+    def submit(self, job: TransferJob) -> None:
+        """Take a job; it must eventually be resolved (outcome set, fence completed
+        once nothing writes its pages any more)."""
+
+    def cancel(self, job: TransferJob) -> None:
+        """Give the job up: resolve it at once if not started, else as soon as it is safe."""
+
+    async def run(self, *, task_status: Any) -> None:
+        """The client's task in the engine's task group."""
+
+    async def close(self) -> None:
+        """Shutdown: cancel every job and wait (bounded by their fences) for those in flight."""
+
+    @property
+    def idle(self) -> bool:
+        """Nothing in flight (part of `Engine.idle`)."""
+
+
+def cancel_unstarted(job: TransferJob) -> bool:
+    """Resolve a job that never started as cancelled; False if it has started."""
+    job.cancelled = True
+    if job.started:
+        return False
+    job.resolve("failed", TransferCancelled(f"{job.request_id!r} cancelled before its prefill started"))
+    return True
 
 
 class KVTransferHook(ResourceHook):
@@ -47,30 +113,27 @@ class KVTransferHook(ResourceHook):
     scope = frozenset({S.TRANSFERRING})
     before = ("kv",)
 
-    def __init__(self, worker: "PrefillWorker", kv_pool: Any, fence_timeout: float, faults: Any = None) -> None:
-        super().__init__()
-        self.worker = worker
+    def __init__(self, client: PrefillClient, kv_pool: Any, fence_timeout: float) -> None:
+        self.client = client
         self.kv_pool = kv_pool
         self.fence_timeout = fence_timeout
-        self.faults = faults
-
-    def acquire(self, request: Request, into: RequestState) -> Handle:
-        slot = KVHook.slot(request)
-        dst_locs = self.kv_pool.slots.req_to_token[slot, : request.num_tokens].clone()
-        fence = ManualFence(TRANSFER_FENCE, {"kv"}, timeout=self.fence_timeout)
-        job = TransferJob(request.request_id, request.all_token_ids, request.params, list(request.mm_inputs),
-                          dst_locs, fence)
-        request.fences.append(fence)
-        self.worker.submit(job)
-        return Handle(self.name, request.request_id, job, amount=request.num_tokens)
 
     @staticmethod
     def job(request: Request) -> TransferJob:
         """The job of a TRANSFERRING request."""
         return request.handles[KVTransferHook.name].payload
 
+    def acquire(self, request: Request, into: RequestState) -> Handle:
+        slot = RequestSlotHook.slot(request)
+        dst_locs = self.kv_pool.slots.req_to_token[slot, : request.num_tokens].clone()
+        fence = ManualFence(TRANSFER_FENCE, {"kv"}, timeout=self.fence_timeout, armed=False)
+        job = TransferJob(request.request_id, list(request.prompt_token_ids), list(request.output_token_ids),
+                          request.params, list(request.mm_inputs), dst_locs, fence, self.fence_timeout)
+        request.fences.append(fence)
+        self.client.submit(job)
+        return Handle(self.name, request.request_id, job)
+
     def release(self, request: Request, handle: Handle) -> None:
         job: TransferJob = handle.payload
         if job.outcome is None:
-            job.cancelled = True  # the worker skips the send; the fence still guards the pages
-            self.worker.wake()
+            self.client.cancel(job)

@@ -1,22 +1,13 @@
-"""The decode role: an in-process prefill worker and a KV transfer backend.
+"""The decode role's in-process prefill: a `PrefillClient` with its own machine and pools.
 
-With `EngineConfig(disaggregation="decode")` a request is admitted into
-TRANSFERRING: the KV hook pre-allocates its slot and pages to receive, and
-the `kv_transfer` hook (scope: TRANSFERRING only) hands a job to the prefill
-worker and puts a fence on the request's KV. The worker runs its own request
-through its own machine and pools (QUEUED -> PREFILLING -> PREBUILT ->
-FINISHED -> RELEASED), computes the prompt KV and the first token, and the
-transfer backend copies the pages into the decode side's. The decode request
-then enters PREBUILT with that token, exactly like a locally prefilled one.
-
-Leaving TRANSFERRING for any reason releases the `kv_transfer` handle: on an
-abort that cancels the job if it has not been sent. The KV pages themselves
-wait for the fence, so a copy still in flight never writes freed memory; a
-copy that misses the deadline quarantines them.
-
-`TransferBackend` is the seam for a multi-process backend (torch.distributed:
-gloo on CPU, NCCL on GPU): the machine and the hooks only see a job, its
-outcome and its fence.
+With `EngineConfig(disaggregation="decode")` (and no remote prefill) a
+request is admitted into TRANSFERRING: the slot and KV hooks pre-allocate
+its pages to receive, and the `kv_transfer` hook hands a job to this worker.
+The worker runs its own request through its own machine and pools (QUEUED
+-> PREFILLING -> PREBUILT -> FINISHED -> RELEASED), computes the KV and the
+next token, and the transfer backend copies the pages into the decode
+side's. The decode request then enters PREBUILT with that token, exactly
+like a locally prefilled one.
 """
 
 from __future__ import annotations
@@ -27,12 +18,11 @@ from typing import Any
 import anyio
 import structlog
 
-from engine.disagg.kv_transfer_hook import TRANSFER_FENCE, TransferJob
-from engine.disagg.transfer import TransferBackend, TransferFailed
+from engine.disagg.kv_transfer_hook import TRANSFER_FENCE, TransferCancelled, TransferJob, cancel_unstarted
+from engine.disagg.transfer import TransferBackend
 from engine.runtime.scheduler import ScheduledSeq
-from resources import ManualFence, ResourceExhausted
-from resources.kv_hook import KVHook
-from states import FinishReason, Request, RequestState
+from resources.request_slots import RequestSlotHook
+from states import FinishReason, Request, RequestState, ResourceExhausted
 
 S = RequestState
 log = structlog.get_logger("kvlife.disaggregation")
@@ -41,75 +31,113 @@ log = structlog.get_logger("kvlife.disaggregation")
 class PrefillWorker:
     """Runs prefill jobs through its own machine and pools, then sends the KV."""
 
-    def __init__(self, parts: Any, transfer: TransferBackend, *, faults: Any = None,
-                 fence_timeout: float = 30.0) -> None:
+    def __init__(self, parts: Any, transfer: TransferBackend, *, faults: Any = None) -> None:
         self.parts = parts
         self.machine = parts.machine
         self.transfer = transfer
         self.faults = faults
-        self.fence_timeout = fence_timeout
         self.jobs: deque[TransferJob] = deque()
-        self.requests: dict[str, Request] = {}  # worker-side requests not yet RELEASED
+        self.requests: list[Request] = []  # worker-side requests not yet RELEASED
+        self.pools = [PrefixedPool("prefill.", pool, parts.ledger) for pool in parts.pools]
+        self._closing = False
         self._wake = anyio.Event()
 
+    # ------------------------------------------------------- PrefillClient
     def submit(self, job: TransferJob) -> None:
         self.jobs.append(job)
-        self.wake()
-
-    def wake(self) -> None:
         self._wake.set()
 
-    async def run(self, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
+    def cancel(self, job: TransferJob) -> None:
+        cancel_unstarted(job)  # a started job notices `cancelled` before sending
+        self._wake.set()
+
+    @property
+    def idle(self) -> bool:
+        return not self.requests and not any(job.outcome is None for job in self.jobs)
+
+    async def close(self) -> None:
+        self._closing = True
+        for job in self.jobs:
+            cancel_unstarted(job)
+        self.jobs.clear()
+        while self.requests:
+            self._release_finished()
+            if self.requests:
+                await anyio.sleep(0.005)
+
+    async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         while True:
-            self.release_finished()
-            job = self.jobs[0] if self.jobs else None
+            self._release_finished()
+            while self.jobs and self.jobs[0].outcome is not None:  # cancelled before it started
+                self.jobs.popleft()
+            job = self.jobs[0] if self.jobs and not self._closing else None
             if job is None or not await self._process(job):
                 with anyio.move_on_after(None if not (job or self.requests) else 0.005):
                     await self._wake.wait()
                 self._wake = anyio.Event()
 
+    # -------------------------------------------------------------- a job
     async def _process(self, job: TransferJob) -> bool:
         """Run one job; False if the worker's pools cannot take it yet."""
         kv = self.parts.kv_pool
-        if not job.cancelled and (kv.slots.num_free == 0 or kv.available_pages < kv.pages_for(len(job.token_ids))):
+        if kv.slots.num_free == 0 or kv.available_pages < kv.pages_for(len(job.token_ids)):
             return False
-        request = Request(f"prefill:{job.request_id}", job.token_ids, job.params, mm_inputs=job.mm_inputs)
-        self.machine.start(request)
-        self.requests[request.request_id] = request
-        if job.cancelled:
-            self.jobs.popleft()
-            return self._finish(request, job, FinishReason.ABORT, ("failed", TransferFailed("cancelled")))
+        request = Request(f"prefill:{job.request_id}", list(job.prompt_token_ids), job.params,
+                          mm_inputs=job.mm_inputs, output_token_ids=list(job.output_token_ids))
         try:
-            self.machine.advance(request, S.PREFILLING, reason="prefill job")
-        except ResourceExhausted:  # e.g. the multimodal cache is full: retried as a fresh request
-            self.machine.finish(request, FinishReason.ABORT)
-            self.release_finished()
+            self.machine.start(request)
+        except ResourceExhausted:
             return False
         except Exception as exc:
             self.jobs.popleft()
-            return self._finish(request, job, FinishReason.ERROR, ("failed", exc))
+            job.resolve("failed", exc)
+            return True
+        self.requests.append(request)
+        try:
+            self.machine.advance(request, S.PREFILLING, reason="prefill job")
+        except ResourceExhausted:  # e.g. the multimodal cache is full: retried as a fresh request
+            self._finish(request, FinishReason.ABORT)
+            return False
+        except Exception as exc:
+            self.jobs.popleft()
+            self._finish(request, FinishReason.ERROR)
+            job.resolve("failed", exc)
+            return True
         self.jobs.popleft()
+        job.start()
         try:
             first_token = await anyio.to_thread.run_sync(self._prefill, request)
+            num_tokens = request.num_tokens
             request.output_token_ids.append(first_token)
             self.machine.advance(request, S.PREBUILT, reason="prefilled")
             if job.cancelled:
-                return self._finish(request, job, FinishReason.ABORT, ("failed", TransferFailed("cancelled")))
-            slot = KVHook.slot(request)
-            src_locs = self.parts.kv_pool.slots.req_to_token[slot, : request.num_prompt_tokens]
+                self._finish(request, FinishReason.ABORT)
+                job.resolve("failed", TransferCancelled(f"{job.request_id!r} cancelled"))
+                return True
+            slot = RequestSlotHook.slot(request)
+            src_locs = self.parts.kv_pool.slots.req_to_token[slot, :num_tokens]
             await anyio.to_thread.run_sync(self.transfer.send, self.parts.kv_buffers, src_locs, job.dst_locs,
                                            job.request_id)
         except Exception as exc:
             log.warning("transfer.failed", request_id=job.request_id, error=repr(exc))
-            return self._finish(request, job, FinishReason.ERROR, ("failed", exc))
+            self._finish(request, FinishReason.ERROR)
+            job.resolve("failed", exc)
+            return True
         except BaseException:  # cancelled mid-job: finish it, so no fence is left to time out
-            self._finish(request, job, FinishReason.SHUTDOWN, ("failed", TransferFailed("engine shut down")))
+            self._finish(request, FinishReason.SHUTDOWN)
+            job.resolve("failed", TransferCancelled("engine shut down"))
             raise
-        return self._finish(request, job, FinishReason.LENGTH, ("ok", first_token))
+        stuck = self.faults is not None and self.faults.fence_stuck(TRANSFER_FENCE, job.request_id)
+        if stuck:  # the copy does not land in time: both sides' fences miss their deadlines
+            request.fences.append(self.faults.stuck_fence("kv_send", {"kv"}, timeout=job.fence_timeout))
+            self.faults.stuck.append(job.fence)  # `unstick()` lands it on the decode side too
+        self._finish(request, FinishReason.LENGTH)
+        job.resolve("ok", first_token, landed=not stuck)
+        return True
 
     def _prefill(self, request: Request) -> int:
-        """Chunked prefill of the whole prompt in the worker's pools; returns the first token."""
+        """Chunked prefill of every token given in the worker's pools; returns the next token."""
         runner, budget = self.parts.runner, self.parts.config.max_prefill_tokens
         token = None
         while request.kv_len < request.num_tokens:
@@ -123,35 +151,29 @@ class PrefillWorker:
                 token = output.tokens[0]
         return token
 
-    def _finish(self, request: Request, job: TransferJob, reason: FinishReason, outcome: tuple) -> bool:
-        stuck = self.faults is not None and self.faults.fence_stuck(TRANSFER_FENCE, job.request_id)
-        if stuck:  # the copy "never lands": both sides' fences miss their deadlines
-            request.fences.append(ManualFence("kv_send", {"kv"}, timeout=self.fence_timeout))
+    def _finish(self, request: Request, reason: FinishReason) -> None:
         self.machine.finish(request, reason)
-        job.outcome = outcome
-        if not stuck:
-            job.fence.complete()
-        self.release_finished()
-        return True
+        self._release_finished()
 
-    def release_finished(self) -> None:
-        for rid, request in list(self.requests.items()):
+    def _release_finished(self) -> None:
+        self.machine.reap_quarantine()
+        for request in list(self.requests):
             if request.state is S.FINISHED and self.machine.try_release(request):
-                del self.requests[rid]
-                self.parts.ledger.forget_request(rid)
+                self.requests.remove(request)
 
 
 class PrefixedPool:
-    """The prefill worker's pools in the decode engine's memory report."""
+    """A prefill worker's pool in the decode engine's memory report (with its own ledger)."""
 
     def __init__(self, prefix: str, pool: Any, ledger: Any) -> None:
         self.name = prefix + pool.name
-        self._pool = pool
-        self._ledger = ledger
+        self.pool = pool
+        self.ledger = ledger  # NOTE: the report reads held/quarantined from this ledger under `ledger_name`
+        self.ledger_name = pool.name
 
-    def stats(self):
-        return self._pool.stats()
+    def stats(self) -> Any:
+        return self.pool.stats()
 
-    def owners(self):
-        owners = getattr(self._pool, "owners", None)
-        return owners() if owners is not None else self._ledger.owners(self._pool.name)
+    def shared_owners(self) -> list[Any]:
+        shared = getattr(self.pool, "shared_owners", None)
+        return shared() if shared is not None else []

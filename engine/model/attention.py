@@ -13,7 +13,9 @@ attends each new query causally over the sequence's whole context::
         kv_locs[b, kv_lens[b] : ]    0 (padding page), masked out
 
 New query i of sequence b sits at position kv_lens[b] - q_lens[b] + i and
-sees context tokens 0 ..= that position.
+sees context tokens 0 ..= that position; in a layer with a sliding window W
+(`layer_windows`), only the last W of them (positions > that position - W),
+as transformers masks it.
 
 Decode rows (q_len == 1) are attended in one padded batched call; each
 prefill chunk (q_len > 1) gets its own call. Grouped-query attention never
@@ -121,11 +123,14 @@ class PagedAttention:
 
     Construct one per step; the per-step plan (which rows decode together,
     the padding masks) is built once here and reused by every layer.
+    `layer_windows[layer_id]` is that layer's sliding window (None or absent:
+    full causal attention); one set of masks is built per distinct window.
     """
 
-    def __init__(self, kv: KVBuffers, meta: AttentionMetadata) -> None:
+    def __init__(self, kv: KVBuffers, meta: AttentionMetadata, layer_windows: Sequence[int | None] = ()) -> None:
         self._kv = kv
         self._meta = meta
+        self._layer_windows = tuple(layer_windows)
         device = meta.kv_locs.device
         starts = [0]
         for q_len in meta.q_lens:
@@ -155,11 +160,34 @@ class PagedAttention:
             mask = torch.arange(kv_len, device=device)[None, :] <= query_pos[:, None]
             self._prefills.append((slice(starts[b], starts[b + 1]), _GatherPlan(meta.kv_locs[b : b + 1, :kv_len], 1),
                                    mask[None, None]))
+        # window -> (decode mask, one mask per prefill chunk); None is full causal attention
+        self._masks: dict[int | None, tuple[Tensor | None, list[Tensor]]] = {
+            None: (self._decode_mask if decode_seqs else None, [mask for _, _, mask in self._prefills])
+        }
+        for window in {w for w in self._layer_windows if w is not None}:
+            self._masks[window] = self._masks[None] if window >= max(meta.kv_lens) else self._windowed(window)
+
+    def _windowed(self, window: int) -> tuple[Tensor | None, list[Tensor]]:
+        """The full masks, also hiding every key at or before query position - `window`."""
+        decode_mask, prefill_masks = self._masks[None]
+        device = self._meta.kv_locs.device
+        if decode_mask is not None:
+            decode_lens = [kv_len for q_len, kv_len in zip(self._meta.q_lens, self._meta.kv_lens) if q_len == 1]
+            first = torch.tensor(decode_lens, device=device)[:, None] - window  # first visible key position
+            decode_mask = decode_mask & (torch.arange(decode_mask.shape[-1], device=device) >= first)[:, None, None, :]
+        windowed = []
+        for mask in prefill_masks:
+            q_len, kv_len = mask.shape[-2:]
+            query_pos = torch.arange(kv_len - q_len, kv_len, device=device)
+            windowed.append(mask & (torch.arange(kv_len, device=device)[None, :] > query_pos[:, None] - window))
+        return decode_mask, windowed
 
     @classmethod
-    def factory(cls, kv: KVBuffers) -> Callable[[Sequence[object], AttentionMetadata], PagedAttention]:
-        """The runner's attention factory: one `PagedAttention` per step over `kv`."""
-        return lambda seqs, meta: cls(kv, meta)
+    def factory(cls, kv: KVBuffers, layer_windows: Sequence[int | None] = ()
+                ) -> Callable[[Sequence[object], AttentionMetadata], PagedAttention]:
+        """The runner's attention factory: one `PagedAttention` per step over
+        `kv`, with each layer's sliding window (`ModelConfig.layer_windows`)."""
+        return lambda seqs, meta: cls(kv, meta, layer_windows)
 
     def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         k_buf, v_buf = self._kv.k[layer_id], self._kv.v[layer_id]
@@ -167,17 +195,17 @@ class PagedAttention:
         # wins is unspecified, and harmless, since location 0 is never context.
         k_buf.index_copy_(0, self._meta.out_locs, k.to(k_buf.dtype))
         v_buf.index_copy_(0, self._meta.out_locs, v.to(v_buf.dtype))
+        window = self._layer_windows[layer_id] if layer_id < len(self._layer_windows) else None
+        decode_mask, prefill_masks = self._masks[window]
         if self._decode_rows is not None and not self._prefills:
             # NOTE: decode-only step, the common case: no scatter into `out`.
             q_rows = q[:, None]
-            return _attend_gathered(q_rows, k_buf, v_buf, self._decode_locs, self._decode_mask).squeeze(1)
+            return _attend_gathered(q_rows, k_buf, v_buf, self._decode_locs, decode_mask).squeeze(1)
         out = torch.empty_like(q)
         if self._decode_rows is not None:
             q_rows = q[self._decode_rows][:, None]
-            out[self._decode_rows] = _attend_gathered(
-                q_rows, k_buf, v_buf, self._decode_locs, self._decode_mask
-            ).squeeze(1)
-        for rows, locs, mask in self._prefills:
+            out[self._decode_rows] = _attend_gathered(q_rows, k_buf, v_buf, self._decode_locs, decode_mask).squeeze(1)
+        for (rows, locs, _), mask in zip(self._prefills, prefill_masks, strict=True):
             q_rows = q[rows][None]
             out[rows] = _attend_gathered(q_rows, k_buf, v_buf, locs, mask)[0]
         return out

@@ -1,40 +1,58 @@
-"""Load and save Llama/Qwen2-style checkpoint directories.
+"""Load and save Hugging Face-format checkpoint directories.
 
-A directory holds ``config.json`` (Hugging Face format, read by
-`ModelConfig.from_hf_config`), one or more ``*.safetensors`` files whose
-tensor names are Hugging Face's (``model.embed_tokens.weight``,
-``model.layers.{i}.self_attn.q_proj.weight`` ...; see `engine.model.llama`),
-and optionally ``tokenizer.json``; without it the byte tokenizer is used,
-which only fits models with a byte-level vocabulary.
+A directory holds ``config.json`` (read by `ModelConfig.from_hf_config`),
+optionally ``generation_config.json`` (its ``eos_token_id`` are the stop
+ids), one or more ``*.safetensors`` files whose tensor names are Hugging
+Face's (``model.embed_tokens.weight``, ``model.layers.{i}.self_attn.q_proj.
+weight`` ...; Mixtral's ``block_sparse_moe.*`` names are read as
+`engine.model.moe`'s), and ``tokenizer.json`` (+ ``tokenizer_config.json``);
+see `engine.model.tokenizer.load_tokenizer` for a directory without one.
+
+Every problem is a `CheckpointError` naming what is wrong: a missing or
+unreadable file, missing or unexpected tensors, a tensor whose shape
+contradicts config.json (name, expected, found), a family or option that is
+not supported, or the `checkpoints` extra not installed.
 
 Weights are loaded straight to the target device: the model is built on the
-meta device and the loaded tensors are assigned into it, so a checkpoint is
-never held twice in memory.
+meta device, every file's tensor names and shapes are checked before any
+tensor is read, and the loaded tensors are assigned into the model, so a
+checkpoint is never held twice in memory.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
+from typing import Any
 
 import attrs
 import torch
 
-from engine.model.model_config import ModelConfig
+from engine.errors import InvalidConfig
+from engine.model.hf_config import CheckpointError
 from engine.model.llama import LlamaModel
-from engine.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from engine.model.model_config import ModelConfig
+from engine.model.tokenizer import EXTRA_HINT, ByteTokenizer, Tokenizer, load_tokenizer
+
+__all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]
 
 CONFIG_FILE = "config.json"
-TOKENIZER_FILE = "tokenizer.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
 WEIGHTS_FILE = "model.safetensors"
 
 #: Tensors some checkpoints carry that this model recomputes or does not need.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
-
-class CheckpointError(ValueError):
-    """A checkpoint directory is missing a file or tensor, or a tensor has the
-    wrong shape; the message names it."""
+#: Mixtral's checkpoint names -> the model's (Qwen-MoE) names.
+_MIXTRAL_NAMES = [
+    (re.compile(r"\.block_sparse_moe\.gate\."), ".mlp.gate."),
+    (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w1\."), r".mlp.experts.\1.gate_proj."),
+    (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w3\."), r".mlp.experts.\1.up_proj."),
+    (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w2\."), r".mlp.experts.\1.down_proj."),
+]
+_MIXTRAL_BACK = [(".mlp.gate.", ".block_sparse_moe.gate."), (".gate_proj.", ".w1."), (".up_proj.", ".w3."),
+                 (".down_proj.", ".w2.")]
 
 
 def load_checkpoint(
@@ -43,61 +61,45 @@ def load_checkpoint(
     dtype: torch.dtype | None = None,
 ) -> tuple[LlamaModel, ModelConfig, Tokenizer]:
     """The model (in eval mode, on `device`, cast to `dtype` or else the
-    config's dtype), its config and its tokenizer, read from `path`."""
-    from safetensors.torch import load_file
-
+    config's ``torch_dtype``), its config and its tokenizer, read from `path`."""
+    try:
+        from safetensors import safe_open
+    except ImportError:
+        raise CheckpointError("EngineConfig.model", f"loading a checkpoint directory needs the `checkpoints` "
+                              f"extra: {EXTRA_HINT}", str(path)) from None
     directory = Path(path)
-    config_path = directory / CONFIG_FILE
-    if not config_path.is_file():
-        raise CheckpointError(f"checkpoint {directory} has no {CONFIG_FILE}")
-    config = ModelConfig.from_hf_config(json.loads(config_path.read_text()))
-    weight_files = sorted(directory.glob("*.safetensors"))
-    if not weight_files:
-        raise CheckpointError(f"checkpoint {directory} has no *.safetensors file")
+    if not directory.is_dir():
+        raise InvalidConfig("EngineConfig.model", "'tiny', 'tiny-moe', 'null' or a checkpoint directory", str(path))
+    hf = _read_json(directory / CONFIG_FILE, required=True)
+    generation = _read_json(directory / GENERATION_CONFIG_FILE, required=False)
+    config = ModelConfig.from_hf_config(hf, generation)
     if dtype is not None:
         config = _with_dtype(config, dtype)
-    target_dtype = config.torch_dtype
+    weight_files = sorted(directory.glob("*.safetensors"))
+    if not weight_files:
+        raise CheckpointError(str(directory / WEIGHTS_FILE), "missing: the checkpoint has no *.safetensors file")
 
     with torch.device("meta"):
         model = LlamaModel(config)
-    expected = model.state_dict()
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    located = _locate_tensors(weight_files, expected, hf.get("model_type"), tied=model.lm_head is None,
+                              safe_open=safe_open)
     loaded: dict[str, torch.Tensor] = {}
-    for weight_file in weight_files:
-        for name, tensor in load_file(weight_file, device=str(device)).items():
-            if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and model.lm_head is None):
-                continue
-            if name not in expected:
-                raise CheckpointError(
-                    f"{weight_file.name} has tensor {name!r}, which this model does not have "
-                    f"(unsupported architecture variant?)"
-                )
-            if tensor.shape != expected[name].shape:
-                raise CheckpointError(
-                    f"tensor {name!r} in {weight_file.name} has shape {list(tensor.shape)}, "
-                    f"config.json implies {list(expected[name].shape)}"
-                )
-            loaded[name] = tensor.to(target_dtype)
-    missing = [name for name in expected if name not in loaded]
-    if missing:
-        shown = ", ".join(repr(name) for name in missing[:5])
-        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        raise CheckpointError(f"checkpoint {directory} is missing tensor {shown}{more}")
+    for weight_file, names in located.items():
+        with _open(weight_file, safe_open, str(device)) as f:
+            for stored, name in names:
+                loaded[name] = f.get_tensor(stored).to(config.torch_dtype)
     model.load_state_dict(loaded, strict=True, assign=True)
     model.eval()
-
-    tokenizer_path = directory / TOKENIZER_FILE
-    tokenizer: Tokenizer
-    if tokenizer_path.is_file():
-        tokenizer = HFTokenizer.from_file(tokenizer_path, config)
-    else:
-        tokenizer = ByteTokenizer.for_config(config)
-    return model, config, tokenizer
+    byte_level = hf.get("kvlife", {}).get("tokenizer") == "bytes"
+    return model, config, load_tokenizer(directory, config, byte_level=byte_level)
 
 
 def save_checkpoint(model: LlamaModel, config: ModelConfig, path: str | Path) -> Path:
     """Write `model` as ``config.json`` + ``model.safetensors`` under `path`
     (created if needed), in the format `load_checkpoint` and Hugging Face
-    read. Returns the directory."""
+    read; a model whose ids fit the byte tokenizer is marked byte-level, so
+    it loads with that tokenizer. Returns the directory."""
     from safetensors.torch import save_file
 
     directory = Path(path)
@@ -105,9 +107,103 @@ def save_checkpoint(model: LlamaModel, config: ModelConfig, path: str | Path) ->
     tensors = {name: t.detach().to("cpu").contiguous() for name, t in model.state_dict().items()}
     dtype_name = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
     hf_config = _with_dtype(config, dtype_name).to_hf_config()
+    try:
+        ByteTokenizer.for_config(config)
+    except ValueError:
+        pass
+    else:
+        hf_config.setdefault("kvlife", {})["tokenizer"] = "bytes"
     (directory / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
     save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
     return directory
+
+
+def _read_json(path: Path, *, required: bool) -> dict[str, Any] | None:
+    if not path.is_file():
+        if required:
+            raise CheckpointError(str(path), "missing: a checkpoint directory needs a Hugging Face config.json")
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(str(path), f"unreadable ({exc})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(str(path), "unreadable (not a JSON object)")
+    return data
+
+
+def _renamer(model_type: Any):
+    """Checkpoint tensor name -> model parameter name, for `model_type`."""
+    if model_type != "mixtral":
+        return lambda name: name
+
+    def rename(name: str) -> str:
+        for pattern, replacement in _MIXTRAL_NAMES:
+            name = pattern.sub(replacement, name)
+        return name
+
+    return rename
+
+
+def _stored_name(name: str, model_type: Any) -> str:
+    """The name a `model_type` checkpoint stores model parameter `name` under."""
+    if model_type == "mixtral" and ".mlp." in name:
+        for model_part, stored_part in _MIXTRAL_BACK:
+            name = name.replace(model_part, stored_part)
+        name = name.replace(".mlp.experts.", ".block_sparse_moe.experts.")
+    return name
+
+
+def _open(weight_file: Path, safe_open, device: str):
+    try:
+        return safe_open(str(weight_file), framework="pt", device=device)
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types, and OSError
+        raise CheckpointError(str(weight_file), f"unreadable safetensors file ({exc})") from None
+
+
+def _locate_tensors(weight_files: list[Path], expected: dict[str, tuple[int, ...]], model_type: Any, *,
+                    tied: bool, safe_open) -> dict[Path, list[tuple[str, str]]]:
+    """Per file, the (stored name, model name) pairs to read. Raises one
+    CheckpointError naming every misshapen, missing and unexpected tensor
+    (its `field` is the first of them), from the files' headers, before any
+    tensor is read."""
+    rename = _renamer(model_type)
+    located: dict[Path, list[tuple[str, str]]] = {}
+    seen: set[str] = set()
+    misshapen: list[tuple[str, str]] = []  # (stored name, what is wrong)
+    unexpected: list[tuple[str, str]] = []
+    for weight_file in weight_files:
+        with _open(weight_file, safe_open, "cpu") as f:
+            for stored in f.keys():
+                name = rename(stored)
+                if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+                    continue
+                if name not in expected:
+                    unexpected.append((stored, f"{stored!r} in {weight_file.name}"))
+                    continue
+                shape = tuple(f.get_slice(stored).get_shape())
+                if shape != expected[name]:
+                    misshapen.append((stored, f"tensor {stored!r} in {weight_file.name} has shape {list(shape)}, "
+                                              f"config.json implies {list(expected[name])}"))
+                    continue
+                seen.add(name)
+                located.setdefault(weight_file, []).append((stored, name))
+    missing = [(stored, repr(stored)) for stored in (_stored_name(n, model_type) for n in expected if n not in seen)
+               if stored not in {m for m, _ in misshapen}]
+    problems = [text for _, text in misshapen]
+    if missing:
+        problems.append(f"missing tensor {_listed([text for _, text in missing])}")
+    if unexpected:
+        problems.append(f"unexpected tensor {_listed([text for _, text in unexpected])} "
+                        "(an architecture variant kvlife does not run?)")
+    if problems:
+        raise CheckpointError((misshapen or missing or unexpected)[0][0], "; ".join(problems))
+    return located
+
+
+def _listed(items: list[str], shown: int = 5) -> str:
+    more = f" and {len(items) - shown} more" if len(items) > shown else ""
+    return ", ".join(items[:shown]) + more
 
 
 def _with_dtype(config: ModelConfig, dtype: torch.dtype | str) -> ModelConfig:

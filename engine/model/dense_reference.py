@@ -18,14 +18,26 @@ from engine.model.llama import LlamaModel
 
 class DenseCausalAttention:
     """`AttentionBackend` for one whole sequence: causal SDPA over exactly
-    the k/v it is given, KV heads repeated to match the query heads."""
+    the k/v it is given, KV heads repeated to match the query heads; a layer
+    with a sliding window W (`layer_windows[layer_id]`) lets query i see keys
+    i - W < j <= i only."""
+
+    def __init__(self, layer_windows: Sequence[int | None] = ()) -> None:
+        self.layer_windows = tuple(layer_windows)
 
     def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         group = q.shape[1] // k.shape[1]
         q_heads = q.transpose(0, 1)  # [H, L, D]
         k_heads = k.repeat_interleave(group, dim=1).transpose(0, 1)
         v_heads = v.repeat_interleave(group, dim=1).transpose(0, 1)
-        out = F.scaled_dot_product_attention(q_heads, k_heads, v_heads, is_causal=True)
+        window = self.layer_windows[layer_id] if layer_id < len(self.layer_windows) else None
+        if window is None:
+            out = F.scaled_dot_product_attention(q_heads, k_heads, v_heads, is_causal=True)
+        else:
+            pos = torch.arange(q.shape[0], device=q.device)
+            distance = pos[:, None] - pos[None, :]
+            mask = (distance >= 0) & (distance < window)
+            out = F.scaled_dot_product_attention(q_heads, k_heads, v_heads, attn_mask=mask)
         return out.transpose(0, 1)
 
 
@@ -36,5 +48,6 @@ def dense_forward(model: LlamaModel, token_ids: Sequence[int] | Tensor, input_em
     appended to `routing` when given."""
     ids = torch.as_tensor(token_ids, dtype=torch.long, device=model.device)
     positions = torch.arange(ids.shape[0], device=model.device)
+    attention = DenseCausalAttention(model.config.layer_windows)
     with torch.inference_mode():
-        return model(ids, positions, DenseCausalAttention(), input_embeds, routing=routing)
+        return model(ids, positions, attention, input_embeds, routing=routing)

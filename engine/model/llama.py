@@ -1,13 +1,15 @@
-"""The built-in Llama-style decoder: RMSNorm, RoPE (Hugging Face
-"rotate_half" convention), grouped-query attention through an
-`AttentionBackend`, SwiGLU MLP or a top-k mixture-of-experts FFN, and an
-optional tiny vision projector that turns image patches into embeddings.
+"""The Llama-family decoder: RMSNorm (`engine.model.layers`), RoPE with its
+scalings (`engine.model.rope`), grouped-query attention through an
+`AttentionBackend` (optionally with Qwen3's q/k norm), a gated MLP or a top-k
+mixture-of-experts FFN (`engine.model.moe`), and an optional tiny vision
+projector that turns image patches into embeddings. One class runs every
+supported family (Llama, Mistral, Qwen2, Qwen3, Gemma, Mixtral, Qwen2-MoE,
+Qwen3-MoE); `ModelConfig` says which parts a family uses.
 
-Module and parameter names mirror Hugging Face's ``LlamaForCausalLM``
-(``model.layers.{i}.self_attn.q_proj.weight`` ...), so a checkpoint's
-state dict loads as is; the MoE FFN follows Qwen-MoE names
-(``mlp.gate`` router, ``mlp.experts.{e}.{gate,up,down}_proj``) and the vision
-projector is ``vision_projector.proj``.
+Module and parameter names mirror Hugging Face's (``model.layers.{i}.
+self_attn.q_proj.weight`` ...), so a checkpoint's state dict loads as is;
+the MoE FFN follows Qwen-MoE names and the vision projector is
+``vision_projector.proj``.
 
 The model is stateless between calls: a forward given a `routing` list
 appends to it, per MoE layer in order, the ``[T, top_k]`` expert ids each
@@ -18,80 +20,23 @@ and an in-process prefill worker) never see each other's routing.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.model.attention import AttentionBackend
-from engine.model.model_config import ModelConfig, RopeScaling, VisionConfig
+from engine.model.layers import GatedMLP, RMSNorm
+from engine.model.model_config import ModelConfig, VisionConfig
+from engine.model.moe import MoEFeedForward
+from engine.model.rope import RotaryEmbedding, apply_rope
 
-
-class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in float32, scaled by a learned weight."""
-
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
-
-class RotaryEmbedding:
-    """cos/sin tables for explicit positions. The inverse frequencies are
-    computed on first use on each device (float32, as Hugging Face does) and
-    never stored in the state dict, so a model built on the meta device needs
-    nothing restored."""
-
-    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None) -> None:
-        self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
-        self._per_device: dict[torch.device, Tensor] = {}
-
-    def inverse_frequencies(self, device: torch.device) -> Tensor:
-        inv_freq = self._per_device.get(device)
-        if inv_freq is None:
-            exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim
-            inv_freq = 1.0 / self.theta**exponents
-            if self.scaling is not None:
-                inv_freq = _llama3_scaled(inv_freq, self.scaling)
-            self._per_device[device] = inv_freq
-        return inv_freq
-
-    def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """``[T, head_dim]`` cos and sin for `positions` ``[T]``."""
-        angles = positions.float()[:, None] * self.inverse_frequencies(positions.device)[None, :]
-        angles = torch.cat((angles, angles), dim=-1)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def _llama3_scaled(inv_freq: Tensor, scaling: RopeScaling) -> Tensor:
-    """Llama-3 RoPE scaling: long wavelengths slowed by `factor`, short ones
-    kept, the band between interpolated smoothly."""
-    original = scaling.original_max_position_embeddings
-    low_freq_wavelen = original / scaling.low_freq_factor
-    high_freq_wavelen = original / scaling.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    smooth = (original / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
-    interpolated = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
-    in_band = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return torch.where(in_band, interpolated, scaled)
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate `x` ``[T, heads, head_dim]``: first and second halves of the
-    head dimension form the (real, imaginary) pairs ("rotate_half")."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+__all__ = ["LlamaModel", "apply_rope"]
 
 
 class SelfAttention(nn.Module):
+    """q/k/v/o projections (biases as the config says), optional per-head
+    q/k RMSNorm before RoPE (Qwen3), attention through the backend."""
+
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.layer_id = layer_id
@@ -100,67 +45,32 @@ class SelfAttention(nn.Module):
         self.q_proj = nn.Linear(config.hidden_size, config.num_heads * config.head_dim, bias=bias)
         self.k_proj = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=bias)
-        self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
+        self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=config.o_proj_bias)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: AttentionBackend) -> Tensor:
         tokens = x.shape[0]
         q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         out = attention.attend(self.layer_id, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
-
-
-class SwiGLU(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class MoEFeedForward(nn.Module):
-    """Top-k mixture of SwiGLU experts: a token's output is the sum of its k
-    highest-scoring experts' outputs, weighted by the softmax of the router
-    logits renormalised over those k."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.top_k = config.num_experts_per_tok
-        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
-        self.experts = nn.ModuleList(
-            SwiGLU(config.hidden_size, config.moe_intermediate_size) for _ in range(config.num_experts)
-        )
-
-    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """Returns the FFN output and the ``[T, top_k]`` routed expert ids."""
-        probs = torch.softmax(self.gate(x).float(), dim=-1)
-        weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)
-        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
-        # Group the (token, slot) assignments by expert; one host sync for the counts.
-        flat_experts = expert_ids.flatten()
-        order = torch.argsort(flat_experts, stable=True)
-        per_expert = torch.bincount(flat_experts, minlength=len(self.experts)).tolist()
-        tokens_by_expert = (order // self.top_k).split(per_expert)
-        weights_by_expert = weights.flatten()[order].split(per_expert)
-        out = torch.zeros_like(x)
-        for expert, token_idx, token_weights in zip(self.experts, tokens_by_expert, weights_by_expert, strict=True):
-            if token_idx.numel():
-                out.index_add_(0, token_idx, expert(x[token_idx]) * token_weights[:, None])
-        return out, expert_ids
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        gemma, eps = config.gemma_norm, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, gemma=gemma)
         self.self_attn = SelfAttention(config, layer_id)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp: SwiGLU | MoEFeedForward = (
-            MoEFeedForward(config) if config.is_moe else SwiGLU(config.hidden_size, config.intermediate_size)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, gemma=gemma)
+        self.mlp: GatedMLP | MoEFeedForward = (
+            MoEFeedForward(config)
+            if config.is_moe
+            else GatedMLP(config.hidden_size, config.intermediate_size, act=config.hidden_act, bias=config.mlp_bias)
         )
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: AttentionBackend) -> tuple[Tensor, Tensor | None]:
@@ -209,12 +119,12 @@ class DecoderStack(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, gemma=config.gemma_norm)
 
 
 class LlamaModel(nn.Module):
-    """A Llama/Qwen2-style causal LM whose attention is delegated per layer to
-    an `AttentionBackend` (paged for the engine, dense for the oracle)."""
+    """A Llama-family causal LM whose attention is delegated per layer to an
+    `AttentionBackend` (paged for the engine, dense for the oracle)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -308,6 +218,8 @@ class LlamaModel(nn.Module):
         appends each MoE layer's routed expert ids to `routing` when given.
         """
         hidden = self.model.embed_tokens(input_ids) if input_embeds is None else input_embeds.to(self.dtype)
+        if self.config.scale_embeddings:
+            hidden = hidden * torch.tensor(self.config.hidden_size**0.5, dtype=hidden.dtype)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
         for layer in self.model.layers:
             hidden, layer_routing = layer(hidden, cos, sin, attention)

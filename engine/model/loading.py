@@ -1,9 +1,16 @@
 """Which model an `EngineConfig` names, and loading it: the built-in seeded
 models ("tiny", "tiny-moe", and "null", the tiny model's shapes for the
-no-compute runner) or a local checkpoint directory."""
+no-compute runner) or a local checkpoint directory.
+
+``EngineConfig.dtype="auto"`` (the default) means float32 for the built-in
+models and the checkpoint's own ``torch_dtype`` for a directory. The returned
+`ModelConfig.dtype` is always the dtype the weights were loaded in, which is
+what the KV buffers follow.
+"""
 
 from __future__ import annotations
 
+import attrs
 import torch
 
 from engine.config import EngineConfig
@@ -16,17 +23,20 @@ BUILTIN_MODELS = {"tiny": ModelConfig.tiny, "tiny-moe": ModelConfig.tiny_moe, "n
 
 
 def load_model(config: EngineConfig, device: torch.device):
-    """(model config, model, tokenizer) for `config.model`."""
-    dtype = getattr(torch, config.dtype)
+    """(model config, model, tokenizer) for `config.model`; a checkpoint that
+    cannot be loaded raises `CheckpointError` (an `InvalidConfig`) naming why."""
+    dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
     if config.model in BUILTIN_MODELS:
         model_config = BUILTIN_MODELS[config.model]()
-        model = LlamaModel.from_seed(model_config, config.seed, device=device, dtype=dtype)
-        return model_config, model, ByteTokenizer.for_config(model_config)
-    from engine.model.checkpoint import CheckpointError, load_checkpoint
+        model_config = attrs.evolve(model_config, dtype="float32" if dtype is None else config.dtype)
+        model = LlamaModel.from_seed(model_config, config.seed, device=device)
+        bundle = model_config, model, ByteTokenizer.for_config(model_config)
+    else:
+        from engine.model.checkpoint import load_checkpoint
 
-    try:
         model, model_config, tokenizer = load_checkpoint(config.model, device=device, dtype=dtype)
-    except CheckpointError as exc:
-        raise InvalidConfig("EngineConfig.model", "'tiny', 'tiny-moe', 'null' or a checkpoint directory",
-                            config.model) from exc
-    return model_config, model, tokenizer
+        bundle = model_config, model, tokenizer
+    if config.hisparse is not None and model_config.has_sliding_window:
+        raise InvalidConfig("EngineConfig.hisparse", "None for a model with sliding-window attention "
+                            f"(sliding_window={model_config.sliding_window})", config.hisparse)
+    return bundle

@@ -1,11 +1,12 @@
-"""Shape and vocabulary of a Llama-style decoder: what the model, the loader
+"""Shape and vocabulary of a Llama-family decoder: what the model, the loader
 and the engine's admission checks all read.
 
 `ModelConfig.tiny()` and `ModelConfig.tiny_moe()` describe the embedded
 default model (byte-level vocabulary, random weights); `from_hf_config` reads
-a Llama/Qwen2-style ``config.json`` and `to_hf_config` writes one back.
-kvlife-only fields (image token, vision projector, extra stop tokens) travel
-in the ``"kvlife"`` key of that dict, which Hugging Face loaders ignore.
+a Hugging Face ``config.json`` of a supported family (`engine.model.hf_config`)
+and `to_hf_config` writes one back. kvlife-only fields (image token, vision
+projector, the tiny MoE's sizes) travel in the ``"kvlife"`` key of that dict,
+which Hugging Face loaders ignore.
 """
 
 from __future__ import annotations
@@ -23,8 +24,11 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
 }
 
-#: ``model_type`` values whose weights `engine.model.checkpoint` knows how to load.
-SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "kvlife_moe"})
+#: RoPE scalings the model implements (`engine.model.rope`).
+ROPE_TYPES = ("linear", "dynamic", "llama3", "yarn")
+
+#: Activations of the gated MLP: SiLU (SwiGLU) and tanh-approximated GELU (Gemma's GeGLU).
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 #: Byte-level vocabulary of the tiny model: 256 bytes, then the specials.
 BYTE_BOS_ID, BYTE_EOS_ID, BYTE_PAD_ID, BYTE_IMAGE_ID = 256, 257, 258, 259
@@ -64,22 +68,70 @@ class VisionConfig:
 
 @attrs.frozen(kw_only=True)
 class RopeScaling:
-    """Llama-3 style frequency-dependent RoPE scaling (``rope_type: llama3``)."""
+    """A RoPE scaling as Hugging Face's ``rope_parameters`` describe it.
 
+    - ``linear``: frequencies divided by `factor`.
+    - ``dynamic``: NTK scaling that only acts past ``max_position_embeddings``
+      (see `engine.model.rope`).
+    - ``llama3``: needs `low_freq_factor`, `high_freq_factor` and
+      `original_max_position_embeddings`.
+    - ``yarn``: needs `original_max_position_embeddings`; `beta_fast`,
+      `beta_slow`, `attention_factor`, `mscale`, `mscale_all_dim`, `truncate`
+      as transformers reads them.
+    """
+
+    rope_type: str = attrs.field(validator=attrs.validators.in_(ROPE_TYPES))
     factor: float = attrs.field(validator=_positive)
-    low_freq_factor: float = attrs.field(validator=_positive)
-    high_freq_factor: float = attrs.field(validator=_positive)
-    original_max_position_embeddings: int = attrs.field(validator=_positive)
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    original_max_position_embeddings: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+
+    def __attrs_post_init__(self) -> None:
+        if not math.isfinite(self.factor):
+            raise ValueError(f"rope scaling factor must be finite, got {self.factor}")
+        needs = {"llama3": ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+                 "yarn": ("original_max_position_embeddings",)}.get(self.rope_type, ())
+        for name in needs:
+            if getattr(self, name) is None:
+                raise ValueError(f"{self.rope_type} rope scaling needs {name}")
+        if self.rope_type == "llama3":
+            assert self.high_freq_factor is not None and self.low_freq_factor is not None
+            if self.high_freq_factor <= self.low_freq_factor:
+                raise ValueError("llama3 rope scaling needs high_freq_factor > low_freq_factor")
+
+    def to_hf(self) -> dict[str, Any]:
+        """The ``rope_scaling`` dict transformers and `from_hf_config` read."""
+        return {name: value for name, value in attrs.asdict(self).items() if value is not None}
 
 
 @attrs.frozen(kw_only=True)
 class ModelConfig:
-    """Hyperparameters of a decoder-only Llama/Qwen2-style model.
+    """Hyperparameters of a decoder-only Llama-family model.
 
-    `num_experts == 0` means a dense SwiGLU MLP in every layer; otherwise every
-    layer's FFN is a mixture of `num_experts` SwiGLU experts of width
-    `moe_intermediate_size`, `num_experts_per_tok` routed per token.
-    `attention_bias` adds biases to the q/k/v projections (Qwen2).
+    Attention: `attention_bias` adds biases to the q/k/v projections (Qwen2),
+    `o_proj_bias` to the output projection (Llama/Qwen3/Gemma
+    ``attention_bias``); `qk_norm` RMS-normalises each head's query and key
+    before RoPE (Qwen3). `sliding_window` (None: full attention) limits each
+    query to the last `sliding_window` positions, itself included, in the
+    layers `sliding_window_layers` names (None: every layer); see
+    `layer_windows`.
+
+    FFN: `num_experts == 0` means a dense gated MLP of `intermediate_size` in
+    every layer; otherwise every layer's FFN is a mixture of `num_experts`
+    gated experts of width `moe_intermediate_size`, `num_experts_per_tok`
+    routed per token, their weights renormalised when `norm_topk_prob`, kept
+    in float32 when `router_weights_float32` (Mixtral) and else cast to the
+    model's dtype (Qwen), plus a sigmoid-gated shared expert of width
+    `shared_expert_intermediate_size` when that is > 0 (Qwen2-MoE).
+
+    Gemma: `gemma_norm` (RMSNorm scales by ``1 + weight``, in float32) and
+    `scale_embeddings` (embeddings times ``sqrt(hidden_size)``).
     """
 
     vocab_size: int = attrs.field(validator=_positive)
@@ -94,21 +146,36 @@ class ModelConfig:
     rms_norm_eps: float = attrs.field(default=1e-6, validator=_positive)
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    hidden_act: str = attrs.field(default="silu", validator=attrs.validators.in_(ACTIVATIONS))
+    gemma_norm: bool = False
+    scale_embeddings: bool = False
     max_position_embeddings: int = attrs.field(default=4096, validator=_positive)
+    sliding_window: int | None = None
+    sliding_window_layers: tuple[int, ...] | None = attrs.field(
+        default=None, converter=attrs.converters.optional(tuple)
+    )
     dtype: str = attrs.field(default="float32", validator=attrs.validators.in_(DTYPES))
     num_experts: int = attrs.field(default=0, validator=_non_negative)
     num_experts_per_tok: int = attrs.field(default=0, validator=_non_negative)
     moe_intermediate_size: int = attrs.field(default=0, validator=_non_negative)
+    norm_topk_prob: bool = True
+    router_weights_float32: bool = False
+    shared_expert_intermediate_size: int = attrs.field(default=0, validator=_non_negative)
     vision: VisionConfig | None = None
     bos_token_id: int | None = None
-    eos_token_id: int = attrs.field(validator=_non_negative)
-    pad_token_id: int = attrs.field(validator=_non_negative)
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
     image_token_id: int | None = None
     extra_eos_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
 
     def __attrs_post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even (RoPE rotates pairs), got {self.head_dim}")
         if self.num_experts:
             if not 1 <= self.num_experts_per_tok <= self.num_experts:
                 raise ValueError(
@@ -117,6 +184,13 @@ class ModelConfig:
                 )
             if self.moe_intermediate_size <= 0:
                 raise ValueError("moe_intermediate_size must be > 0 when num_experts > 0")
+        elif self.shared_expert_intermediate_size:
+            raise ValueError("shared_expert_intermediate_size needs num_experts > 0")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"sliding_window must be None or > 0, got {self.sliding_window}")
+        for layer in self.sliding_window_layers or ():
+            if not 0 <= layer < self.num_layers:
+                raise ValueError(f"sliding_window_layers must be in [0, num_layers={self.num_layers}), got {layer}")
         if self.vision is not None and self.image_token_id is None:
             raise ValueError("a model with a vision projector needs image_token_id")
         named_ids = {
@@ -140,8 +214,20 @@ class ModelConfig:
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
-        """EOS and every extra end-of-sequence id, in that order."""
-        return (self.eos_token_id, *self.extra_eos_token_ids)
+        """EOS and every extra end-of-sequence id, in that order, each once."""
+        ids = (() if self.eos_token_id is None else (self.eos_token_id,)) + self.extra_eos_token_ids
+        return tuple(dict.fromkeys(ids))
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Per layer, its sliding window (None: full causal attention)."""
+        layers = range(self.num_layers) if self.sliding_window_layers is None else self.sliding_window_layers
+        windowed = set(layers) if self.sliding_window is not None else set()
+        return tuple(self.sliding_window if i in windowed else None for i in range(self.num_layers))
+
+    @property
+    def has_sliding_window(self) -> bool:
+        return any(window is not None for window in self.layer_windows)
 
     @classmethod
     def tiny(cls, **overrides: Any) -> ModelConfig:
@@ -158,7 +244,7 @@ class ModelConfig:
             rope_theta=10000.0,
             rms_norm_eps=1e-6,
             tie_word_embeddings=False,
-            max_position_embeddings=4096,
+            max_position_embeddings=32768,
             vision=VisionConfig(patch_size=8, max_image_size=64),
             bos_token_id=BYTE_BOS_ID,
             eos_token_id=BYTE_EOS_ID,
@@ -176,63 +262,37 @@ class ModelConfig:
         return cls.tiny(**fields)
 
     @classmethod
-    def from_hf_config(cls, hf: dict[str, Any]) -> ModelConfig:
-        """Read a Llama/Mistral/Qwen2 ``config.json`` (or one written by
-        `to_hf_config`). Raises ValueError naming anything unsupported."""
-        model_type = hf.get("model_type", "llama")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type {model_type!r} is not supported (supported: {sorted(SUPPORTED_MODEL_TYPES)})")
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (only 'silu')")
-        if hf.get("mlp_bias"):
-            raise ValueError("mlp_bias=true is not supported")
-        if model_type != "qwen2" and hf.get("attention_bias"):
-            raise ValueError("attention_bias=true (o_proj bias) is only supported for qwen2")
-        extras: dict[str, Any] = hf.get("kvlife", {})
-        rope_params: dict[str, Any] = hf.get("rope_parameters") or {}
-        num_heads = hf["num_attention_heads"]
-        eos = hf.get("eos_token_id")
-        eos_ids = list(eos) if isinstance(eos, (list, tuple)) else [eos]
-        if eos_ids[0] is None:
-            raise ValueError("config.json has no eos_token_id")
-        pad = hf.get("pad_token_id")
-        vision = extras.get("vision")
-        return cls(
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
-            intermediate_size=hf["intermediate_size"],
-            rope_theta=hf.get("rope_theta") or rope_params.get("rope_theta", 10000.0),
-            rope_scaling=_read_rope_scaling(hf.get("rope_scaling") or rope_params),
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            tie_word_embeddings=hf.get("tie_word_embeddings", False),
-            attention_bias=model_type == "qwen2",
-            max_position_embeddings=_context_limit(hf, model_type),
-            dtype=_read_dtype(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
-            num_experts=extras.get("num_experts", 0),
-            num_experts_per_tok=extras.get("num_experts_per_tok", 0),
-            moe_intermediate_size=extras.get("moe_intermediate_size", 0),
-            vision=VisionConfig(**vision) if vision else None,
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_id=eos_ids[0],
-            pad_token_id=eos_ids[0] if pad is None else pad,
-            image_token_id=extras.get("image_token_id"),
-            extra_eos_token_ids=eos_ids[1:],
-        )
+    def from_hf_config(cls, hf: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
+        """Read a ``config.json`` of a supported family (or one written by
+        `to_hf_config`), with the stop ids of ``generation_config.json`` when
+        given. Raises `engine.model.checkpoint.CheckpointError` (a
+        ValueError) naming the field anything unsupported is in."""
+        from engine.model.hf_config import read_hf_config
+
+        return read_hf_config(hf, generation)
 
     def to_hf_config(self) -> dict[str, Any]:
         """A ``config.json`` dict that `from_hf_config` reads back unchanged;
-        dense models are written as ``llama`` (or ``qwen2`` with q/k/v biases)
-        so Hugging Face loaders read them too."""
+        dense models are written as ``llama``, ``qwen2`` (q/k/v biases) or
+        ``qwen3`` (q/k norm), so Hugging Face loaders read them too; MoE
+        models as kvlife's own ``kvlife_moe``."""
+        if self.gemma_norm or self.scale_embeddings or self.hidden_act != "silu" or self.mlp_bias or (
+            self.sliding_window is not None
+        ):
+            raise ValueError("to_hf_config writes llama, qwen2, qwen3 and kvlife_moe configs, without windows")
         if self.is_moe:
             model_type, arch = "kvlife_moe", "KvlifeMoeForCausalLM"
+        elif self.qk_norm:
+            model_type, arch = "qwen3", "Qwen3ForCausalLM"
         elif self.attention_bias:
             model_type, arch = "qwen2", "Qwen2ForCausalLM"
         else:
             model_type, arch = "llama", "LlamaForCausalLM"
+        if (model_type == "qwen2" and self.o_proj_bias) or (
+            model_type in ("llama", "qwen3") and self.attention_bias != self.o_proj_bias
+        ):
+            raise ValueError(f"{model_type} cannot express attention_bias={self.attention_bias}, "
+                             f"o_proj_bias={self.o_proj_bias}")
         hf: dict[str, Any] = {
             "architectures": [arch],
             "model_type": model_type,
@@ -247,7 +307,7 @@ class ModelConfig:
             "rope_theta": self.rope_theta,
             "rms_norm_eps": self.rms_norm_eps,
             "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": False,
+            "attention_bias": self.o_proj_bias,
             "mlp_bias": False,
             "max_position_embeddings": self.max_position_embeddings,
             "torch_dtype": self.dtype,
@@ -256,7 +316,7 @@ class ModelConfig:
             "pad_token_id": self.pad_token_id,
         }
         if self.rope_scaling is not None:
-            hf["rope_scaling"] = {"rope_type": "llama3", **attrs.asdict(self.rope_scaling)}
+            hf["rope_scaling"] = self.rope_scaling.to_hf()
         extras: dict[str, Any] = {}
         if self.image_token_id is not None:
             extras["image_token_id"] = self.image_token_id
@@ -267,43 +327,12 @@ class ModelConfig:
                 num_experts=self.num_experts,
                 num_experts_per_tok=self.num_experts_per_tok,
                 moe_intermediate_size=self.moe_intermediate_size,
+                attention_bias=self.attention_bias,
+                qk_norm=self.qk_norm,
+                norm_topk_prob=self.norm_topk_prob,
+                router_weights_float32=self.router_weights_float32,
+                shared_expert_intermediate_size=self.shared_expert_intermediate_size,
             )
         if extras:
             hf["kvlife"] = extras
         return hf
-
-
-def _context_limit(hf: dict[str, Any], model_type: str) -> int:
-    """max_position_embeddings, capped at the sliding window when one is in
-    force: attention here is always full, which equals sliding-window
-    attention only while the context fits in the window."""
-    limit = hf.get("max_position_embeddings", 4096)
-    window = hf.get("sliding_window")
-    window_in_force = hf.get("use_sliding_window", model_type == "mistral")
-    if window and window_in_force:
-        limit = min(limit, window)
-    return limit
-
-
-def _read_dtype(name: str) -> str:
-    name = name.removeprefix("torch.")
-    if name not in DTYPES:
-        raise ValueError(f"dtype {name!r} is not supported (supported: {sorted(DTYPES)})")
-    return name
-
-
-def _read_rope_scaling(spec: dict[str, Any]) -> RopeScaling | None:
-    rope_type = spec.get("rope_type", spec.get("type", "default"))
-    if rope_type in (None, "default"):
-        return None
-    if rope_type != "llama3":
-        raise ValueError(f"rope scaling type {rope_type!r} is not supported (only 'llama3')")
-    scaling = RopeScaling(
-        factor=spec["factor"],
-        low_freq_factor=spec["low_freq_factor"],
-        high_freq_factor=spec["high_freq_factor"],
-        original_max_position_embeddings=spec["original_max_position_embeddings"],
-    )
-    if not math.isfinite(scaling.factor) or scaling.high_freq_factor <= scaling.low_freq_factor:
-        raise ValueError("llama3 rope scaling needs high_freq_factor > low_freq_factor")
-    return scaling

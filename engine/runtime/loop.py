@@ -1,105 +1,179 @@
 """The decode loop: one task that moves every request, one iteration at a time.
 
-Each iteration::
+Its interface is narrow: `submit` (requests in, a stream out), `abort`,
+`abandon`, `wait_idle`, `shutdown`, `run`. Each iteration::
 
-    drain the inbox (QUEUED) -> apply aborts -> admit (QUEUED -> PREFILLING)
-    -> grow decode pages, retracting under pressure -> run the model step in
-    a worker thread -> append tokens, stream outputs, finish -> release the
-    finished requests whose fences are done -> leak check when idle
+    intake: start submitted requests (QUEUED), apply aborts
+    -> release finished requests whose fences are done (and quarantined
+       handles whose fences completed late)
+    -> plan: landed transfers, retried moves, admission, growth/retraction,
+       the batch
+    -> run the model step in a worker thread
+    -> apply: tokens, outputs, finishes
+    -> when idle, the leak check (logged and counted, never raised here)
 
 NOTE: requests in a running step are never transitioned while it runs: the
-loop is the only task that transitions, and it is awaiting the step. That
-is the in-flight-model-step fence, by construction. Aborts, submissions and
-health checks arriving meanwhile are queued and applied after the step.
+loop is the only task that transitions, and it is awaiting the step. That is
+the in-flight-model-step fence, by construction. Submissions and aborts that
+arrive meanwhile are applied after the step.
+
+If an iteration itself raises (a bug, not a hook: hooks are isolated by the
+machine), the loop is dead: every open stream ends with `EngineDead`, new
+submissions raise it, and `errored` holds the cause.
 """
 
 from __future__ import annotations
 
-import itertools
+import math
+import threading
 import time
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
 import anyio.lowlevel
 import structlog
 
-from engine.disagg.kv_transfer_hook import KVTransferHook
-from engine.outputs import RequestOutput
-from engine.runtime.scheduler import ScheduledSeq, Scheduler
+from engine.errors import EngineClosed, EngineDead, EngineOverloaded
+from engine.runtime.finisher import Finisher
+from engine.runtime.output_builder import OutputBuilder
+from engine.runtime.planner import Planner
 from engine.runtime.stats import EngineStats
-from resources import LeakError, ResourceExhausted
-from states import FinishReason, Request, RequestMachine, RequestState
+from engine.runtime.table import RequestTable, Submission, close_stream
+from engine.stream import RequestStream
+from resources.ledger import LeakError
+from states import FinishReason, Request, RequestState, ResourceExhausted
 
 S = RequestState
 log = structlog.get_logger("kvlife.loop")
 
 
 class DecodeLoop:
-    def __init__(self, *, machine: RequestMachine, scheduler: Scheduler, runner: Any, kv_hook: Any,
-                 kv_pool: Any, stop_ids: frozenset[int], max_context: int, check_memory: Callable,
-                 leak_check: str, admit_into: RequestState = S.PREFILLING,
-                 after_prefill: RequestState = S.DECODING, max_queued: int = 4096,
-                 grow: Callable[[Request, int], bool] | None = None) -> None:
-        self.machine = machine
-        self.scheduler = scheduler
-        self.runner = runner
-        self.kv_hook = kv_hook
-        self.kv_pool = kv_pool
-        self.stop_ids = stop_ids
-        self.max_context = max_context
-        self.check_memory = check_memory
-        self.leak_check = leak_check
-        self.admit_into = admit_into
-        self.after_prefill = after_prefill
-        #: make a decoding request's memory cover N tokens; False when the pool is short
-        self.grow = grow if grow is not None else kv_hook.grow
+    def __init__(self, parts: Any, *, tokenizer: Any, max_context: int, check_memory: Any,
+                 memory_report: Any) -> None:
+        config = parts.config
+        self.machine = parts.machine
+        self.runner = parts.runner
+        self.prefill_client = parts.prefill_client
+        self.leak_check = config.leak_check
+        self.max_queued = config.max_queued
+        self.tokenizer = tokenizer
+        self._check_memory = check_memory
         self.stats = EngineStats()
-        machine.transition_observers.append(self.stats.on_transition)
-        self.inbox_send, self.inbox = anyio.create_memory_object_stream(max_queued)
-        self.requests: dict[str, Request] = {}  # every request not yet RELEASED
-        self.outputs: dict[str, Any] = {}  # request id -> output send stream
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # admitted, not finished
-        self.finished: list[Request] = []  # FINISHED, waiting for fences
-        self.pending_aborts: deque[tuple[str, FinishReason]] = deque()
-        self.step_observers: list[Callable[[Sequence[ScheduledSeq], Any], None]] = []
-        self.release_observers: list[Callable[[Request], None]] = []
-        self.make_output: Callable[..., RequestOutput] = RequestOutput
-        self._admitted = itertools.count(1)
-        self._wake = anyio.Event()
-        self.idle_event = anyio.Event()
-        self.idle_event.set()
-        self._was_idle = True
+        self.machine.transition_observers.append(self.stats.on_transition)
+        self.table = RequestTable()
+        self.finisher = Finisher(machine=self.machine, table=self.table, stats=self.stats,
+                                 stop_ids=frozenset(parts.model_config.stop_token_ids), max_context=max_context,
+                                 after_prefill=parts.after_prefill)
+        self.finisher.step_observers.extend(parts.step_observers)
+        self.planner = Planner(machine=self.machine, table=self.table, finisher=self.finisher,
+                               scheduler=parts.scheduler, kv_pool=parts.kv_pool, admit_into=parts.admit_into,
+                               after_prefill=parts.after_prefill, transfer_job=parts.transfer_job,
+                               starvation_timeout=config.starvation_timeout, report=memory_report)
+        self.errored: BaseException | None = None
+        self.last_leak: tuple[str, ...] = ()
         self.step_running = False
-        self.closing = False  # set by shutdown: start no new step
+        self.closing = False
+        self._wake = anyio.Event()
+        self._idle_event = anyio.Event()
+        self._idle_event.set()
+        self._checked_idle = True
+        self._thread: int | None = None
 
-    # ------------------------------------------------------------ the task
-    async def run(self, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
-        while True:
-            await self.iteration()
+    # ------------------------------------------------------------ interface
+    def submit(self, request_id: str, requests: Sequence[Request]) -> RequestStream:
+        """Hand requests over; the returned stream carries their outputs."""
+        if self.errored is not None:
+            raise EngineDead(self.errored)
+        if self.closing:
+            raise EngineClosed("the engine is shutting down")
+        queued = len(self.table.unstarted) + len(self.table.waiting)
+        if queued + len(requests) > self.max_queued:
+            raise EngineOverloaded(f"{queued} requests already queued (max_queued = {self.max_queued})")
+        send, receive = anyio.create_memory_object_stream(math.inf)
+        submission = Submission(request_id, list(requests), send,
+                                {r: OutputBuilder(r, self.tokenizer, index=i) for i, r in enumerate(requests)})
+        self.table.add(submission)
+        self.stats.submitted += 1
+        if self._idle_event.is_set():
+            self._idle_event = anyio.Event()
+        self.wake()
+        return RequestStream(request_id, receive, lambda: self.abandon(submission), n=len(requests))
+
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
+        """Abort a live submission by id; False if unknown or already finished."""
+        submission = self.table.submissions.get(request_id) if isinstance(request_id, str) else None
+        if submission is None or all(r.is_finished for r in submission.requests):
+            return False
+        self.table.aborts.append((submission, reason))
+        self.wake()
+        return True
+
+    def abandon(self, submission: Submission) -> None:
+        """Its client stopped listening: abort exactly that submission (safe from any thread).
+
+        NOTE: a submission whose sequences all finished has nothing to abort;
+        queueing it would leave a stale entry behind while the engine idles."""
+        if submission.open <= 0:
+            return
+        self.table.aborts.append((submission, FinishReason.ABORT))
+        if threading.get_ident() == self._thread:
+            self.wake()
+
+    @property
+    def step_observers(self) -> list[Any]:
+        """Called as `observer(batch, step_output)` after every model step (isolated)."""
+        return self.finisher.step_observers
+
+    def is_live(self, request_id: str) -> bool:
+        return request_id in self.table.submissions
+
+    def requests(self) -> list[Request]:
+        """Every request not yet RELEASED (a snapshot)."""
+        return list(self.table.requests())
+
+    @property
+    def idle(self) -> bool:
+        client = self.prefill_client
+        return not self.table and (client is None or client.idle)
+
+    async def wait_idle(self, timeout: float | None = None) -> None:
+        """Wait until no request is outside RELEASED (aborts and releases applied)."""
+        with anyio.fail_after(timeout):
+            while not self.idle:
+                if self.table:
+                    await self._idle_event.wait()
+                else:  # only the prefill client's own requests are left
+                    await anyio.sleep(0.005)
 
     def wake(self) -> None:
         self._wake.set()
+
+    # ------------------------------------------------------------ the task
+    async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+        self._thread = threading.get_ident()
+        task_status.started()
+        while True:
+            try:
+                await self.iteration()
+            except Exception as exc:  # noqa: BLE001 - reported to every client, never lost
+                self._die(exc)
+                return
 
     async def iteration(self) -> None:
         if self.closing:  # shutdown owns the requests now
             await self._wait(None)
             return
-        self._drain_inbox()
-        self._apply_aborts()
-        self._release_finished()
-        if not self.requests:
-            self._on_idle()
-            await self._wait(None)
+        self._intake()
+        reaped = self.finisher.release_finished()
+        if not self.table:
+            self._idle_event.set()
+            self._on_idle(recheck=bool(reaped))
+            await self._wait(0.05 if self.machine.quarantined else None)
             return
-        self._was_idle = False
-        self._land_transfers()
-        self._advance_staged()
-        self._admit()
-        batch = self._plan_batch()
+        self._checked_idle = False
+        self.planner.prepare()
+        batch = self.planner.batch()
         if not batch:
             await self._wait(0.005)  # fences or memory: poll again shortly
             return
@@ -107,12 +181,9 @@ class DecodeLoop:
         try:
             output = await anyio.to_thread.run_sync(self.runner.step, batch)
         except Exception as exc:  # the batch fails, the engine keeps serving
-            self.stats.step_errors += 1
-            log.error("model.step_failed", error=repr(exc), batch=[s.request.request_id for s in batch])
-            for s in batch:
-                self.finish(s.request, FinishReason.ERROR, error=exc)
+            self.finisher.fail_step(batch, exc)
         else:
-            self._apply_step(batch, output)
+            self.finisher.apply_step(batch, output)
         finally:
             self.step_running = False
             self.stats.on_step(time.monotonic())
@@ -123,221 +194,59 @@ class DecodeLoop:
             await self._wake.wait()
         self._wake = anyio.Event()
 
-    # --------------------------------------------------------- submissions
-    def _drain_inbox(self) -> None:
-        while True:
+    def _intake(self) -> None:
+        table = self.table
+        while table.unstarted:
+            request = table.unstarted[0]
             try:
-                request = self.inbox.receive_nowait()
-            except (anyio.WouldBlock, anyio.EndOfStream):
-                return
-            self.machine.start(request)
-            self.waiting.append(request)
-
-    def _apply_aborts(self) -> None:
-        while self.pending_aborts:
-            request_id, reason = self.pending_aborts.popleft()
-            request = self.requests.get(request_id)
-            if request is not None:
-                self.finish(request, reason)
-
-    def _admit(self) -> None:
-        if not self.waiting:
-            return
-        chosen = self.scheduler.select_admissions(
-            self.waiting,
-            num_running=len(self.running),
-            free_slots=self.kv_pool.slots.num_free,
-            available_pages=self.kv_pool.available_pages,
-        )
-        for request in chosen:
-            if not self.advance(request, self.admit_into, reason="admitted"):
-                break
-            self.waiting.remove(request)
-            request.extras["admitted_seq"] = next(self._admitted)
-            if "cached_tokens" not in request.extras:  # first admission
-                request.extras["cached_tokens"] = request.kv_len
-                queried = request.num_prompt_tokens - 1 if self.admit_into is S.PREFILLING else 0
-                self.stats.on_admit(request, time.monotonic(), request.kv_len, queried)
-            self.running.append(request)
-
-    def _land_transfers(self) -> None:
-        """TRANSFERRING requests whose KV has landed: PREBUILT with the first token."""
-        for request in list(self.running):
-            if request.state is not S.TRANSFERRING:
+                self.machine.start(request)
+            except ResourceExhausted:
+                break  # FIFO: retried next iteration
+            except Exception as exc:
+                table.unstarted.popleft()
+                log.error("request.start_failed", request_id=request.request_id, error=repr(exc))
+                self.finisher.finish(request, FinishReason.ERROR, error=exc)
                 continue
-            job = KVTransferHook.job(request)
-            if job.outcome is None or not job.fence.done():
-                missed = self._missed_fence(request)
-                if missed is not None:  # the copy is presumed lost: fail it; its pages quarantine
-                    self.finish(request, FinishReason.TRANSFER_FAILED,
-                                error=TimeoutError(f"{missed.name} missed its deadline"))
-                continue
-            status, value = job.outcome
-            if status != "ok":
-                self.finish(request, FinishReason.TRANSFER_FAILED, error=value)
-                continue
-            request.kv_len = request.num_tokens
-            self._accept_token(request, value, time.monotonic())
-
-    def _advance_staged(self) -> None:
-        """Retry moves that wait on memory or copies: PREBUILT -> after_prefill,
-        STAGING -> DECODING once the staging copies are done."""
-        for request in list(self.running):
-            if request.state is S.PREBUILT:
-                self.advance(request, self.after_prefill, reason="first token")
-            elif request.state is S.STAGING:
-                missed = self._missed_fence(request)
-                if missed is not None:  # staging can never complete: finish (the memory quarantines)
-                    self.finish(request, FinishReason.ERROR, error=TimeoutError(f"{missed.name} missed its deadline"))
-                elif all(f.done() for f in request.fences):
-                    self.advance(request, S.DECODING, reason="staged")
-
-    def _missed_fence(self, request: Request) -> Any:
-        """A fence of `request` still in flight past its deadline, if any."""
-        now = self.machine.clock()
-        return next((f for f in request.fences if not f.done() and f.deadline <= now), None)
-
-    def advance(self, request: Request, dst: RequestState, *, reason: str) -> bool:
-        """Move through the machine. A full pool leaves the request where it was
-        (False); any other acquisition failure finishes it with ERROR."""
-        try:
-            self.machine.advance(request, dst, reason=reason)
-        except ResourceExhausted:
-            return False
-        except Exception as exc:  # a faulty hook must not take the engine down
-            log.error("request.acquire_failed", request_id=request.request_id, dst=dst.name, error=repr(exc))
-            self.finish(request, FinishReason.ERROR, error=exc)
-            return False
-        return True
-
-    # ---------------------------------------------------------- the batch
-    def _plan_batch(self) -> list[ScheduledSeq]:
-        decoding = [r for r in self.running if r.state is S.DECODING]
-        for request in decoding:
-            while request.state is S.DECODING and not self.grow(request, request.kv_len + 1):
-                victim = self.scheduler.select_victim(
-                    [r for r in self.running if r.state is S.DECODING], retractable=self._retractable
-                )
-                if victim is None:
-                    self.finish(request, FinishReason.ERROR, error=ResourceExhausted("no page to decode into"))
-                    break
-                self.retract(victim)
-        decoding = [r for r in self.running if r.state is S.DECODING]
-        prefilling = [r for r in self.running if r.state is S.PREFILLING]
-        return self.scheduler.select_batch(prefilling, decoding)
-
-    def _retractable(self, request: Request) -> bool:
-        return all(f.done() for f in request.fences)
-
-    def retract(self, request: Request) -> None:
-        """DECODING -> RETRACTED -> QUEUED at the head of the queue; output is kept."""
-        self.machine.advance(request, S.RETRACTED, reason="page pressure")
-        request.kv_len = 0
-        self.running.remove(request)
-        self.machine.advance(request, S.QUEUED, reason="requeued")
-        self.waiting.appendleft(request)
-
-    def _apply_step(self, batch: Sequence[ScheduledSeq], output: Any) -> None:
-        for observer in self.step_observers:
-            observer(batch, output)
-        tokens = iter(output.tokens)
-        now = time.monotonic()
-        for s in batch:
-            request = s.request
-            request.kv_len = s.start + s.num_tokens
-            if not s.samples:
-                continue
-            token = next(tokens)
-            if request.state in (S.PREFILLING, S.DECODING):
-                self._accept_token(request, token, now)
-
-    def _accept_token(self, request: Request, token: int, now: float) -> None:
-        """Append a sampled token; a completed prefill or transfer becomes PREBUILT,
-        then finishes (first-token finish) or moves on like any other."""
-        request.output_token_ids.append(token)
-        if request.first_token_time is None:
-            request.first_token_time = now
-        self.stats.on_token(request, now)
-        if request.state in (S.PREFILLING, S.TRANSFERRING) and not self.advance(request, S.PREBUILT,
-                                                                                 reason="prefilled"):
-            return
-        reason = self._finish_reason(request, token)
-        if reason is not None:
-            self.finish(request, reason, new_tokens=[token])
-            return
-        self.emit(request, [token])
-        if request.state is S.PREBUILT:
-            self.advance(request, self.after_prefill, reason="first token")
-
-    def _finish_reason(self, request: Request, token: int) -> FinishReason | None:
-        params = request.params
-        if (token in self.stop_ids and not params.ignore_eos) or token in params.stop_token_ids:
-            return FinishReason.STOP
-        if request.num_output_tokens >= params.max_new_tokens or request.num_tokens >= self.max_context:
-            return FinishReason.LENGTH
-        return None
-
-    # ------------------------------------------------------------ finishing
-    def finish(self, request: Request, reason: FinishReason, *, error: BaseException | None = None,
-               new_tokens: list[int] | None = None) -> None:
-        """Finish through the machine and send the final output. Idempotent."""
-        if not self.machine.finish(request, reason, error=error):
-            return
-        if request in self.running:
-            self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
-        self.emit(request, new_tokens or [], final=True)
-        if not self._try_release(request):
-            self.finished.append(request)
-
-    def emit(self, request: Request, new_tokens: list[int], *, final: bool = False) -> None:
-        stream = self.outputs.get(request.request_id)
-        if stream is None:
-            return
-        output = self.make_output(request, new_tokens, final)
-        try:
-            stream.send_nowait(output)
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-            self.outputs.pop(request.request_id, None)
-            stream.close()
-            if not request.is_finished:  # the client left: abort
-                self.finish(request, FinishReason.ABORT)
-            return
-        if final:
-            stream.close()
-            self.outputs.pop(request.request_id, None)
-
-    def _release_finished(self) -> None:
-        if self.finished:
-            self.finished = [r for r in self.finished if not self._try_release(r)]
-
-    def _try_release(self, request: Request) -> bool:
-        """FINISHED -> RELEASED if its fences allow; wakes `wait_idle` waiters."""
-        if not self.machine.try_release(request):
-            return False
-        self.requests.pop(request.request_id, None)
-        for observer in self.release_observers:
-            observer(request)
-        if not self.requests:
-            self.idle_event.set()
-        return True
+            table.unstarted.popleft()
+            table.waiting.append(request)
+        while table.aborts:
+            submission, reason = table.aborts.popleft()
+            self.finisher.abort_submission(submission, reason)
 
     # ------------------------------------------------------------ idleness
-    def _on_idle(self) -> None:
-        if self._was_idle or self.leak_check == "off":
-            self._was_idle = True
+    def _on_idle(self, *, recheck: bool) -> None:
+        if (self._checked_idle and not recheck) or self.leak_check == "off" or not self.idle:
             return
-        self._was_idle = True
+        self._checked_idle = True
         self.stats.leak_checks += 1
         try:
-            self.check_memory()
-        except LeakError:
+            self._check_memory()
+            self.last_leak = ()
+        except LeakError as exc:  # a diagnostic never ends service: logged, counted, reported
             self.stats.leak_check_failures += 1
-            if self.leak_check == "raise":
-                raise
+            self.last_leak = tuple(exc.problems)
 
-    # ------------------------------------------------------------ shutdown
+    # ------------------------------------------------------------ endings
+    def _die(self, exc: BaseException) -> None:
+        self.errored = exc
+        log.error("engine.dead", error=repr(exc), live_requests=len(self.table))
+        dead = EngineDead(exc)
+        for submission in list(self.table.submissions.values()):
+            if submission.send is not None:
+                try:
+                    submission.send.send_nowait(dead)
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    pass
+                close_stream(submission)
+        for request in self.table.requests():  # best effort: release what can be released
+            try:
+                if not request.history:
+                    self.machine.start(request, acquire=False)
+                self.machine.finish(request, FinishReason.ERROR, error=exc)
+                self.finisher.try_release(request)
+            except Exception as again:  # noqa: BLE001
+                log.error("engine.dead_release_failed", request_id=request.request_id, error=repr(again))
+
     async def shutdown(self) -> None:
         """Finish every live request with SHUTDOWN and release all (call shielded).
 
@@ -348,13 +257,13 @@ class DecodeLoop:
         self.closing = True
         while self.step_running:
             await anyio.sleep(0.005)
-        self.inbox_send.close()
-        self._drain_inbox()
-        self.inbox.close()
-        for request in list(self.requests.values()):
-            self.finish(request, FinishReason.SHUTDOWN)
-        self.pending_aborts.clear()  # every request they named has finished
-        while self.finished:
-            self._release_finished()
-            if self.finished:
+        if self.errored is not None:
+            return
+        self.table.aborts.clear()
+        for request in self.table.requests():
+            self.finisher.finish(request, FinishReason.SHUTDOWN)
+        while self.table.finished():
+            self.finisher.release_finished()
+            if self.table.finished():
                 await anyio.sleep(0.005)
+        self.finisher.release_finished()

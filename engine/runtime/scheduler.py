@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
+from resources.paging import pages_for
 from states import Request
 
 
@@ -35,23 +36,23 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.page_size = page_size
 
-    def pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
-
     def select_admissions(
         self, waiting: Iterable[Request], *, num_running: int, free_slots: int, available_pages: int
     ) -> list[Request]:
         """Waiting requests to admit now, in order: FIFO while a slot and pages remain.
 
         One page per running request is kept back so that the next decode
-        step does not have to retract what was just admitted.
+        step does not have to retract what was just admitted; a request that
+        would run alone needs no reserve (it fits the pool by construction:
+        max_context never exceeds it).
         """
         chosen: list[Request] = []
         budget = available_pages - num_running
         for request in waiting:
             if num_running + len(chosen) >= self.max_running or len(chosen) >= free_slots:
                 break
-            need = self.pages_for(request.num_tokens) + 1
+            alone = num_running == 0 and not chosen
+            need = pages_for(request.num_tokens, self.page_size) + (0 if alone else 1)
             if need > budget:
                 break  # FIFO: later requests wait behind the head
             chosen.append(request)
@@ -76,4 +77,4 @@ class Scheduler:
         candidates = [r for r in decoding if retractable(r)]
         if not candidates:
             return None
-        return max(candidates, key=lambda r: r.extras.get("admitted_seq", 0))
+        return max(candidates, key=lambda r: r.admitted_seq)

@@ -1,0 +1,54 @@
+"""The small building blocks of a decoder layer: RMSNorm (Llama's, or
+Gemma's ``1 + weight`` variant) and the gated MLP (SwiGLU, or Gemma's
+tanh-GELU GeGLU).
+
+Both follow transformers' arithmetic order, so a float16/bfloat16 model rounds
+where transformers rounds.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in float32.
+
+    Llama: normalise in float32, cast back, then scale by `weight`.
+    Gemma (`gemma=True`): scale by ``1 + weight`` in float32, then cast back.
+    """
+
+    def __init__(self, size: int, eps: float, *, gemma: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(size) if gemma else torch.ones(size))
+        self.eps = eps
+        self.gemma = gemma
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.gemma:
+            return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * x32.to(x.dtype)
+
+
+class GatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))``; `act` is "silu" (SwiGLU) or
+    "gelu_pytorch_tanh" (GeGLU)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, act: str = "silu", bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.act = _ACTIVATIONS[act]
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))

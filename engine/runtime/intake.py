@@ -1,0 +1,115 @@
+"""Request intake: validation and tokenization, before anything is allocated.
+
+`RequestIntake.build` turns one `Engine.generate` call into its requests
+(one per sequence of `SamplingParams.n`) or raises `InvalidRequest` naming
+the field and the limit. Besides each field's own limits it refuses what
+could never be admitted (a prompt plus its output beyond `max_context`, which
+the configuration keeps within the KV pool; images whose embeddings exceed
+the multimodal cache), so a request that passes can only ever wait, never
+wait forever.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+
+from engine.config import SamplingParams
+from engine.errors import InvalidRequest
+from states import Request, RequestKind
+
+
+class RequestIntake:
+    def __init__(self, *, tokenizer: Any, model: Any, model_config: Any, max_context: int,
+                 mm_cache_bytes: int | None, is_live: Callable[[str], bool]) -> None:
+        self.tokenizer = tokenizer
+        self.model = model
+        self.model_config = model_config
+        self.max_context = max_context
+        self.mm_cache_bytes = mm_cache_bytes
+        self._is_live = is_live
+
+    def build(self, prompt: str | Sequence[int], params: SamplingParams | None, request_id: str | None,
+              mm_inputs: Sequence[Any] | None, kind: RequestKind) -> tuple[str, list[Request]]:
+        """(user-facing request id, its requests) for one submission."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequest("params", "a SamplingParams", params)
+        token_ids = self._token_ids(prompt)
+        vocab = self.model_config.vocab_size
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise InvalidRequest("SamplingParams.stop_token_ids", f"token ids in [0, {vocab})", bad[0])
+        total = len(token_ids) + params.max_new_tokens
+        if total > self.max_context:
+            raise InvalidRequest("prompt + max_new_tokens", f"<= max_context = {self.max_context}", total)
+        request_id = self._request_id(request_id)
+        images = self._images(mm_inputs)
+        if images:
+            from engine.model.vision import prepare_images
+
+            token_ids = prepare_images(self.model, self.model_config.image_token_id, token_ids, images)
+            total = len(token_ids) + params.max_new_tokens
+            if total > self.max_context:
+                raise InvalidRequest("prompt + image tokens + max_new_tokens", f"<= max_context = {self.max_context}",
+                                     total)
+            self._check_embeddings_fit(images)
+        if params.n == 1:
+            return request_id, [Request(request_id, token_ids, params, kind=kind, mm_inputs=images)]
+        return request_id, [
+            Request(f"{request_id}/{i}", list(token_ids), _sequence_params(params, i), kind=kind,
+                    mm_inputs=list(images))
+            for i in range(params.n)
+        ]
+
+    # ------------------------------------------------------------ fields
+    def _token_ids(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequest("prompt", "a non-empty string or token list", prompt)
+            token_ids = list(self.tokenizer.encode(prompt))
+        elif isinstance(prompt, (list, tuple)):
+            token_ids = list(prompt)
+        else:
+            raise InvalidRequest("prompt", "a string or a list of token ids", prompt)
+        if not token_ids:
+            raise InvalidRequest("prompt", "non-empty", prompt)
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab)]
+        if bad:
+            raise InvalidRequest("prompt", f"token ids in [0, {vocab})", bad[0])
+        return token_ids
+
+    def _request_id(self, request_id: Any) -> str:
+        if request_id is None:
+            return uuid.uuid4().hex
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequest("request_id", "a non-empty string", request_id)
+        if self._is_live(request_id):
+            raise InvalidRequest("request_id", "unique among requests in flight", request_id)
+        return request_id
+
+    @staticmethod
+    def _images(mm_inputs: Any) -> list[Any]:
+        if mm_inputs is not None and not isinstance(mm_inputs, (list, tuple)):
+            raise InvalidRequest("mm_inputs", "a list of images", type(mm_inputs).__name__)
+        return list(mm_inputs or ())
+
+    def _check_embeddings_fit(self, images: list[Any]) -> None:
+        """Every image's embeddings are referenced at once while the request runs."""
+        if self.mm_cache_bytes is None:
+            return
+        per_token = self.model_config.hidden_size * self.model.dtype.itemsize
+        need = sum(self.model.num_image_tokens(image) for image in images) * per_token
+        if need > self.mm_cache_bytes:
+            raise InvalidRequest("mm_inputs", f"images whose embeddings fit in mm_cache_bytes = {self.mm_cache_bytes}",
+                                 f"{need} bytes")
+
+
+def _sequence_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sequence `index` of an n > 1 request: its own seed, so the sequences differ."""
+    seed = None if params.seed is None else (params.seed + index) % 2**63
+    return attrs.evolve(params, n=1, seed=seed)

@@ -1,0 +1,175 @@
+"""Planning one step: what moved since the last one, who is admitted, who
+grows or is retracted, and the batch.
+
+In order: transfers that landed enter PREBUILT; moves that wait on memory or
+copies are retried (PREBUILT -> DECODING/STAGING, STAGING -> DECODING,
+RETRACTED -> QUEUED); the scheduler picks admissions (QUEUED ->
+PREFILLING/TRANSFERRING); every decoding request grows by one token through
+the machine, retracting the newest admitted under page pressure; the
+scheduler builds the batch. A request waiting past `starvation_timeout`
+while pools stay held is reported once (`memory.starved`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import structlog
+
+from engine.runtime.finisher import Finisher
+from engine.runtime.scheduler import ScheduledSeq, Scheduler
+from engine.runtime.table import RequestTable
+from states import FinishReason, Request, RequestMachine, RequestState, ResourceExhausted
+
+S = RequestState
+log = structlog.get_logger("kvlife.loop")
+
+
+class Planner:
+    def __init__(self, *, machine: RequestMachine, table: RequestTable, finisher: Finisher, scheduler: Scheduler,
+                 kv_pool: Any, admit_into: RequestState, after_prefill: RequestState, transfer_job: Any,
+                 starvation_timeout: float, report: Any) -> None:
+        self.machine = machine
+        self.table = table
+        self.finisher = finisher
+        self.scheduler = scheduler
+        self.kv_pool = kv_pool
+        self.admit_into = admit_into
+        self.after_prefill = after_prefill
+        #: the decode role's accessor of a TRANSFERRING request's job (None otherwise)
+        self.transfer_job = transfer_job
+        self.starvation_timeout = starvation_timeout
+        #: memory_report(), for naming what a starved request waits on
+        self.report = report
+        self._admissions = 0
+        #: request -> what it was reported starving for (reported once per request)
+        self.starved: dict[Request, dict[str, Any]] = {}
+
+    def prepare(self) -> None:
+        if self.transfer_job is not None:
+            self._land_transfers()
+        self._retry_moves()
+        self._admit()
+
+    # ---------------------------------------------------------- transfers
+    def _land_transfers(self) -> None:
+        """TRANSFERRING requests whose KV has landed: PREBUILT with the first token."""
+        for request in self.table.in_state(S.TRANSFERRING):
+            job = self.transfer_job(request)
+            if job.outcome is None or not job.fence.done():
+                missed = self._missed_fence(request)
+                if missed is not None:  # presumed lost: fail it; its pages quarantine
+                    self.finisher.finish(request, FinishReason.TRANSFER_FAILED,
+                                         error=TimeoutError(f"{missed.name} missed its deadline"))
+                continue
+            status, value = job.outcome
+            if status != "ok":
+                self.finisher.finish(request, FinishReason.TRANSFER_FAILED, error=value)
+                continue
+            request.kv_len = request.num_tokens
+            self.finisher.accept_token(request, value, time.monotonic())
+
+    def _missed_fence(self, request: Request) -> Any:
+        now = self.machine.clock()
+        return next((f for f in request.fences if not f.done() and f.deadline <= now), None)
+
+    # ------------------------------------------------------- retried moves
+    def _retry_moves(self) -> None:
+        for request in self.table.in_state(S.PREBUILT, S.STAGING, S.RETRACTED):
+            if request.state is S.PREBUILT:
+                self.finisher.advance(request, self.after_prefill, reason="first token")
+            elif request.state is S.RETRACTED:
+                if self.finisher.advance(request, S.QUEUED, reason="requeued"):
+                    self.table.waiting.appendleft(request)
+            else:
+                missed = self._missed_fence(request)
+                if missed is not None:  # staging can never complete: finish (the memory quarantines)
+                    self.finisher.finish(request, FinishReason.ERROR,
+                                         error=TimeoutError(f"{missed.name} missed its deadline"))
+                elif all(f.done() for f in request.fences):
+                    self.finisher.advance(request, S.DECODING, reason="staged")
+
+    # ----------------------------------------------------------- admission
+    def _admit(self) -> None:
+        waiting = self.table.waiting
+        if not waiting:
+            return
+        kv = self.kv_pool
+        chosen = self.scheduler.select_admissions(waiting, num_running=len(self.table.running()),
+                                                  free_slots=kv.slots.num_free, available_pages=kv.available_pages)
+        for request in chosen:
+            if not self.finisher.advance(request, self.admit_into, reason="admitted"):
+                break
+            waiting.remove(request)
+            self._admissions += 1
+            request.admitted_seq = self._admissions
+            self.starved.pop(request, None)
+            if request.num_cached_tokens is None:  # the first admission
+                request.num_cached_tokens = request.kv_len
+                queried = request.num_prompt_tokens - 1 if self.admit_into is S.PREFILLING else 0
+                self.finisher.stats.on_admit(request, time.monotonic(), request.kv_len, queried)
+        if waiting:
+            self._check_starvation(waiting[0])
+
+    def _check_starvation(self, head: Request) -> None:
+        queued_at = head.entered_at(S.QUEUED)
+        if head in self.starved or queued_at is None or self.machine.clock() - queued_at < self.starvation_timeout:
+            return
+        report = self.report()
+        short = {name: s for name, s in report.pools.items() if s.free + s.evictable < s.capacity}
+        holders = {name: [o.describe() for o in report.owners.get(name, [])][:8] for name in short}
+        record = {"request_id": head.request_id, "waited_s": round(self.machine.clock() - queued_at, 3),
+                  "pools": {name: {"free": s.free, "evictable": s.evictable, "held": s.held,
+                                   "capacity": s.capacity} for name, s in short.items()},
+                  "holders": holders}
+        self.starved[head] = record
+        self.finisher.stats.starved += 1
+        log.warning("memory.starved", **record)
+
+    # --------------------------------------------------------------- batch
+    def batch(self) -> list[ScheduledSeq]:
+        skipped: set[Request] = set()
+        for request in self.table.in_state(S.DECODING):
+            if request.state is not S.DECODING:  # retracted as a victim meanwhile
+                continue
+            if request.fences:  # a long decode must not keep one completed backup fence per token
+                request.fences[:] = [f for f in request.fences if not f.done()]
+            if not self._grow(request):
+                skipped.add(request)
+        decoding = [r for r in self.table.in_state(S.DECODING) if r not in skipped]
+        return self.scheduler.select_batch(self.table.in_state(S.PREFILLING), decoding)
+
+    def _grow(self, request: Request) -> bool:
+        """Cover the request's next token, retracting others under pressure; False if it
+        cannot decode this step (finished, or a retraction was refused: retried next step)."""
+        while request.state is S.DECODING:
+            try:
+                if self.machine.grow(request, request.kv_len + 1):
+                    return True
+            except Exception as exc:
+                log.error("request.grow_failed", request_id=request.request_id, error=repr(exc))
+                self.finisher.finish(request, FinishReason.ERROR, error=exc)
+                return False
+            victim = self.scheduler.select_victim(self.table.in_state(S.DECODING), retractable=_retractable)
+            if victim is None:
+                self.finisher.finish(request, FinishReason.ERROR,
+                                     error=ResourceExhausted("no page to decode into"))
+                return False
+            if not self.retract(victim):
+                return False
+        return False
+
+    def retract(self, request: Request) -> bool:
+        """DECODING -> RETRACTED -> QUEUED at the head of the queue; output is kept.
+        False if the machine refused (the request stays where it was)."""
+        if not self.finisher.advance(request, S.RETRACTED, reason="page pressure"):
+            return False
+        request.kv_len = 0
+        if self.finisher.advance(request, S.QUEUED, reason="requeued"):
+            self.table.waiting.appendleft(request)
+        return True
+
+
+def _retractable(request: Request) -> bool:
+    return all(f.done() for f in request.fences)
