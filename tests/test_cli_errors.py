@@ -18,7 +18,7 @@ MISUSES = [
     (["run", "--concurrency", "-1"], "--concurrency: must be an integer >= 1"),
     (["run", "--requests", "-3"], "--requests: must be an integer >= 1"),
     (["run", "--requests", "many"], "--requests: must be an integer >= 1"),
-    (["run", "--max-context", "0"], "EngineConfig.max_context must be an integer >= 2"),
+    (["run", "--max-context", "0"], "EngineConfig.max_context must be None or an integer >= 2"),
     (["run", "--json", "/nonexistent-dir/report.json"], "directory /nonexistent-dir does not exist"),
     (["generate", ""], "argument text: must be a non-empty string"),
     (["generate", "hi", "--max-new-tokens", "100000"], "prompt + max_new_tokens must be <= max_context"),
@@ -64,7 +64,7 @@ class TestMisuse:
     def test_checkpoint_error_names_the_cause(self, tmp_path, capsys):
         """A directory that is not a checkpoint: one line with EngineConfig.model and what is missing."""
         assert _exit_code(["generate", "hi", "--model", str(tmp_path)]) == 2
-        _assert_one_line(capsys, "has no config.json")
+        _assert_one_line(capsys, "config.json: missing")
 
     def test_port_in_use(self, capsys):
         """A port another socket listens on: one line saying it cannot listen there."""

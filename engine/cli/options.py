@@ -107,6 +107,7 @@ def add_engine_options(parser: argparse.ArgumentParser, defaults: dict[str, Any]
     group = parser.add_argument_group("engine options (EngineConfig fields)")
     for name, kind, help_text in ENGINE_OPTIONS:
         shown = defaults.get(name, _CONFIG_DEFAULTS[name])
+        shown = "derived from the pool and the model" if shown is None else shown
         group.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=defaults.get(name),
                            help=f"{help_text} (default: {shown})")
     group.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", default=None,

@@ -113,7 +113,7 @@ def fit_to_context(token_ids: list[int], max_new_tokens: int, max_context: int) 
 
 async def _run_client(engine: Engine, plan: dict[str, Any]) -> str:
     token_ids = engine.tokenizer.encode(plan["prompt"])
-    prompt, max_new = fit_to_context(token_ids, plan["max_new_tokens"], engine.config.max_context)
+    prompt, max_new = fit_to_context(token_ids, plan["max_new_tokens"], engine.max_context)
     plan["fitted"] = (len(prompt), max_new) != (len(token_ids), plan["max_new_tokens"])
     params = SamplingParams(max_new_tokens=max_new, temperature=plan["temperature"], top_p=0.95, seed=plan["seed"])
     stream = engine.generate(prompt, params, request_id=plan["id"])

@@ -48,7 +48,7 @@ class Limits:
 
     @classmethod
     def for_engine(cls, engine: Any, *, max_prompt_tokens: int | None = None, model_name: str | None = None) -> Limits:
-        max_context = engine.config.max_context
+        max_context = engine.max_context
         bound = max_context - 1 if max_prompt_tokens is None else min(max_prompt_tokens, max_context - 1)
         return cls(engine.model_config.vocab_size, max_context, bound, model_name or engine.config.model)
 
