@@ -115,6 +115,33 @@ class KVHook(ResourceHook):
             kv.radix.unlock(block.prefix_node)
             kv.prefix_locks.pop(request, None)
 
+    def publish(self, request: Request, handle: Handle) -> None:
+        """Hand the request's complete whole prompt pages to the prefix cache now (not at
+        release), keeping them locked, so the other sequences of its prompt match them.
+
+        Pages the cache already holds for the same tokens replace the request's own
+        copies (the token table is rewritten, the copies freed). The request then owns
+        only the pages past the published prefix (`handle.amount`)."""
+        kv, block = self.kv, handle.payload
+        ps = kv.page_size
+        full = min(request.kv_len, request.num_prompt_tokens) // ps
+        if full <= block.num_prefix_pages or not self._caches(request):
+            return
+        tokens = request.prompt_token_ids[: full * ps]
+        duplicates = kv.radix.insert(tokens, block.pages[:full])
+        cached, node = kv.radix.match(tokens)
+        kv.radix.lock(node)
+        if block.prefix_node is not None:
+            kv.radix.unlock(block.prefix_node)
+        for index in (i for i in range(full) if block.pages[i] != cached[i]):
+            kv.write_locations(block.slot, index, torch.tensor([cached[index]], dtype=torch.int64))
+        if duplicates:
+            kv.allocator.free(torch.tensor(duplicates, dtype=torch.int64))
+        block.pages[:full] = cached
+        block.num_prefix_pages, block.prefix_node = full, node
+        kv.prefix_locks[request] = (node, full)
+        handle.amount = len(block.pages) - full
+
     def quarantine(self, request: Request, handle: Handle) -> None:
         """A copy may still write the request's own pages: they stay allocated until the
         fence completes. The matched prefix is only read, so its lock goes now."""
@@ -125,4 +152,4 @@ class KVHook(ResourceHook):
             block.prefix_node = None
 
     def _caches(self, request: Request) -> bool:
-        return self.kv.prefix_cache and not request.mm_inputs
+        return (self.kv.prefix_cache or request.shares_prompt) and not request.mm_inputs

@@ -161,6 +161,23 @@ class RequestMachine:
                 return False
         return True
 
+    def call(self, request: Request, hook_name: str, method: str, *args: Any) -> bool:
+        """Run `hook.method(request, handle, *args)` on a held handle, isolated, and record in
+        the ledger what it changed in the handle's amount. False if not held or it raised."""
+        hook = next((h for h in self.hooks if h.name == hook_name), None)
+        handle = request.handles.get(hook_name)
+        if hook is None or handle is None:
+            return False
+        before = handle.amount
+        try:
+            getattr(hook, method)(request, handle, *args)
+        except Exception as exc:
+            self._hook_failed(request, hook, method, exc)
+            return False
+        finally:
+            self._reconcile(request, hook, handle, before)
+        return True
+
     def reap_quarantine(self) -> int:
         """Release quarantined handles whose fences have completed; returns how many."""
         done = [q for q in self.quarantined if _fence_done(q.fence)]

@@ -54,6 +54,9 @@ class Request:
     admitted_seq: int = 0
     #: prompt tokens found in the prefix cache at the first admission (None before it)
     num_cached_tokens: int | None = None
+    #: one of several sequences sampled from one prompt: the KV hook shares the prompt's
+    #: pages through the prefix cache even when the cache is off for other requests
+    shares_prompt: bool = False
     #: free-form per-request scratch for plugins' hooks; the engine itself never reads or writes it
     extras: dict[str, Any] = attrs.field(factory=dict)
 

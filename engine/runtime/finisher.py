@@ -67,6 +67,7 @@ class Finisher:
             self.table.waiting.remove(request)
         submission = self.table.owner.get(request)
         if submission is not None:
+            submission.prompt_ready = True  # a leader that ends early leaves the others to compute it
             builder = submission.builders[request]
             if flush_text:
                 new_text += builder.flush()
@@ -123,6 +124,9 @@ class Finisher:
         self.stats.on_token(request, now)
         request.last_token_time = now
         submission = self.table.owner.get(request)
+        if submission is not None and not submission.prompt_ready and request is submission.leader:
+            self.machine.call(request, "kv", "publish")  # the other sequences match its prompt pages
+            submission.prompt_ready = True
         new_text, stopped = ("", False) if submission is None else submission.builders[request].add_tokens([token])
         logprobs = None if logprob is None else (logprob,)
         reason = FinishReason.STOP if stopped else self._finish_reason(request, token)

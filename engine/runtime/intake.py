@@ -61,7 +61,7 @@ class RequestIntake:
             return request_id, [Request(request_id, token_ids, params, kind=kind, mm_inputs=images)]
         return request_id, [
             Request(f"{request_id}/{i}", list(token_ids), _sequence_params(params, i), kind=kind,
-                    mm_inputs=list(images))
+                    mm_inputs=list(images), shares_prompt=not images)
             for i in range(params.n)
         ]
 

@@ -92,7 +92,8 @@ class DecodeLoop:
             raise EngineOverloaded(f"{queued} requests already queued (max_queued = {self.max_queued})")
         send, receive = anyio.create_memory_object_stream(math.inf)
         submission = Submission(request_id, list(requests), send,
-                                {r: OutputBuilder(r, self.tokenizer, index=i) for i, r in enumerate(requests)})
+                                {r: OutputBuilder(r, self.tokenizer, index=i, request_id=request_id)
+                                 for i, r in enumerate(requests)})
         self.table.add(submission)
         self.stats.submitted += 1
         if self._idle_event.is_set():

@@ -92,9 +92,11 @@ class StopMatcher:
 class OutputBuilder:
     """Turns one request's accepted tokens into `RequestOutput` chunks."""
 
-    def __init__(self, request: Request, tokenizer: Any, *, index: int = 0) -> None:
+    def __init__(self, request: Request, tokenizer: Any, *, index: int = 0, request_id: str | None = None) -> None:
         self.request = request
         self.index = index
+        #: the id the client submitted (sequence i of an n > 1 request runs as "id/i")
+        self.request_id = request.request_id if request_id is None else request_id
         params = request.params
         self._detok = IncrementalDetokenizer(tokenizer) if params.detokenize else None
         self._stops = StopMatcher(params.stop)
@@ -122,7 +124,7 @@ class OutputBuilder:
     def output(self, new_ids: list[int], new_text: str, *, final: bool,
                logprobs: tuple[TokenLogprob, ...] | None = None) -> RequestOutput:
         request = self.request
-        common = dict(request_id=request.request_id, new_token_ids=new_ids, all_ids=request.output_token_ids,
+        common = dict(request_id=self.request_id, new_token_ids=new_ids, all_ids=request.output_token_ids,
                       num_ids=len(request.output_token_ids), new_text=new_text, text_parts=self._parts,
                       num_parts=len(self._parts), index=self.index, logprobs=logprobs)
         if not final:

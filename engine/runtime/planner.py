@@ -96,10 +96,15 @@ class Planner:
         if not waiting:
             return
         kv = self.kv_pool
-        chosen = self.scheduler.select_admissions(waiting, num_running=len(self.table.running()),
+        owner = self.table.owner
+        ready = [r for r in waiting if owner[r].admissible(r)]
+        chosen = self.scheduler.select_admissions(ready, num_running=len(self.table.running()),
                                                   free_slots=kv.slots.num_free, available_pages=kv.available_pages)
         for request in chosen:
-            if not self.finisher.advance(request, self.admit_into, reason="admitted"):
+            # NOTE: a sequence sharing an already computed prompt prefills only its tail here,
+            # in the decode role too: a transfer would resend the pages it shares
+            into = S.PREFILLING if request.shares_prompt and request is not owner[request].leader else self.admit_into
+            if not self.finisher.advance(request, into, reason="admitted"):
                 break
             waiting.remove(request)
             self._admissions += 1
@@ -107,10 +112,10 @@ class Planner:
             self.starved.pop(request, None)
             if request.num_cached_tokens is None:  # the first admission
                 request.num_cached_tokens = request.kv_len
-                queried = request.num_prompt_tokens - 1 if self.admit_into is S.PREFILLING else 0
+                queried = request.num_prompt_tokens - 1 if into is S.PREFILLING else 0
                 self.finisher.stats.on_admit(request, time.monotonic(), request.kv_len, queried)
-        if waiting:
-            self._check_starvation(waiting[0])
+        if ready and ready[0] in waiting:
+            self._check_starvation(ready[0])
 
     def _check_starvation(self, head: Request) -> None:
         queued_at = head.entered_at(S.QUEUED)

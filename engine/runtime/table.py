@@ -36,9 +36,21 @@ class Submission:
     builders: dict[Request, OutputBuilder]
     #: requests not yet finished; the stream closes when it reaches 0
     open: int = 0
+    #: n > 1: the first sequence's prompt KV is in the prefix cache (or it will never be):
+    #: the other sequences may be admitted now, and match it
+    prompt_ready: bool = False
 
     def __attrs_post_init__(self) -> None:
         self.open = len(self.requests)
+        self.prompt_ready = len(self.requests) == 1
+
+    @property
+    def leader(self) -> Request:
+        """The sequence that computes the shared prompt."""
+        return self.requests[0]
+
+    def admissible(self, request: Request) -> bool:
+        return self.prompt_ready or request is self.leader
 
 
 class RequestTable:
