@@ -13,8 +13,10 @@ import sys
 import time
 from pathlib import Path
 
+import anyio
 import pytest
 
+from engine import Engine, EngineConfig, SamplingParams
 from engine.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,6 +97,30 @@ class TestGenerate:
         code = main(["generate", "hello", "--max-new-tokens", "4", "--no-plugins"])
         assert code == 0
         assert capsys.readouterr().out.endswith("\n")
+
+    def test_characters_split_across_tokens_print_whole(self, capsys):
+        """Each byte is a token here: the two-byte characters in the output print whole (the engine's
+        new_text), so stdout is exactly the engine's final text, not U+FFFD pairs."""
+        final = anyio.run(_complete, "hello", SamplingParams(max_new_tokens=48))
+        capsys.readouterr()  # the engine's own debug lines (structlog's defaults in tests)
+        assert main(["generate", "hello", "--max-new-tokens", "48", "--no-plugins"]) == 0
+        printed = capsys.readouterr().out
+        assert any(ord(c) > 127 and c != "\ufffd" for c in final.text)  # the case is exercised
+        assert printed == final.text + "\n"
+
+    def test_stop_string(self, capsys):
+        """--stop ends the output just before the stop string."""
+        text = anyio.run(_complete, "hello", SamplingParams(max_new_tokens=24)).text
+        stop = next(text[i:i + 2] for i in range(3, len(text) - 2) if "\ufffd" not in text[i:i + 2]
+                    and text[i:i + 2] not in text[:i + 1])
+        capsys.readouterr()
+        assert main(["generate", "hello", "--max-new-tokens", "24", "--stop", stop, "--no-plugins"]) == 0
+        assert capsys.readouterr().out == text[: text.index(stop)] + "\n"
+
+
+async def _complete(prompt, params):
+    async with Engine(EngineConfig(use_entry_points=False)) as engine:
+        return await engine.complete(prompt, params)
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["run", "--help"], ["generate", "--help"], ["serve", "--help"]])

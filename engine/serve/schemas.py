@@ -15,10 +15,12 @@ Accepted bodies (unknown fields are rejected):
   ``top_k``, ``stop``, ``stop_token_ids``, ``ignore_eos``, ``seed``),
   ``stream``, ``rid``.
 - ``POST /v1/completions``: ``model``, ``prompt`` (text, token ids, or a
-  batch of one), ``max_tokens``, ``temperature``, ``top_p``, ``stop``,
-  ``seed``, ``stream``, ``stream_options``; ``n``, ``best_of``, ``echo``,
-  ``logprobs``, penalties and ``user`` only at their defaults; extensions
-  ``top_k``, ``ignore_eos``, ``stop_token_ids``.
+  batch of one), ``max_tokens``, ``temperature``, ``top_p``, ``stop``
+  (matched by the engine, `SamplingParams.stop`), ``seed``, ``n``,
+  ``best_of`` (only equal to n), ``logprobs`` (k alternatives, 0 to 20),
+  ``stream``, ``stream_options``; ``echo``, penalties, ``suffix`` and
+  ``logit_bias`` only at their defaults; extensions ``top_k``,
+  ``ignore_eos``, ``stop_token_ids``.
 - ``POST /abort``: ``rid``.
 """
 
@@ -62,7 +64,6 @@ class GenerateBody:
     params: SamplingParams
     stream: bool = False
     rid: str | None = None
-    stop: tuple[str, ...] = ()
     include_usage: bool = False
 
 
@@ -145,16 +146,6 @@ def _check_context(num_prompt: int, max_new: int, field: str, limits: Limits) ->
                              max_new)
 
 
-def _stop_token_ids(stops: tuple[str, ...], tokenizer: Any) -> tuple[int, ...]:
-    """Stop strings that are one token stop in the engine; longer ones are matched on text."""
-    ids = []
-    for stop in stops:
-        encoded = tokenizer.encode(stop)
-        if len(encoded) == 1:
-            ids.append(encoded[0])
-    return tuple(ids)
-
-
 _GENERATE = frozenset({"text", "input_ids", "sampling_params", "stream", "rid"})
 _SAMPLING = frozenset({"max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids",
                        "ignore_eos", "seed"})
@@ -175,15 +166,13 @@ def parse_generate(body: dict[str, Any], limits: Limits, tokenizer: Any) -> Gene
     stop = _stop_strings(sp.get("stop"), "sampling_params.stop")
     fields = {k: v for k, v in sp.items() if k != "stop" and v is not None}
     names = {name: f"sampling_params.{name}" for name in _SAMPLING}
-    params = _sampling(fields, names)
-    if stop:
-        params = attrs.evolve(params, stop_token_ids=params.stop_token_ids + _stop_token_ids(stop, tokenizer))
+    params = _sampling({**fields, "stop": stop}, names)
     _check_context(len(token_ids), params.max_new_tokens, "sampling_params.max_new_tokens", limits)
     rid = body.get("rid")
     if rid is not None and not (isinstance(rid, str) and 0 < len(rid) <= MAX_RID_CHARS and rid.isprintable()):
         raise InvalidRequest("rid", f"a printable string of 1 to {MAX_RID_CHARS} characters", rid)
     stream = _bool(body.get("stream", False), "stream")
-    return GenerateBody(prompt, token_ids, params, stream=stream, rid=rid, stop=stop)
+    return GenerateBody(prompt, token_ids, params, stream=stream, rid=rid)
 
 
 _OPENAI_SAMPLING = frozenset({"model", "max_tokens", "temperature", "top_p", "stop", "seed", "stream",
@@ -192,8 +181,7 @@ _OPENAI_SAMPLING = frozenset({"model", "max_tokens", "temperature", "top_p", "st
 _COMPLETION = _OPENAI_SAMPLING | {"prompt", "best_of", "echo", "logprobs", "suffix"}
 #: OpenAI fields accepted only at the value that means "off"
 DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
-    "n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (0,), "presence_penalty": (0,),
-    "frequency_penalty": (0,), "suffix": ("",), "logit_bias": ({},),
+    "echo": (False,), "presence_penalty": (0,), "frequency_penalty": (0,), "suffix": ("",), "logit_bias": ({},),
 }
 
 
@@ -212,20 +200,23 @@ def served_model(body: dict[str, Any], limits: Limits) -> str:
     return model
 
 
-def openai_body(body: dict[str, Any], token_ids: list[int], prompt: Any, limits: Limits, tokenizer: Any, *,
-                max_tokens_field: str = "max_tokens", default_max_tokens: int = 16) -> GenerateBody:
-    """The sampling, stop and streaming fields shared by /v1/completions and /v1/chat/completions."""
-    stop = _stop_strings(body.get("stop"), "stop")
+def openai_body(body: dict[str, Any], token_ids: list[int], prompt: Any, limits: Limits, *,
+                max_tokens_field: str = "max_tokens", default_max_tokens: int = 16,
+                logprobs: tuple[str, Any] | None = None) -> GenerateBody:
+    """The sampling, stop and streaming fields shared by /v1/completions and /v1/chat/completions;
+    `logprobs` is (the body field, the SamplingParams.logprobs value) when the request asks for them."""
     fields: dict[str, Any] = {
         "max_new_tokens": default_max_tokens if body.get(max_tokens_field) is None else body[max_tokens_field],
         "temperature": 1.0 if body.get("temperature") is None else body["temperature"],
+        "stop": _stop_strings(body.get("stop"), "stop"),
     }
-    for name in ("top_p", "top_k", "seed", "ignore_eos", "stop_token_ids"):
+    for name in ("top_p", "top_k", "seed", "ignore_eos", "stop_token_ids", "n"):
         if body.get(name) is not None:
             fields[name] = body[name]
-    params = _sampling(fields, {"max_new_tokens": max_tokens_field})
-    if stop:
-        params = attrs.evolve(params, stop_token_ids=params.stop_token_ids + _stop_token_ids(stop, tokenizer))
+    names = {"max_new_tokens": max_tokens_field}
+    if logprobs is not None:
+        names["logprobs"], fields["logprobs"] = logprobs
+    params = _sampling(fields, names)
     _check_context(len(token_ids), params.max_new_tokens, max_tokens_field, limits)
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
@@ -233,7 +224,7 @@ def openai_body(body: dict[str, Any], token_ids: list[int], prompt: Any, limits:
     known_fields(options, frozenset({"include_usage", "continuous_usage_stats"}), "stream_options.")
     include_usage = _bool(options.get("include_usage", False), "stream_options.include_usage")
     stream = _bool(False if body.get("stream") is None else body["stream"], "stream")
-    return GenerateBody(prompt, token_ids, params, stream=stream, stop=stop, include_usage=include_usage)
+    return GenerateBody(prompt, token_ids, params, stream=stream, include_usage=include_usage)
 
 
 def parse_completion(body: dict[str, Any], limits: Limits, tokenizer: Any) -> tuple[GenerateBody, str]:
@@ -249,7 +240,11 @@ def parse_completion(body: dict[str, Any], limits: Limits, tokenizer: Any) -> tu
             raise InvalidRequest("prompt", "a single prompt (batches are not supported)", f"{len(prompt)} prompts")
         prompt = prompt[0]
     token_ids = prompt_ids(prompt, "prompt", limits, tokenizer)
-    return openai_body(body, token_ids, prompt, limits, tokenizer), model
+    n, best_of = body.get("n"), body.get("best_of")
+    if best_of is not None and best_of != (1 if n is None else n):
+        raise InvalidRequest("best_of", "absent or equal to n (beam search is not supported)", best_of)
+    logprobs = None if body.get("logprobs") is None else ("logprobs", body["logprobs"])
+    return openai_body(body, token_ids, prompt, limits, logprobs=logprobs), model
 
 
 def parse_abort(body: dict[str, Any]) -> str:
