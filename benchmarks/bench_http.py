@@ -1,7 +1,7 @@
 """HTTP server vs embedded API: the same 64-client streaming workload, in the same run.
 
     python benchmarks/bench_http.py [--seconds 15] [--warmup 3] [--rounds 2] [--clients 64]
-        [--prompt-tokens 32] [--new-tokens 32] [--threads 1] [--out bench-results/http.json]
+        [--prompt-tokens 32] [--new-tokens 32] [--vary-lengths] [--threads 1] [--out bench-results/http.json]
 
 1. `kvlife serve` starts once, in its own process on 127.0.0.1 (an ephemeral
    port, its defaults otherwise: JSON logs at info, one `request.summary`
@@ -10,7 +10,8 @@
 2. Each round measures both paths, alternating which goes first: `--clients`
    streaming clients loop for `--warmup` + `--seconds`, each request a fresh
    random `--prompt-tokens` prompt and `--new-tokens` greedy tokens
-   (ignore_eos). HTTP: `POST /generate` with `stream: true`, one keep-alive
+   (ignore_eos; `--vary-lengths` draws each output length uniformly from
+   [n/2, 3n/2], the same draws for both paths). HTTP: `POST /generate` with `stream: true`, one keep-alive
    connection per client, read by a small HTTP/1.1 client on asyncio streams
    (chunked transfer decoding and SSE parsing, every event JSON-decoded);
    httpx's own per-chunk work took about half a core, which on a 2-core
@@ -55,8 +56,12 @@ ENGINE_ARGS = {"max_running": 64, "num_kv_pages": 1024, "page_size": 16, "max_co
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def _prompt(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(0, 256) for _ in range(n)]
+def _request(rng: random.Random, args) -> tuple[list[int], int]:
+    """A fresh random prompt and its output length: `--new-tokens`, or with `--vary-lengths` uniform in
+    [new_tokens / 2, 3 * new_tokens / 2] (the same mean); the same draws for both paths."""
+    prompt = [rng.randrange(0, 256) for _ in range(args.prompt_tokens)]
+    n = args.new_tokens
+    return prompt, rng.randint(max(1, n // 2), n + n // 2) if args.vary_lengths else n
 
 
 def _thread_cpu(pid: int) -> dict[str, float]:
@@ -141,8 +146,9 @@ async def _http_client(port: int, rng: random.Random, args, out: Window) -> None
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         while time.perf_counter() < out.end:
-            body = json.dumps({"input_ids": _prompt(rng, args.prompt_tokens), "stream": True,
-                               "sampling_params": {"max_new_tokens": args.new_tokens, "ignore_eos": True}}).encode()
+            prompt, new_tokens = _request(rng, args)
+            body = json.dumps({"input_ids": prompt, "stream": True,
+                               "sampling_params": {"max_new_tokens": new_tokens, "ignore_eos": True}}).encode()
             start = time.perf_counter()
             status, events = await _stream_once(reader, writer, f"127.0.0.1:{port}", body)
             first = next((t - start for t, e in events if e["token_ids"]), None)
@@ -170,7 +176,6 @@ async def measure_http(args, port: int, server_pid: int) -> dict:
 
 async def measure_embedded(args) -> dict:
     config = EngineConfig(**ENGINE_ARGS, leak_check="log", use_entry_points=False)
-    params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     cpu: dict = {}
     async with Engine(config) as engine:
 
@@ -178,7 +183,9 @@ async def measure_embedded(args) -> dict:
             while time.perf_counter() < out.end:
                 start = time.perf_counter()
                 first = final = None
-                async with engine.generate(_prompt(rng, args.prompt_tokens), params) as stream:
+                prompt, new_tokens = _request(rng, args)
+                params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+                async with engine.generate(prompt, params) as stream:
                     async for output in stream:
                         if first is None and output.new_token_ids:
                             first = time.perf_counter() - start
@@ -258,6 +265,8 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=64, help="concurrent streaming clients (default 64)")
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--vary-lengths", action="store_true",
+                        help="output lengths uniform in [n/2, 3n/2] instead of all n (clients fall out of step)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads, server and embedded (default 1)")
     parser.add_argument("--out", default="bench-results/http.json")
     args = parser.parse_args()
@@ -292,7 +301,8 @@ def main() -> int:
         "machine": {"cpus": os.cpu_count(), "load_average_before": load_before, "python": platform.python_version(),
                     "torch": torch.__version__, "torch_threads": args.threads},
         "workload": {"clients": args.clients, "seconds": args.seconds, "warmup": args.warmup, "rounds": args.rounds,
-                     "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "engine": ENGINE_ARGS,
+                     "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+                     "vary_lengths": args.vary_lengths, "engine": ENGINE_ARGS,
                      "model": "tiny", "route": "POST /generate, stream"},
         "rounds": rounds, "server": server,
         "http_over_embedded_throughput": round(statistics.median(ratios), 3),

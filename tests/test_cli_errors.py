@@ -47,11 +47,12 @@ def _exit_code(argv: list[str]) -> int:
         return exc.code
 
 
-def _assert_one_line(capsys, expected: str) -> None:
+def _assert_one_line(capsys, expected: str) -> str:
     captured = capsys.readouterr()
     lines = captured.err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("kvlife: ") and expected in lines[0], captured.err
     assert "Traceback" not in captured.err and captured.out == ""
+    return lines[0]
 
 
 class TestMisuse:
@@ -78,9 +79,10 @@ class TestMisuse:
     def test_broken_plugin_is_named(self, monkeypatch, capsys):
         """An entry point that fails to import is named in one line; --no-plugins runs without it."""
         broken = EntryPoint("broken_lease", "kvlife_no_such_module:factory", "kvlife.resources")
-        monkeypatch.setattr("engine.cli.options.entry_points", lambda group: [broken])
+        monkeypatch.setattr("resources.plugins.entry_points", lambda group: [broken])
         assert _exit_code(["generate", "hi", "--max-new-tokens", "1"]) == 2
-        _assert_one_line(capsys, "plugin 'broken_lease' (kvlife_no_such_module:factory")
+        line = _assert_one_line(capsys, "plugin entry point 'broken_lease' (kvlife_no_such_module:factory)")
+        assert line.endswith("--no-plugins runs without plugins")
         assert _exit_code(["generate", "hi", "--max-new-tokens", "1", "--no-plugins"]) == 0
 
     def test_console_script_prints_no_traceback(self):

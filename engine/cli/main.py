@@ -10,7 +10,8 @@ Every command takes the engine options (the EngineConfig fields, HiSparse,
 given before or after the command; logging is configured once, to stderr.
 Every bad value is one `kvlife: ...` line on stderr with exit code 2: an
 argument argparse rejects, an InvalidConfig or InvalidRequest, a checkpoint
-or chat template that does not load, a broken plugin, a path that cannot
+or chat template that does not load, a broken plugin (the engine's
+PluginError names it), a path that cannot
 be written, a port that cannot be bound. Never a traceback.
 """
 
@@ -25,6 +26,7 @@ from engine.cli.options import CLIError
 from engine.cli.run_command import add_run_parser
 from engine.errors import InvalidRequest
 from engine.logging import LEVELS, configure_logging
+from resources.plugins import PluginError
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
@@ -39,7 +41,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    errors: list[type[BaseException]] = [CLIError, InvalidRequest]
+    errors: list[type[BaseException]] = [CLIError, InvalidRequest, PluginError]
     try:
         from engine.model.checkpoint import CheckpointError
 
@@ -118,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         leaf = _leaf(exc)
         if isinstance(leaf, _user_errors()):
             cause = leaf.__cause__  # e.g. the CheckpointError behind InvalidConfig('EngineConfig.model')
-            print(f"kvlife: {leaf}" + (f" ({cause})" if isinstance(cause, _user_errors()) else ""),
+            hint = "; --no-plugins runs without plugins" if isinstance(leaf, PluginError) else ""
+            print(f"kvlife: {leaf}" + (f" ({cause})" if isinstance(cause, _user_errors()) else "") + hint,
                   file=sys.stderr)
             return 2
         raise

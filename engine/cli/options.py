@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
@@ -120,18 +119,6 @@ def add_engine_options(parser: argparse.ArgumentParser, defaults: dict[str, Any]
                               default=None, help=help_text)
 
 
-def check_plugins() -> None:
-    """Load every resource-hook entry point now, so a broken one is named (CLIError) before anything runs."""
-    from resources.plugins import ENTRY_POINT_GROUP
-
-    for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
-        try:
-            ep.load()
-        except Exception as exc:  # noqa: BLE001 - any failure to import a plugin is the user's to fix
-            raise CLIError(f"plugin {ep.name!r} ({ep.value}, entry point group {ENTRY_POINT_GROUP}) failed to "
-                           f"load: {type(exc).__name__}: {exc}; --no-plugins runs without plugins") from None
-
-
 def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
     """The EngineConfig the options name (InvalidConfig if a value is out of range)."""
     fields = {name: getattr(args, name) for name, _, _ in ENGINE_OPTIONS if getattr(args, name, None) is not None}
@@ -145,10 +132,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> Engin
 
         fields["hisparse"] = HiSparseConfig(**hisparse)
     fields.update(overrides)
-    config = EngineConfig(**fields)
-    if config.use_entry_points:
-        check_plugins()
-    return config
+    return EngineConfig(**fields)
 
 
 def writable_path(path: str) -> Path:
