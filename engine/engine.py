@@ -170,7 +170,7 @@ class Engine:
         stats = self.loop.stats
         live = len(self.loop.table)
         age = None if stats.last_progress is None else time.monotonic() - stats.last_progress
-        common = dict(last_progress_age_s=age, live_requests=live, leaks_found=stats.leak_check_failures)
+        common: dict[str, Any] = dict(last_progress_age_s=age, live_requests=live, leaks_found=stats.leak_check_failures)
         if self.loop.errored is not None:
             return HealthReport(False, "dead", repr(self.loop.errored), **common)
         if self.loop.last_leak:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import TextIO
+from typing import TextIO, cast
 
 import structlog
 
@@ -52,7 +52,7 @@ def configure_logging(level: str = "info", *, json: bool = False, stream: TextIO
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(LEVELS[level]),
-        logger_factory=structlog.PrintLoggerFactory(stream or _CurrentStderr()),
+        logger_factory=structlog.PrintLoggerFactory(stream or cast(TextIO, _CurrentStderr())),
         # NOTE: not cached: an embedding application (or a test) may reconfigure later.
         cache_logger_on_first_use=False,
     )

@@ -39,6 +39,8 @@ def assert_engines_leave_pools_whole(monkeypatch):
     monkeypatch.setattr(engine_module.Engine, "__init__", recording_init)
     yield built
     for engine in built:
+        if not getattr(engine, "_expect_dead", False):
+            assert engine.errored is None, f"the engine's loop died: {engine.errored!r}"
         if engine.config.leak_check == "off" or getattr(engine, "_expect_leak", False):
             continue
         assert engine.idle, f"engine left requests in flight: {engine.loop.requests()}"

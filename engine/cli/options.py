@@ -87,7 +87,7 @@ ENGINE_OPTIONS: list[tuple[str, type, str]] = [
     ("max_context", int, "prompt + output tokens per request"),
     ("max_prefill_tokens", int, "prefill tokens per step (chunked prefill)"),
     ("max_queued", int, "requests that may wait in the engine's inbox"),
-    ("disaggregation", str, "none or decode"),
+    ("disaggregation", str, "none or decode (serve: also prefill, a prefill server)"),
     ("leak_check", str, "raise, log or off"),
     ("fence_timeout", float, "seconds a fence may stay pending before its handle is quarantined"),
 ]

@@ -1,6 +1,8 @@
 """`kvlife serve`: the HTTP server's command line (registered by engine.cli.main).
 
     kvlife serve [--host 127.0.0.1] [--port 30000] [--api-key KEY] [engine options] [server options]
+    kvlife serve --disaggregation prefill --disaggregation-bootstrap-port 31001 [...]
+    kvlife serve --disaggregation decode --prefill H:31001 [--prefill H2:31002 ...] [...]
 
 Engine options are the EngineConfig fields shared by every command
 (`engine.cli.options.add_engine_options`, HiSparse included); a server
@@ -8,6 +10,12 @@ defaults to leak_check 'log' (a leak is logged and counted, the server keeps
 serving, the exit code reports it). Logs are JSON lines at info by default.
 The API key comes from `--api-key` or the KVLIFE_API_KEY environment
 variable; it is never logged or shown in --help.
+
+Disaggregation options (docs/disaggregation.md): `--disaggregation prefill`
+runs a prefill server (engine.disagg.prefill_http) instead of an engine;
+`--prefill` gives a decode server its prefill servers (without it,
+`--disaggregation decode` keeps the in-process prefill worker). The
+`--transfer-*` options are the link's bounds (engine.disagg.settings).
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import anyio
 
 from engine.cli.options import CLIError, add_engine_options, engine_config_from_args, int_at_least, port
 from engine.cli.options import positive_seconds
+from engine.errors import InvalidConfig
 
 API_KEY_ENV = "KVLIFE_API_KEY"
 
@@ -44,6 +53,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction, parents: list[argpa
     server.add_argument("--health-timeout", type=positive_seconds, default=10.0,
                         help="seconds for a /health_generate probe, and without progress under load (default: 10)")
     server.add_argument("--served-model-name", default=None, help="model id in /v1 (default: --model)")
+    _add_disaggregation_options(serve)
     serve.set_defaults(func=run_serve, default_log_level="info", default_log_json=True)
 
 
@@ -52,6 +62,69 @@ def api_key_from(args: argparse.Namespace) -> str | None:
     if key is not None and not key:
         raise CLIError(f"--api-key (or ${API_KEY_ENV}) must not be empty")
     return key
+
+
+_TRANSFER_OPTIONS: list[tuple[str, type, str]] = [
+    ("first_timeout", float, "seconds a prefill may take to answer a job (its compute budget)"),
+    ("floor_bandwidth", float, "bytes/s a KV chunk must at least move at"),
+    ("chunk_slack", float, "seconds added to every chunk's bound"),
+    ("max_chunk_bytes", int, "largest KV message"),
+    ("keepalive", float, "seconds between keepalives (4 missed end the link)"),
+    ("connect_timeout", float, "seconds for the bootstrap handshake"),
+]
+
+
+def _add_disaggregation_options(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group("disaggregation options (engine.disagg.settings)")
+    group.add_argument("--prefill", dest="prefill_peers", action="append", default=None, metavar="HOST:PORT",
+                       help="decode role: a prefill server's bootstrap address (repeat for several)")
+    group.add_argument("--disaggregation-bootstrap-port", type=int, default=None,
+                       help="prefill role: the bootstrap port decodes dial (0 picks a free one)")
+    group.add_argument("--disaggregation-host", default=None,
+                       help="address the bootstrap store and KV links bind (default: --host)")
+    group.add_argument("--disaggregation-secret", default=None,
+                       help="shared secret of the roles (prefer the KVLIFE_DISAGG_SECRET environment variable); "
+                            "without one, loopback peers only")
+    group.add_argument("--disaggregation-backend", default=None, help="gloo (default) or nccl")
+    for name, kind, help_text in _TRANSFER_OPTIONS:
+        group.add_argument(f"--transfer-{name.replace('_', '-')}", dest=f"transfer_{name}", type=kind, default=None,
+                           help=help_text)
+
+
+def _link_fields(args: argparse.Namespace) -> dict[str, Any]:
+    fields: dict[str, Any] = {"host": getattr(args, "disaggregation_host", None) or args.host}
+    if getattr(args, "disaggregation_secret", None) is not None:
+        fields["secret"] = args.disaggregation_secret
+    if getattr(args, "disaggregation_backend", None) is not None:
+        fields["backend"] = args.disaggregation_backend
+    for name, _, _ in _TRANSFER_OPTIONS:
+        if getattr(args, f"transfer_{name}", None) is not None:
+            fields[name] = getattr(args, f"transfer_{name}")
+    return fields
+
+
+def prefill_settings_from_args(args: argparse.Namespace) -> Any:
+    """The PrefillServerConfig of `kvlife serve --disaggregation prefill`."""
+    from engine.disagg.settings import PrefillServerConfig
+
+    port = args.disaggregation_bootstrap_port
+    return PrefillServerConfig(bootstrap_port=31001 if port is None else port, **_link_fields(args))
+
+
+def engine_config_from_serve_args(args: argparse.Namespace) -> Any:
+    """The EngineConfig `kvlife serve` runs (leak_check 'log' unless set): the engine options, and the
+    disaggregation role's (the prefill role runs a plain engine config under its PrefillServerConfig)."""
+    overrides: dict[str, Any] = {}
+    if getattr(args, "disaggregation", None) == "prefill":
+        overrides["disaggregation"] = "none"
+    elif getattr(args, "disaggregation_bootstrap_port", None) is not None:
+        raise InvalidConfig("--disaggregation-bootstrap-port", "given only with --disaggregation prefill",
+                            args.disaggregation_bootstrap_port)
+    if getattr(args, "prefill_peers", None):
+        from engine.disagg.settings import RemotePrefill
+
+        overrides["remote_prefill"] = RemotePrefill(peers=tuple(args.prefill_peers), **_link_fields(args))
+    return engine_config_from_args(args, **overrides)
 
 
 def server_settings_from_args(args: argparse.Namespace) -> Any:
@@ -68,7 +141,15 @@ def run_serve(args: argparse.Namespace) -> int:
         from engine.serve.server import serve
     except ImportError as exc:
         raise CLIError(f"serve needs the `serve` extra (pip install 'kvlife[serve]'): {exc}") from None
-    config = engine_config_from_args(args)
+    config = engine_config_from_serve_args(args)
+    if args.disaggregation == "prefill":
+        from engine.cli.main import logging_choice
+        from engine.disagg.prefill_http import serve_prefill
+
+        prefill = prefill_settings_from_args(args)
+        level, json_logs = logging_choice(args)
+        return anyio.run(lambda: serve_prefill(config, prefill, args.host, args.port, log_json=json_logs,
+                                               log_level=level), backend="asyncio")
     settings = server_settings_from_args(args)
 
     async def main() -> int:

@@ -149,6 +149,7 @@ class PrefillWorker:
             request.kv_len += n
             if output.tokens:
                 token = output.tokens[0]
+        assert token is not None, "a prefill's last chunk samples"
         return token
 
     def _finish(self, request: Request, reason: FinishReason) -> None:

@@ -15,6 +15,7 @@ Built-in registration order is the built-in release order::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -36,7 +37,7 @@ from resources.plugins import PluginContext, build_plugin_hooks, is_hook_instanc
 from resources.contract import order_hooks
 from resources.request_slots import RequestSlotHook
 from resources.timing_hook import TimingHook
-from states import RequestMachine, RequestState
+from states import Request, RequestMachine, RequestState
 
 
 @attrs.define
@@ -101,7 +102,7 @@ def build_parts(config: EngineConfig, *, faults: FaultInjector | None = None, mo
     kv_pool = KVPool(num_pages=config.num_kv_pages, page_size=config.page_size, max_running=config.max_running,
                      max_context=max_context, device=device, prefix_cache=config.prefix_cache)
     kv_scope = None
-    slot_of = RequestSlotHook.slot
+    slot_of: Callable[[Request], int | None] = RequestSlotHook.slot
     attention_factory = PagedAttention.factory(kv_buffers, model_config.layer_windows)
     embedder = None
     before_kv: list = []
@@ -137,13 +138,18 @@ def build_parts(config: EngineConfig, *, faults: FaultInjector | None = None, mo
         from engine.disagg.prefill_worker import PrefillWorker
         from engine.disagg.transfer import LoopbackTransfer
 
-        # NOTE: a configured hook *instance* has one pool, so it serves the decode engine only;
-        # factories (and entry points) build the prefill worker a hook of its own.
-        prefill_config = attrs.evolve(config, disaggregation="none", hisparse=None,
-                                      resources=tuple(r for r in config.resources if not is_hook_instance(r)))
-        prefill_parts = build_parts(prefill_config, faults=faults, model_bundle=(model_config, model, tokenizer),
-                                    expert_distribution=expert_distribution)
-        client = PrefillWorker(prefill_parts, LoopbackTransfer(kv_buffers, faults), faults=faults)
+        if config.remote_prefill is not None:  # prefill servers in other processes (engine.disagg.remote_client)
+            from engine.disagg.remote_client import RemotePrefillClient
+
+            client = RemotePrefillClient(config, model_config, kv_buffers, device=device, max_context=max_context)
+        else:
+            # NOTE: a configured hook *instance* has one pool, so it serves the decode engine only;
+            # factories (and entry points) build the prefill worker a hook of its own.
+            prefill_config = attrs.evolve(config, disaggregation="none", hisparse=None,
+                                          resources=tuple(r for r in config.resources if not is_hook_instance(r)))
+            prefill_parts = build_parts(prefill_config, faults=faults, model_bundle=(model_config, model, tokenizer),
+                                        expert_distribution=expert_distribution)
+            client = PrefillWorker(prefill_parts, LoopbackTransfer(kv_buffers, faults), faults=faults)
         before_kv.append(KVTransferHook(client, kv_pool, config.fence_timeout))
         pools.extend(client.pools)
         parts_extra.update(prefill_client=client, transfer_job=KVTransferHook.job,
@@ -163,7 +169,9 @@ def build_parts(config: EngineConfig, *, faults: FaultInjector | None = None, mo
     runner_cls = NoComputeRunner if config.model == "null" else ModelRunner
     runner = runner_cls(model, kv_buffers, kv_pool.slots, device, slot_of=slot_of,
                         attention_factory=attention_factory, embedder=embedder, faults=faults)
-    kv_hook = KVHook(kv_pool, scope=kv_scope)
+    windows = model_config.layer_windows
+    kv_hook = KVHook(kv_pool, scope=kv_scope,
+                     window=max(windows) if windows and None not in windows else None)  # type: ignore[type-var]
     slot_hook = RequestSlotHook(kv_pool.slots, scope=kv_scope)
     plugins = build_plugin_hooks(config.resources, PluginContext(device, config),
                                  use_entry_points=config.use_entry_points)

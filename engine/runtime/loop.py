@@ -90,7 +90,7 @@ class DecodeLoop:
         queued = len(self.table.unstarted) + len(self.table.waiting)
         if queued + len(requests) > self.max_queued:
             raise EngineOverloaded(f"{queued} requests already queued (max_queued = {self.max_queued})")
-        send, receive = anyio.create_memory_object_stream(math.inf)
+        send, receive = anyio.create_memory_object_stream[Any](math.inf)
         submission = Submission(request_id, list(requests), send,
                                 {r: OutputBuilder(r, self.tokenizer, index=i, request_id=request_id)
                                  for i, r in enumerate(requests)})

@@ -124,7 +124,7 @@ class OutputBuilder:
     def output(self, new_ids: list[int], new_text: str, *, final: bool,
                logprobs: tuple[TokenLogprob, ...] | None = None) -> RequestOutput:
         request = self.request
-        common = dict(request_id=self.request_id, new_token_ids=new_ids, all_ids=request.output_token_ids,
+        common: dict[str, Any] = dict(request_id=self.request_id, new_token_ids=new_ids, all_ids=request.output_token_ids,
                       num_ids=len(request.output_token_ids), new_text=new_text, text_parts=self._parts,
                       num_parts=len(self._parts), index=self.index, logprobs=logprobs)
         if not final:

@@ -55,6 +55,7 @@ class EngineStats:
     leak_check_failures: int = 0
     step_errors: int = 0
     steps: int = 0
+    starved: int = 0  # requests reported waiting past the starvation bound
     last_progress: float | None = None
     ttft: SampleWindow = attrs.field(factory=SampleWindow)  # arrival -> first token
     itl: SampleWindow = attrs.field(factory=SampleWindow)  # between consecutive tokens
