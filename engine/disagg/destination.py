@@ -79,13 +79,16 @@ class HostRowsDestination:
     """
 
     def __init__(self, host_pool: Any, rows: torch.Tensor, keys: Callable[[torch.Tensor], torch.Tensor],
-                 index_device: torch.device) -> None:
+                 index_device: torch.device, record: Any = None) -> None:
+        self.record = record  # the host hook's record, told when the whole job has landed
         self.host = host_pool
         self.rows = rows.to("cpu")
         self.rows_dev = rows.to(index_device)
         self.keys = keys
         self.device = index_device
         self.num_tokens = int(rows.numel())
+        #: the hooks whose memory this destination writes (so the transfer's fence guards them)
+        self.protects = ("hisparse_host",)
 
     def write(self, chunk: Chunk, kv: torch.Tensor) -> None:
         rows = self.rows[chunk.start: chunk.start + chunk.count]
@@ -96,3 +99,20 @@ class HostRowsDestination:
             host.index_copy_(0, rows, kv[i].transpose(0, 1).to("cpu", host.dtype))
             index = self.host.index[layer]
             index.index_copy_(0, rows_dev, self.keys(kv[i, 0].to(self.device)).to(index.dtype))
+
+    def landed(self) -> None:
+        """The whole job is in the host rows: staging has nothing left to copy."""
+        if self.record is not None:
+            self.record.on_host = self.num_tokens
+            self.record.landed_directly = True
+
+
+def host_landing(state: Any, request: Any, num_tokens: int) -> HostRowsDestination | None:
+    """Where a decode-role transfer lands for a HiSparse request: its host pages (held already:
+    the host hook acquires on TRANSFERRING before the transfer hook), else None (KV pages)."""
+    from hisparse.hooks import HOST_HOOK, HostPagesHook
+
+    if HOST_HOOK not in request.handles:
+        return None
+    record = HostPagesHook.record(request)
+    return HostRowsDestination(state.host, record.locs[:num_tokens], state.projection.keys, state.device, record)

@@ -78,7 +78,9 @@ class LinkTransfer:
         self.server = server
         self.stream = None
 
-    def send(self, src: Any, src_locs: torch.Tensor, dst_locs: torch.Tensor, request_id: str) -> None:
+    def send(self, src: Any, src_locs: torch.Tensor, dst_locs: torch.Tensor, request_id: str,
+             destination: Any = None) -> None:
+        # NOTE: the destination is the decode side's (it picked it when it sent the job)
         server = self.server
         sj = server.by_worker_id.get(request_id)
         if sj is None:
