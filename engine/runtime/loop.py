@@ -170,7 +170,8 @@ class DecodeLoop:
         if not self.table:
             self._idle_event.set()
             self._on_idle(recheck=bool(reaped))
-            await self._wait(0.05 if self.machine.quarantined else None)
+            # NOTE: poll while a late copy may still land or the prefill client still works
+            await self._wait(0.05 if self.machine.quarantined or not self.idle else None)
             return
         self._checked_idle = False
         self.planner.prepare()
