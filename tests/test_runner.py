@@ -156,6 +156,20 @@ class TestStaticDecode:
             assert record["new_locs"] <= record["written"]
 
 
+    @pytest.mark.asyncio
+    async def test_a_failed_capture_falls_back_to_eager_steps(self):
+        """A graph capture that raises (here: no CUDA) disables the graphs; the step still runs, eagerly."""
+        async with Engine(small_config(max_running=4)) as engine:
+            runner = engine.parts.runner
+            graphs = DecodeGraphs(runner.model, runner.kv, runner.slots, runner.device, slot_of=runner.slot_of,
+                                  max_batch=4, capture=True)
+            runner.graphs = graphs
+            out = await engine.complete([5, 6, 7, 8, 9], SamplingParams(max_new_tokens=5, ignore_eos=True))
+            runner.graphs = None
+            expected = await engine.complete([5, 6, 7, 8, 9], SamplingParams(max_new_tokens=5, ignore_eos=True))
+        assert graphs.disabled and out.token_ids == expected.token_ids
+
+
 class TestTransformersParity:
     @pytest.mark.asyncio
     async def test_greedy_ids_equal_generate_on_one_checkpoint(self, tmp_path):

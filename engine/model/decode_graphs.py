@@ -34,10 +34,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import structlog
 import torch
 
 from engine.model.attention import PagedAttention
 from engine.model.sampling import argmax_rows, sample
+
+
+log = structlog.get_logger("kvlife.decode_graphs")
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -68,12 +72,14 @@ class DecodeGraphs:
         #: (batch bucket, page bucket) -> (graph or None, logits, tokens)
         self._graphs: dict[tuple[int, int], tuple[Any, torch.Tensor, torch.Tensor]] = {}
         self._pool = None
+        #: set when a capture failed: every later step runs eagerly
+        self.disabled = False
 
     def step(self, seqs: Sequence[Any], params: list, out_pos: list[int]) -> list[int] | None:
         """The sampled tokens of a decode-only batch, or None when the batch
         does not fit (a prefill chunk, images, too many rows): run it eagerly."""
         n = len(seqs)
-        if n > self.batch_sizes[-1] or len(params) != n:
+        if self.disabled or n > self.batch_sizes[-1] or len(params) != n:
             return None
         ids, positions, slots = [], [], []
         for s in seqs:
@@ -94,7 +100,12 @@ class DecodeGraphs:
         host[2, :n] = torch.tensor(slots)
         host[3, :n] = 1
         self.static[:, :bucket].copy_(host[:, :bucket], non_blocking=True)
-        graph, logits, tokens = self._graph(bucket, pages)
+        try:
+            graph, logits, tokens = self._graph(bucket, pages)
+        except Exception as exc:  # NOTE: a capture that fails must not fail the step: run eagerly from now on
+            self.disabled = True
+            log.warning("decode_graphs.disabled", error=repr(exc), batch=bucket, pages=pages)
+            return None
         if graph is not None:
             graph.replay()
         else:
