@@ -3,11 +3,11 @@
 Allocator rows:
 
 - ``kvlife PageAllocator``: the bare allocator, pages as numpy arrays end to
-  end: `alloc_array`, then `free_chunks` of the request's arrays. This is also
-  exactly how the KV hook should call it.
+  end: `alloc_array`, then `free_chunks` of the request's arrays (their
+  concatenation inside the timed free, as the anchor workload asks).
 - ``kvlife page-table rows (hook as it should)``: each request's pages kept
-  in its row of a host numpy page table, filled by `alloc_into`, freed as one
-  view at release.
+  in its row of a host numpy page table, filled by `alloc_into` at admission
+  and `alloc_one` per decode page, freed as one view at release.
 - ``kvlife KVHook today``: the allocator calls as `resources.kv_hook.KVHook`
   makes them now: `KVPool.alloc_pages` (a tensor), its page ids appended to a
   Python list, `free(torch.tensor(list))` at release.
@@ -81,31 +81,35 @@ class BareAllocator(PageLists):
 
 class PageTableAllocator:
     """The KV hook's record as it should be: each request's pages in its row of
-    a host page table (numpy), filled by `alloc_into`, freed as one view: no
-    list, no tensor, no concatenation."""
+    a host page table (numpy), filled by `alloc_into` at admission and
+    `alloc_one` per decode page, freed as one view: no list, no tensor, no
+    concatenation."""
 
     page_size = PAGE
 
     def __init__(self, live: int = 32) -> None:
         self.allocator = PageAllocator(ALLOC_POOL_TOKENS // PAGE + 1, PAGE)
         self.pages = np.zeros((live, MAX_CONTEXT // PAGE + 1), dtype=np.int64)
-        self.count = np.zeros(live, dtype=np.int64).tolist()
+        self.rows = list(self.pages)  # one view per slot
+        self.count = [0] * live
         self.free_slots = list(range(live - 1, -1, -1))
 
     def admit(self, prompt: int) -> int:
         slot = self.free_slots.pop()
         n = -(-prompt // PAGE)
-        assert self.allocator.alloc_into(self.pages[slot, :n])
+        assert self.allocator.alloc_into(self.rows[slot][:n])
         self.count[slot] = n
         return slot
 
     def grow(self, slot: int) -> None:
         n = self.count[slot]
-        assert self.allocator.alloc_into(self.pages[slot, n : n + 1])
+        page = self.allocator.alloc_one()
+        assert page is not None
+        self.rows[slot][n] = page
         self.count[slot] = n + 1
 
     def finish(self, slot: int) -> None:
-        self.allocator.free(self.pages[slot, : self.count[slot]])
+        self.allocator.free(self.rows[slot][: self.count[slot]])
         self.free_slots.append(slot)
 
     def leaked(self) -> int:

@@ -9,6 +9,7 @@ API (pages are numpy int64 arrays end to end; no call allocates a tensor)::
     alloc_array(n) -> np.ndarray | None   n fresh page ids the caller owns
     alloc_into(out) -> bool               fill `out` (e.g. a row of the caller's
                                           host page table) with fresh page ids
+    alloc_one() -> int | None             one page (decode growth), a Python int
     free(pages)                           pages: np.ndarray, CPU tensor (read
                                           in place) or a sequence of ints
     free_chunks([a, b, ...])              one free of several arrays' pages
@@ -99,6 +100,16 @@ class PageAllocator:
             self._tag[out] = 0
         self._top = top
         return True
+
+    def alloc_one(self) -> int | None:
+        """One fresh page id, or None if none is free."""
+        top = self._top - 1
+        if top < 0:
+            return None
+        page = int(self._stack[top])
+        self._tag[page] = 0
+        self._top = top
+        return page
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """`alloc_array` as an int64 tensor sharing the array's memory."""

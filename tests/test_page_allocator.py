@@ -87,6 +87,19 @@ class TestArrays:
         pages[:] = 0
         assert alloc.alloc_array(4).tolist() == [7, 6, 5, 4] and alloc.alloc_array(1) is None
 
+    def test_alloc_one_and_alloc_into(self):
+        """alloc_one hands out one page as an int; alloc_into fills the caller's array; both all or nothing."""
+        alloc = PageAllocator(5, 16)
+        row = np.zeros(6, dtype=np.int64)
+        assert alloc.alloc_into(row[:3]) and row[:3].tolist() == [3, 2, 1]
+        page = alloc.alloc_one()
+        assert type(page) is int and page == 4 and alloc.in_use(4)
+        before = _snapshot(alloc)
+        assert not alloc.alloc_into(row[3:5]) and alloc.alloc_one() is None and _snapshot(alloc) == before
+        row[3] = page
+        alloc.free(row[:4])
+        assert alloc.num_free == 4
+
     def test_alloc_tensor_shares_the_array(self):
         """alloc's tensor is the same pages as an array would be (no copy needed to free it)."""
         alloc = PageAllocator(8, 16)
@@ -169,14 +182,23 @@ class AllocatorModel(RuleBasedStateMachine):
         self.held: set[int] = set()
 
     @precondition(lambda self: self.alloc is not None)
-    @rule(n=st.integers(-1, 12))
-    def allocate(self, n):
+    @rule(n=st.integers(-1, 12), how=st.sampled_from(["alloc", "alloc_array", "alloc_into", "alloc_one"]))
+    def allocate(self, n, how):
         before = _snapshot(self.alloc)
-        pages = self.alloc.alloc(n)
+        if how == "alloc_one":
+            n = 1
+            page = self.alloc.alloc_one()
+            pages = None if page is None else [page]
+        elif how == "alloc_into":
+            n = max(n, 0)
+            out = np.zeros(n, dtype=np.int64)
+            pages = out if self.alloc.alloc_into(out) else None
+        else:
+            pages = getattr(self.alloc, how)(n)
         if n > len(self.free):
             assert pages is None and _snapshot(self.alloc) == before
             return
-        ids = pages.tolist()
+        ids = list(pages) if how == "alloc_one" else pages.tolist()
         assert len(ids) == max(n, 0) == len(set(ids)) and set(ids) <= self.free
         self.free -= set(ids)
         self.held |= set(ids)
