@@ -12,7 +12,7 @@ The API key comes from `--api-key` or the KVLIFE_API_KEY environment
 variable; it is never logged or shown in --help.
 
 Disaggregation options (docs/disaggregation.md): `--disaggregation prefill`
-runs a prefill server (engine.disagg.prefill_http) instead of an engine;
+runs a prefill server (engine.serve.prefill_http) instead of an engine;
 `--prefill` gives a decode server its prefill servers (without it,
 `--disaggregation decode` keeps the in-process prefill worker). The
 `--transfer-*` options are the link's bounds (engine.disagg.settings).
@@ -144,7 +144,7 @@ def run_serve(args: argparse.Namespace) -> int:
     config = engine_config_from_serve_args(args)
     if args.disaggregation == "prefill":
         from engine.cli.main import logging_choice
-        from engine.disagg.prefill_http import serve_prefill
+        from engine.serve.prefill_http import serve_prefill
 
         prefill = prefill_settings_from_args(args)
         level, json_logs = logging_choice(args)

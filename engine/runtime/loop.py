@@ -24,7 +24,6 @@ submissions raise it, and `errored` holds the cause.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Sequence
@@ -40,7 +39,7 @@ from engine.runtime.output_builder import OutputBuilder
 from engine.runtime.planner import Planner
 from engine.runtime.stats import EngineStats
 from engine.runtime.table import RequestTable, Submission, close_stream
-from engine.stream import RequestStream
+from engine.stream import OutputChannel, RequestStream
 from resources.ledger import LeakError
 from states import FinishReason, Request, RequestState, ResourceExhausted
 
@@ -57,6 +56,8 @@ class DecodeLoop:
         self.prefill_client = parts.prefill_client
         self.leak_check = config.leak_check
         self.max_queued = config.max_queued
+        self.admission_window = config.admission_window
+        self._kv_slots = parts.kv_pool.slots
         self.tokenizer = tokenizer
         self._check_memory = check_memory
         self.stats = EngineStats()
@@ -90,8 +91,8 @@ class DecodeLoop:
         queued = len(self.table.unstarted) + len(self.table.waiting)
         if queued + len(requests) > self.max_queued:
             raise EngineOverloaded(f"{queued} requests already queued (max_queued = {self.max_queued})")
-        send, receive = anyio.create_memory_object_stream[Any](math.inf)
-        submission = Submission(request_id, list(requests), send,
+        channel = OutputChannel()
+        submission = Submission(request_id, list(requests), channel,
                                 {r: OutputBuilder(r, self.tokenizer, index=i, request_id=request_id)
                                  for i, r in enumerate(requests)})
         self.table.add(submission)
@@ -99,7 +100,7 @@ class DecodeLoop:
         if self._idle_event.is_set():
             self._idle_event = anyio.Event()
         self.wake()
-        return RequestStream(request_id, receive, lambda: self.abandon(submission), n=len(requests))
+        return RequestStream(request_id, channel, lambda: self.abandon(submission), n=len(requests))
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
         """Abort a live submission by id; False if unknown or already finished."""
@@ -180,6 +181,7 @@ class DecodeLoop:
             await self._wait(0.005)  # fences or memory: poll again shortly
             return
         self.step_running = True
+        finished = self.stats.finished_total
         try:
             output = await anyio.to_thread.run_sync(self.runner.step, batch)
         except Exception as exc:  # the batch fails, the engine keeps serving
@@ -190,6 +192,9 @@ class DecodeLoop:
             self.step_running = False
             self.stats.on_step(time.monotonic())
         await anyio.lowlevel.checkpoint()
+        if (self.admission_window and self.stats.finished_total > finished and not self.table.unstarted
+                and self._kv_slots.num_free):
+            await self._wait(self.admission_window)  # a new submission ends the wait at once
 
     async def _wait(self, timeout: float | None) -> None:
         with anyio.move_on_after(timeout):
@@ -235,10 +240,7 @@ class DecodeLoop:
         dead = EngineDead(exc)
         for submission in list(self.table.submissions.values()):
             if submission.send is not None:
-                try:
-                    submission.send.send_nowait(dead)
-                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                    pass
+                submission.send.send(dead)
                 close_stream(submission)
         for request in self.table.requests():  # best effort: release what can be released
             try:

@@ -27,7 +27,7 @@ from typing import Any
 
 import structlog
 
-from engine.errors import EngineClosed, EngineOverloaded, HealthCheckFailed, InvalidRequest
+from engine.errors import EngineClosed, EngineOverloaded, HealthCheckFailed, HealthCheckTimeout, InvalidRequest
 from states import RequestState
 
 log = structlog.get_logger("kvlife.http")
@@ -66,7 +66,7 @@ async def health_generate(ctx: Any) -> tuple[int, dict[str, Any]]:
     try:
         await engine.health_check(timeout=timeout)
     except HealthCheckFailed as exc:
-        reason = "stuck" if "no token within" in str(exc) else "failing"
+        reason = "stuck" if isinstance(exc, HealthCheckTimeout) else "failing"
         return _unhealthy(reason, str(exc), _progress_age(ctx), "request")
     except (EngineClosed, EngineOverloaded, InvalidRequest) as exc:
         return _unhealthy("dead" if isinstance(exc, EngineClosed) else "failing", str(exc), age, "request")
