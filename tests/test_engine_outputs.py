@@ -128,3 +128,33 @@ class TestBackends:
             await engine.wait_idle(5)
         assert got == expected[:2]
         assert outputs[-1].finish_reason.name == "ABORT"
+
+
+class TestLogprobs:
+    @pytest.mark.asyncio
+    async def test_logprobs_are_the_models_distribution(self):
+        """logprobs=k: each token's log probability under the dense oracle's logits, and its k best, best first."""
+        import torch
+
+        from engine.model.dense_reference import dense_forward
+
+        prompt = [5, 6, 7, 8]
+        async with Engine(small_config()) as engine:
+            outputs = [o async for o in engine.generate(prompt, SamplingParams(max_new_tokens=4, logprobs=3))]
+            model = engine.parts.model
+        entries = [e for o in outputs for e in (o.logprobs or ())]
+        tokens = outputs[-1].token_ids
+        assert [e.token_id for e in entries] == tokens
+        logits = dense_forward(model, prompt + tokens)
+        for i, entry in enumerate(entries):
+            expected = torch.log_softmax(logits[len(prompt) - 1 + i].double(), -1)
+            assert abs(entry.logprob - float(expected[entry.token_id])) < 1e-4
+            assert [t for t, _ in entry.top] == torch.topk(expected, 3).indices.tolist()
+            assert entry.top[0][0] == entry.token_id  # greedy: the sampled token is the best
+
+    @pytest.mark.asyncio
+    async def test_no_logprobs_unless_asked(self):
+        """A request that asks for none gets None, and costs nothing."""
+        async with Engine(small_config()) as engine:
+            final = await engine.complete([5, 6, 7], SamplingParams(max_new_tokens=2))
+        assert final.logprobs is None

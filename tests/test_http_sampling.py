@@ -87,8 +87,6 @@ class TestN:
         assert engine.stats.finishes[("normal", "ABORT")] == 3
 
 
-@pytest.mark.xfail(strict=True, reason="the engine takes SamplingParams(logprobs=k) but its model runner returns no "
-                   "logprobs yet (RequestOutput.logprobs is None); these pass once it does (then drop this mark)")
 class TestLogprobs:
     @pytest.mark.asyncio
     async def test_completion_logprobs_are_the_engines(self):

@@ -33,7 +33,7 @@ import attrs
 import torch
 
 from engine.model.attention import AttentionMetadata, PagedAttention, PagedFactory
-from engine.model.sampling import sample
+from engine.model.sampling import sample, token_logprobs
 from engine.runtime.scheduler import ScheduledSeq
 from resources.kv_buffers import KVBuffers
 from resources.request_slots import RequestSlots
@@ -50,6 +50,8 @@ class StepOutput:
     tokens: list[int]
     #: per MoE layer, the routed expert ids [T, top_k] of the step's tokens
     routing: list[torch.Tensor] = attrs.field(factory=list)
+    #: aligned with `tokens`: the token's `TokenLogprob` where its request asked, else None
+    logprobs: list[Any] = attrs.field(factory=list)
 
 
 @attrs.frozen
@@ -185,7 +187,9 @@ class ModelRunner:
         t0 = time.perf_counter() if timed else 0.0
         params = [s.request.params for s in seqs if s.samples]
         out_pos = [s.request.num_output_tokens for s in seqs if s.samples]
-        if self.graphs is not None and (tokens := self.graphs.step(seqs, params, out_pos)) is not None:
+        wants_logprobs = any(p.logprobs is not None for p in params)
+        if (self.graphs is not None and not wants_logprobs
+                and (tokens := self.graphs.step(seqs, params, out_pos)) is not None):
             if timed:
                 self._record(seqs, t0, t0)
             return StepOutput(tokens)
@@ -197,9 +201,10 @@ class ModelRunner:
         logits = self.model(inputs.ids, inputs.positions, attention, embeds, output_rows=inputs.sample_rows,
                             routing=routing)
         tokens = sample(logits, params, out_pos) if params else []
+        logprobs = token_logprobs(logits, tokens, params) if wants_logprobs else []
         if timed:
             self._record(seqs, t0, t1)
-        return StepOutput(tokens, routing)
+        return StepOutput(tokens, routing, logprobs)
 
     def _record(self, seqs: Sequence[ScheduledSeq], t0: float, t1: float) -> None:
         if self.device.type == "cuda":

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import SamplingParams
+from engine.outputs import TokenLogprob
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> list[int]:
@@ -24,6 +25,26 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
     for row, (p, pos) in enumerate(zip(params, positions)):
         if not p.greedy:
             out[row] = _sample_row(logits[row].float(), p, pos)
+    return out
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], params: list[SamplingParams]) -> list[TokenLogprob | None]:
+    """Per row, the sampled token's log probability and the `params.logprobs` best
+    alternatives (None for rows that asked for none), from the same logits the sampler
+    used: the model's own distribution, before temperature, top-k and top-p."""
+    wanted = [row for row, p in enumerate(params) if p.logprobs is not None]
+    out: list[TokenLogprob | None] = [None] * len(params)
+    if not wanted:
+        return out
+    rows = torch.tensor(wanted, device=logits.device)
+    logprobs = torch.log_softmax(logits.index_select(0, rows).float(), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor([[tokens[r]] for r in wanted], device=logits.device))[:, 0].tolist()
+    most = max(params[r].logprobs for r in wanted)  # type: ignore[type-var]
+    top_values, top_ids = (torch.topk(logprobs, most, dim=-1) if most else (logprobs[:, :0], logprobs[:, :0].long()))
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    for i, row in enumerate(wanted):
+        k = params[row].logprobs or 0
+        out[row] = TokenLogprob(tokens[row], chosen[i], tuple(zip(top_ids[i][:k], top_values[i][:k])))
     return out
 
 
