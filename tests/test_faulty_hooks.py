@@ -103,8 +103,7 @@ def _ids(case) -> str:
 @pytest.mark.parametrize("case", CASES, ids=[_ids(c) for c in CASES])
 @pytest.mark.asyncio
 async def test_a_faulty_hook_never_cuts_a_release_short(kind, error, case):
-    """The request ends (ERROR for a bug, or completes after waiting for an exhausted pool), every
-    handle is released, the fault is logged against the hook, and the next request is served."""
+    """A hook's bug or exhaustion in any call ends or delays only its request; all released, logged, served on."""
     call, state, overrides = case
     hook = kind(call, state, ERRORS[error])
     config = small_config(model="null", resources=(hook,), **overrides)
