@@ -5,22 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from resources import PoolUsage, ResourceExhausted
+from helpers import CountingPool
+from resources import ResourceExhausted
 from states import Handle, RequestState
 
 CAPACITY = 64
-
-
-class _LeasePool:
-    """The leases' pool, as the ledger sees it."""
-
-    name = "chaos_leases"
-
-    def __init__(self, hook: ChaosLease) -> None:
-        self.hook = hook
-
-    def stats(self) -> PoolUsage:
-        return PoolUsage(capacity=CAPACITY, free=self.hook.free, unit="leases")
 
 
 class ChaosLease:
@@ -37,9 +26,9 @@ class ChaosLease:
 
     def __init__(self, tags_of: Callable[[str], frozenset[str]]) -> None:
         self.tags_of = tags_of
-        self.free = CAPACITY
+        self.leases = CountingPool(self.pool, CAPACITY)
         self.refused: set[str] = set()
-        self.pools = [_LeasePool(self)]
+        self.pools = [self.leases]
 
     def acquire(self, request, into):
         tags = self.tags_of(request.request_id)
@@ -48,11 +37,11 @@ class ChaosLease:
         if "plugin:busy" in tags and request.request_id not in self.refused:
             self.refused.add(request.request_id)
             raise ResourceExhausted("chaos: leases busy")
-        self.free -= 1
+        self.leases.free -= 1
         return Handle(self.name, request.request_id, amount=1)
 
     def release(self, request, handle):
-        self.free += 1
+        self.leases.free += 1
         if "plugin:release" in self.tags_of(request.request_id):
             raise RuntimeError("chaos: release bug")
 

@@ -13,6 +13,7 @@ from typing import Any
 import anyio
 
 from engine import Engine, EngineConfig, MemoryReport, RequestState, SamplingParams
+from resources import PoolUsage
 
 DEADLINE_S = 30.0  # seconds any helper waits before it fails the test instead of hanging it
 
@@ -23,6 +24,16 @@ def small_config(**overrides) -> EngineConfig:
                   use_entry_points=False)
     fields.update(overrides)
     return EngineConfig(**fields)
+
+
+class CountingPool:
+    """A pool that is a counter of free units; its hook takes and gives them (`free -= 1`)."""
+
+    def __init__(self, name: str, capacity: int, unit: str = "leases") -> None:
+        self.name, self.capacity, self.free, self.unit = name, capacity, capacity, unit
+
+    def stats(self) -> PoolUsage:
+        return PoolUsage(capacity=self.capacity, free=self.free, unit=self.unit)
 
 
 class Clock:

@@ -10,8 +10,8 @@ import pytest
 from structlog.testing import capture_logs
 
 from engine import Engine, HiSparseConfig, SamplingParams
-from helpers import collect, small_config
-from resources import ManualFence, PoolUsage, ResourceExhausted, ResourceHook
+from helpers import CountingPool, collect, small_config
+from resources import ManualFence, ResourceExhausted, ResourceHook
 from states import HELD_STATES, FinishReason, Handle, RequestState
 
 S = RequestState
@@ -20,30 +20,20 @@ PARAMS = SamplingParams(max_new_tokens=6, ignore_eos=True)
 DEADLINE = 30
 
 
-class _Pool:
-    name = "faulty_pool"
-
-    def __init__(self) -> None:
-        self.capacity, self.free = 4, 4
-
-    def stats(self) -> PoolUsage:
-        return PoolUsage(capacity=self.capacity, free=self.free, unit="leases")
-
-
 class _Faulty:
     """One lease per request; `fail` names the call that raises and `at` the state it raises in."""
 
     name = "faulty"
     before: tuple[str, ...] = ()
     after = ("kv",)
-    pool = _Pool.name
+    pool = "faulty_pool"
 
     def __init__(self, call: str, at: RequestState, error: BaseException) -> None:
         self.call, self.at, self.error = call, at, error
         self.armed = True
         self.acquire_on = frozenset({at if call == "acquire" else S.PREFILLING})
         self.scope = HELD_STATES - ({S.RETRACTED, S.QUEUED} if at is S.RETRACTED and call == "release" else set())
-        self.pools = [_Pool()]
+        self.pools = [CountingPool(self.pool, 4)]
         self.fences: list[ManualFence] = []
 
     def _maybe_fail(self, call: str) -> None:
