@@ -11,6 +11,7 @@ from typing import Any
 
 import attrs
 
+from engine.disagg.settings import RemotePrefill
 from engine.errors import InvalidConfig, InvalidRequest
 from hisparse.config import HiSparseConfig
 from states.validation import (
@@ -111,6 +112,8 @@ class EngineConfig:
     prefix_cache: bool = attrs.field(default=True, validator=is_bool())
     hisparse: Any = attrs.field(default=None)
     disaggregation: str = attrs.field(default="none", validator=one_of("none", "decode"))
+    #: decode role: prefill servers in other processes (an engine.disagg.RemotePrefill); None: in-process worker
+    remote_prefill: Any = attrs.field(default=None)
     leak_check: str = attrs.field(default="raise", validator=one_of("raise", "log", "off"))
     resources: tuple[Any, ...] = attrs.field(default=(), converter=_tuple_if_sequence)
     use_entry_points: bool = attrs.field(default=True, validator=is_bool())
@@ -134,6 +137,10 @@ class EngineConfig:
                 "None or a HiSparseConfig", self.hisparse)
         if self.hisparse is not None:
             self.hisparse.validate_against(self, self.context_bound)
+        require(self.remote_prefill is None or isinstance(self.remote_prefill, RemotePrefill), InvalidConfig,
+                f"{p}.remote_prefill", "None or an engine.disagg.RemotePrefill", self.remote_prefill)
+        if self.remote_prefill is not None:
+            self.remote_prefill.validate_against(self)
 
     @property
     def pool_tokens(self) -> int:

@@ -113,6 +113,12 @@ class Engine:
         return self._running
 
     @property
+    def prefill_client(self) -> Any:
+        """The decode role's prefill client (in-process worker or remote links), else None;
+        a remote client's `stats` feed `engine.disagg.observability.TransferCollector`."""
+        return self.parts.prefill_client
+
+    @property
     def errored(self) -> BaseException | None:
         """What killed the loop, if it died (streams then raise `EngineDead`)."""
         return self.loop.errored

@@ -62,6 +62,8 @@ class HostRecord:
     pages_dev: torch.Tensor
     runs: list[list[int]] = attrs.field(factory=list)
     on_host: int = 0
+    #: a decode-role transfer wrote the context straight into these rows (no device KV pages)
+    landed_directly: bool = False
     backup_event: Any = None
 
     def sync_backups(self) -> None:
@@ -196,19 +198,24 @@ class DeviceBufferHook(_HiSparseHook):
             last_used=np.full((layers, size), -1, dtype=np.int64),
         )
         n = request.kv_len
-        if RequestSlotHook.name in request.handles and 0 < n <= size:
+        record: HostRecord = request.handles[HOST_HOOK].payload
+        if 0 < n <= size and (record.landed_directly or RequestSlotHook.name in request.handles):
             # NOTE: the KV pages are still held: this transition acquires before it releases.
-            self._preload(request, buffer, RequestSlotHook.slot(request), n)
+            self._preload(request, buffer, record, n)
         return Handle(self.name, request.request_id, buffer, amount=size + 1)
 
-    def _preload(self, request: Request, buffer: DeviceBuffer, kv_slot: int, n: int) -> None:
-        """Copy the context's K/V from the device KV pages into slots 0..n-1 of every layer."""
+    def _preload(self, request: Request, buffer: DeviceBuffer, record: HostRecord, n: int) -> None:
+        """Copy the context's K/V into slots 0..n-1 of every layer: from the device KV pages,
+        or from the host rows when a transfer landed there directly."""
         state = self.state
-        src = state.kv_pool.slots.req_to_token[kv_slot, :n]
         dst = buffer.slots[:n]
+        src = None if record.landed_directly else state.kv_pool.slots.req_to_token[RequestSlotHook.slot(request), :n]
         for layer in range(state.num_layers):
-            kv = torch.stack((state.kv_buffers.k[layer].index_select(0, src),
-                              state.kv_buffers.v[layer].index_select(0, src)), dim=1)
+            if src is None:
+                kv = state.copier.from_host(state.host.kv[layer], record.locs[:n])
+            else:
+                kv = torch.stack((state.kv_buffers.k[layer].index_select(0, src),
+                                  state.kv_buffers.v[layer].index_select(0, src)), dim=1)
             state.device_pool.kv[layer].index_copy_(0, dst, kv.to(state.device_pool.kv[layer].dtype))
         slot_map: SlotMap = request.handles[MAP_HOOK].payload
         lru.preload(slot_map.table, buffer.slot_token, buffer.last_used, n)

@@ -15,6 +15,11 @@ mid-prefill, failed transfer) is never cached, because `kv_len` only ever
 counts tokens whose KV is complete, and neither is the KV of a handle that
 was quarantined (a late copy may have written it).
 
+Sliding windows: when every layer of the model has one, growth also frees
+the request's own pages that lie wholly before the widest window (no query
+can attend them again); such a request caches nothing at release, since its
+KV no longer starts at token 0.
+
 NOTE: a request with images neither matches nor inserts prefixes. Its
 placeholder token ids are the same for every image, so token-keyed pages
 would hand one request's image KV to another request with a different
@@ -44,6 +49,10 @@ class KVBlock:
     pages: list[int]
     num_prefix_pages: int = 0
     prefix_node: Any = None  # the radix node locked for the prefix
+    #: pages [drop_from, drop_from + num_dropped) were freed because every layer's sliding
+    #: window has left them (their table entries stay, masked out by the window)
+    drop_from: int = 0
+    num_dropped: int = 0
 
 
 class KVHook(ResourceHook):
@@ -52,8 +61,11 @@ class KVHook(ResourceHook):
     scope = KV_SCOPE
     pool = KV_PAGES
 
-    def __init__(self, kv: KVPool, *, scope: frozenset[RequestState] | None = None) -> None:
+    def __init__(self, kv: KVPool, *, scope: frozenset[RequestState] | None = None,
+                 window: int | None = None) -> None:
         self.kv = kv
+        #: the widest sliding window when every layer has one: pages wholly before it are freed
+        self.window = window
         if scope is not None:  # HiSparse narrows it: device pages only until staging is done
             self.scope = frozenset(scope)
 
@@ -89,6 +101,8 @@ class KVHook(ResourceHook):
     def grow(self, request: Request, handle: Handle, num_tokens: int) -> bool:
         """Make the request's pages cover `num_tokens` tokens; False if the pool is short."""
         block: KVBlock = handle.payload
+        if self.window is not None:
+            self._drop_outside_window(request, block, handle, num_tokens)
         need = self.kv.pages_for(num_tokens) - len(block.pages)
         if need <= 0:
             return True
@@ -100,17 +114,39 @@ class KVHook(ResourceHook):
         handle.amount += need
         return True
 
+    def _drop_outside_window(self, request: Request, block: KVBlock, handle: Handle, num_tokens: int) -> None:
+        """Free the own pages no query can attend any more: the step computes position
+        num_tokens - 1, and later queries only go further, so a page whose last position
+        is before `num_tokens - window` is dead in every layer. The prompt's whole pages
+        stay when the request caches (they are what other requests can reuse)."""
+        assert self.window is not None
+        ps = self.kv.page_size
+        if not block.num_dropped:
+            keep = request.num_prompt_tokens // ps if self._caches(request) else 0
+            block.drop_from = max(block.num_prefix_pages, keep)
+        first = block.drop_from + block.num_dropped
+        dead = max(0, (num_tokens - self.window) // ps)
+        if dead <= first:
+            return
+        self.kv.allocator.free(torch.tensor(block.pages[first:dead], dtype=torch.int64))
+        block.num_dropped += dead - first
+        handle.amount -= dead - first
+
     # ------------------------------------------------------------- release
     def release(self, request: Request, handle: Handle) -> None:
         kv = self.kv
         block: KVBlock = handle.payload
-        to_free = block.pages[block.num_prefix_pages :]
+        dropped = range(block.drop_from, block.drop_from + block.num_dropped)
+        held = [i for i in range(block.num_prefix_pages, len(block.pages)) if i not in dropped]
+        to_free = [block.pages[i] for i in held]
         if self._caches(request) and not handle.was_quarantined:  # NOTE: see the module docstring
             full = min(request.kv_len // kv.page_size, len(block.pages))
+            if block.num_dropped:  # only the pages before the freed ones still form a prefix
+                full = min(full, block.drop_from)
             if full > block.num_prefix_pages:
                 tokens = request.all_token_ids[: full * kv.page_size]
                 duplicates = kv.radix.insert(tokens, block.pages[:full])
-                to_free = duplicates + block.pages[full:]
+                to_free = duplicates + [block.pages[i] for i in held if i >= full]
         if to_free:
             kv.allocator.free(torch.tensor(to_free, dtype=torch.int64))
         if block.prefix_node is not None:

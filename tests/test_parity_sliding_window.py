@@ -151,6 +151,25 @@ class TestEngineWindow:
             ids.append(int(dense_forward(model, ids)[-1].argmax()))
         assert final.token_ids == ids[len(prompt):]
 
+    @pytest.mark.anyio
+    async def test_pages_outside_the_window_are_freed_while_decoding(self, windowed_checkpoint):
+        """Decoding far past the window holds a bounded number of pages, and the ids still equal the oracle."""
+        directory, model = windowed_checkpoint
+        prompt = list(b"windows")
+        held: list[int] = []
+        async with Engine(EngineConfig(model=str(directory), page_size=4, num_kv_pages=64, max_context=96,
+                                       use_entry_points=False)) as engine:
+            engine.loop.step_observers.append(lambda batch, out: held.append(engine.memory_report().pools["kv_pages"].held))
+            final = await engine.complete(prompt, SamplingParams(max_new_tokens=48, ignore_eos=True))
+            report = engine.check_memory()
+        ids = list(prompt)
+        for _ in range(48):
+            ids.append(int(dense_forward(model, ids)[-1].argmax()))
+        assert final.token_ids == ids[len(prompt):]
+        # the prompt's whole page is kept (it can be cached) + the window spans at most 3 pages of 4 + the new one
+        assert max(held) <= 1 + 3 + 1 and len(held) >= 48
+        assert report.pools["kv_pages"].evictable == 1  # the prompt's page is cached, the freed ones could not be
+
     def test_hisparse_is_refused_for_a_windowed_model(self, windowed_checkpoint):
         """HiSparse's top-k attention ignores windows, so Engine() refuses the combination naming hisparse."""
         directory, _ = windowed_checkpoint

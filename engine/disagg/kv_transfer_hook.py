@@ -14,6 +14,7 @@ them until it completes after all.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import attrs
@@ -51,6 +52,8 @@ class TransferJob:
     dst_locs: torch.Tensor
     fence: ManualFence
     fence_timeout: float
+    #: where the KV lands when not `dst_locs` of the KV buffers (HiSparse: host rows)
+    destination: Any = None
     started: bool = False
     cancelled: bool = False
     #: set once: ("ok", first_token) or ("failed", error)
@@ -113,10 +116,13 @@ class KVTransferHook(ResourceHook):
     scope = frozenset({S.TRANSFERRING})
     before = ("kv",)
 
-    def __init__(self, client: PrefillClient, kv_pool: Any, fence_timeout: float) -> None:
+    def __init__(self, client: PrefillClient, kv_pool: Any, fence_timeout: float,
+                 landing: Callable[[Request, int], Any] | None = None) -> None:
         self.client = client
         self.kv_pool = kv_pool
         self.fence_timeout = fence_timeout
+        #: (request, tokens) -> a destination other than the KV pages, or None (HiSparse's host rows)
+        self.landing = landing
 
     @staticmethod
     def job(request: Request) -> TransferJob:
@@ -126,9 +132,12 @@ class KVTransferHook(ResourceHook):
     def acquire(self, request: Request, into: RequestState) -> Handle:
         slot = RequestSlotHook.slot(request)
         dst_locs = self.kv_pool.slots.req_to_token[slot, : request.num_tokens].clone()
-        fence = ManualFence(TRANSFER_FENCE, {"kv"}, timeout=self.fence_timeout, armed=False)
+        destination = None if self.landing is None else self.landing(request, request.num_tokens)
+        protects = {"kv"} if destination is None else {"kv", *getattr(destination, "protects", ())}
+        fence = ManualFence(TRANSFER_FENCE, protects, timeout=self.fence_timeout, armed=False)
         job = TransferJob(request.request_id, list(request.prompt_token_ids), list(request.output_token_ids),
-                          request.params, list(request.mm_inputs), dst_locs, fence, self.fence_timeout)
+                          request.params, list(request.mm_inputs), dst_locs, fence, self.fence_timeout,
+                          destination=destination)
         request.fences.append(fence)
         self.client.submit(job)
         return Handle(self.name, request.request_id, job)
@@ -137,3 +146,5 @@ class KVTransferHook(ResourceHook):
         job: TransferJob = handle.payload
         if job.outcome is None:
             self.client.cancel(job)
+        elif job.outcome[0] == "ok" and job.destination is not None and hasattr(job.destination, "landed"):
+            job.destination.landed()

@@ -107,7 +107,7 @@ class PrefillWorker:
         self.jobs.popleft()
         job.start()
         try:
-            first_token = await anyio.to_thread.run_sync(self._prefill, request)
+            first_token = await anyio.to_thread.run_sync(self._prefill, request, job)
             num_tokens = request.num_tokens
             request.output_token_ids.append(first_token)
             self.machine.advance(request, S.PREBUILT, reason="prefilled")
@@ -118,7 +118,7 @@ class PrefillWorker:
             slot = RequestSlotHook.slot(request)
             src_locs = self.parts.kv_pool.slots.req_to_token[slot, :num_tokens]
             await anyio.to_thread.run_sync(self.transfer.send, self.parts.kv_buffers, src_locs, job.dst_locs,
-                                           job.request_id)
+                                           job.request_id, job.destination)
         except Exception as exc:
             log.warning("transfer.failed", request_id=job.request_id, error=repr(exc))
             self._finish(request, FinishReason.ERROR)
@@ -136,11 +136,14 @@ class PrefillWorker:
         job.resolve("ok", first_token, landed=not stuck)
         return True
 
-    def _prefill(self, request: Request) -> int:
-        """Chunked prefill of every token given in the worker's pools; returns the next token."""
+    def _prefill(self, request: Request, job: TransferJob) -> int:
+        """Chunked prefill of every token given in the worker's pools; returns the next token.
+        A job cancelled meanwhile stops between chunks (`TransferCancelled`)."""
         runner, budget = self.parts.runner, self.parts.config.max_prefill_tokens
         token = None
         while request.kv_len < request.num_tokens:
+            if job.cancelled:
+                raise TransferCancelled(f"{job.request_id!r} cancelled during its prefill")
             n = min(budget, request.num_tokens - request.kv_len)
             seq = ScheduledSeq(request, request.kv_len, n, request.kv_len + n == request.num_tokens)
             output = runner.step([seq])

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
+from engine.disagg.wire import Chunk
 from resources.kv_buffers import KVBuffers
 
 
@@ -21,9 +22,11 @@ class TransferFailed(RuntimeError):
 
 
 class TransferBackend(Protocol):
-    def send(self, src: KVBuffers, src_locs: torch.Tensor, dst_locs: torch.Tensor, request_id: str) -> None:
-        """Copy the K/V at `src_locs` of every layer to `dst_locs` on the receiving
-        side; return when the copy has landed, raise TransferFailed if it cannot."""
+    def send(self, src: KVBuffers, src_locs: torch.Tensor, dst_locs: torch.Tensor, request_id: str,
+             destination: Any = None) -> None:
+        """Copy the K/V at `src_locs` of every layer to `dst_locs` on the receiving side (or
+        into `destination`, a `engine.disagg.destination.KVDestination`); return when the
+        copy has landed, raise TransferFailed if it cannot."""
 
 
 class LoopbackTransfer:
@@ -34,9 +37,15 @@ class LoopbackTransfer:
         self.faults = faults
         self.stream = torch.cuda.Stream() if dst.k[0].is_cuda else None
 
-    def send(self, src: KVBuffers, src_locs: torch.Tensor, dst_locs: torch.Tensor, request_id: str) -> None:
+    def send(self, src: KVBuffers, src_locs: torch.Tensor, dst_locs: torch.Tensor, request_id: str,
+             destination: Any = None) -> None:
         if self.faults is not None and self.faults.transfer_fails(request_id):
             raise TransferFailed(f"injected transfer failure for {request_id!r}")
+        if destination is not None:  # HiSparse host rows: one chunk of every layer and token
+            kv = torch.stack([torch.stack((src.k[layer][src_locs], src.v[layer][src_locs]))
+                              for layer in range(src.num_layers)])
+            destination.write(Chunk(0, src.num_layers, 0, int(src_locs.numel()), kv.numel() * kv.element_size()), kv)
+            return
         dst_locs = dst_locs.to(self.dst.k[0].device)
         if self.stream is None:
             self._copy(src, src_locs, dst_locs)

@@ -8,7 +8,7 @@ multimodal, the decode role's prefill client) plug in here and nowhere else.
 
 Built-in registration order is the built-in release order::
 
-    moe_record, hisparse..., kv_transfer, kv, request_slot, multimodal, plugins..., timing
+    moe_record, kv_transfer, hisparse..., kv, request_slot, multimodal, plugins..., timing
 
 (plugins may reorder themselves with before/after; timing is always last).
 """
@@ -105,7 +105,9 @@ def build_parts(config: EngineConfig, *, faults: FaultInjector | None = None, mo
     slot_of: Callable[[Request], int | None] = RequestSlotHook.slot
     attention_factory = PagedAttention.factory(kv_buffers, model_config.layer_windows)
     embedder = None
-    before_kv: list = []
+    before_kv: list = []  # the MoE record
+    transfer_hooks: list = []  # kv_transfer: acquired after HiSparse's host pages (its landing)
+    hisparse_hooks: list = []
     after_kv: list = []
     pools: list = [kv_pool, kv_pool.slots]
     step_observers: list = []
@@ -126,7 +128,7 @@ def build_parts(config: EngineConfig, *, faults: FaultInjector | None = None, mo
 
         hisparse = install_hisparse(config=config, max_context=max_context, model_config=model_config,
                                     device=device, kv_pool=kv_pool, kv_buffers=kv_buffers, faults=faults)
-        before_kv.extend(hisparse.hooks)
+        hisparse_hooks.extend(hisparse.hooks)
         pools.extend(hisparse.pools)
         kv_scope = hisparse.kv_scope
         slot_of = hisparse.slot_of(slot_of)
@@ -138,14 +140,24 @@ def build_parts(config: EngineConfig, *, faults: FaultInjector | None = None, mo
         from engine.disagg.prefill_worker import PrefillWorker
         from engine.disagg.transfer import LoopbackTransfer
 
-        # NOTE: a configured hook *instance* has one pool, so it serves the decode engine only;
-        # factories (and entry points) build the prefill worker a hook of its own.
-        prefill_config = attrs.evolve(config, disaggregation="none", hisparse=None,
-                                      resources=tuple(r for r in config.resources if not is_hook_instance(r)))
-        prefill_parts = build_parts(prefill_config, faults=faults, model_bundle=(model_config, model, tokenizer),
-                                    expert_distribution=expert_distribution)
-        client = PrefillWorker(prefill_parts, LoopbackTransfer(kv_buffers, faults), faults=faults)
-        before_kv.append(KVTransferHook(client, kv_pool, config.fence_timeout))
+        if config.remote_prefill is not None:  # prefill servers in other processes (engine.disagg.remote_client)
+            from engine.disagg.remote_client import RemotePrefillClient
+
+            client = RemotePrefillClient(config, model_config, kv_buffers, device=device, max_context=max_context)
+        else:
+            # NOTE: a configured hook *instance* has one pool, so it serves the decode engine only;
+            # factories (and entry points) build the prefill worker a hook of its own.
+            prefill_config = attrs.evolve(config, disaggregation="none", hisparse=None,
+                                          resources=tuple(r for r in config.resources if not is_hook_instance(r)))
+            prefill_parts = build_parts(prefill_config, faults=faults, model_bundle=(model_config, model, tokenizer),
+                                        expert_distribution=expert_distribution)
+            client = PrefillWorker(prefill_parts, LoopbackTransfer(kv_buffers, faults), faults=faults)
+        landing = None
+        if config.hisparse is not None:  # the KV lands straight in the host pages, never in device pages
+            from engine.disagg.destination import host_landing
+
+            landing = lambda request, n: host_landing(hisparse.state, request, n)  # noqa: E731
+        transfer_hooks.append(KVTransferHook(client, kv_pool, config.fence_timeout, landing=landing))
         pools.extend(client.pools)
         parts_extra.update(prefill_client=client, transfer_job=KVTransferHook.job,
                            admit_into=RequestState.TRANSFERRING)
@@ -164,12 +176,14 @@ def build_parts(config: EngineConfig, *, faults: FaultInjector | None = None, mo
     runner_cls = NoComputeRunner if config.model == "null" else ModelRunner
     runner = runner_cls(model, kv_buffers, kv_pool.slots, device, slot_of=slot_of,
                         attention_factory=attention_factory, embedder=embedder, faults=faults)
-    kv_hook = KVHook(kv_pool, scope=kv_scope)
+    windows = model_config.layer_windows
+    kv_hook = KVHook(kv_pool, scope=kv_scope,
+                     window=max(windows) if windows and None not in windows else None)  # type: ignore[type-var]
     slot_hook = RequestSlotHook(kv_pool.slots, scope=kv_scope)
     plugins = build_plugin_hooks(config.resources, PluginContext(device, config),
                                  use_entry_points=config.use_entry_points)
     timing = TimingHook()
-    hooks = [*before_kv, kv_hook, slot_hook, *after_kv, *plugins, timing]
+    hooks = [*before_kv, *transfer_hooks, *hisparse_hooks, kv_hook, slot_hook, *after_kv, *plugins, timing]
     timing.after = tuple(h.name for h in hooks if h is not timing)
     ordered = order_hooks(hooks)
     if faults is not None:

@@ -53,7 +53,8 @@ class Finisher:
         return True
 
     def finish(self, request: Request, reason: FinishReason, *, error: BaseException | None = None,
-               new_tokens: Sequence[int] = (), new_text: str = "", flush_text: bool = True) -> None:
+               new_tokens: Sequence[int] = (), new_text: str = "", flush_text: bool = True,
+               logprobs: tuple[TokenLogprob, ...] | None = None) -> None:
         """Finish through the machine and send the final output. Idempotent.
 
         `flush_text=False` when a stop string ended it: the text held back is
@@ -71,7 +72,7 @@ class Finisher:
             builder = submission.builders[request]
             if flush_text:
                 new_text += builder.flush()
-            self._send(submission, builder.output(list(new_tokens), new_text, final=True))
+            self._send(submission, builder.output(list(new_tokens), new_text, final=True, logprobs=logprobs))
             submission.open -= 1
             if submission.open <= 0:
                 close_stream(submission)
@@ -131,7 +132,8 @@ class Finisher:
         logprobs = None if logprob is None else (logprob,)
         reason = FinishReason.STOP if stopped else self._finish_reason(request, token)
         if reason is not None:
-            self.finish(request, reason, new_tokens=[token], new_text=new_text, flush_text=not stopped)
+            self.finish(request, reason, new_tokens=[token], new_text=new_text, flush_text=not stopped,
+                        logprobs=logprobs)
             return
         if submission is not None:
             self._send(submission, submission.builders[request].output([token], new_text, final=False,

@@ -1,0 +1,301 @@
+"""Disaggregation benchmark: a decode engine (this process) and prefill servers started
+with the real command (`kvlife serve --disaggregation prefill`), on 127.0.0.1.
+
+    python benchmarks/bench_disagg.py [--quick] [--out bench-results/disagg.json]
+
+1. Transfer throughput: N jobs of P tokens of KV (the null model: no compute,
+   the tiny model's shapes), submitted at once, from submission to landed in
+   the decode's pages (the real path: frames, the prefill's worker and gather,
+   gloo, the decode's scatter), against a bare gloo send/recv of the same
+   bytes, in the same messages, between two processes; rounds of the two
+   alternate, and the ratio is the median of the per-round ratios.
+2. TTFT and end-to-end throughput of the tiny model on one workload: the single
+   engine, the decode role with its in-process prefill worker, and decode + one
+   remote prefill server.
+3. Failure detection: the time from a prefill's SIGKILL (and, separately, its
+   SIGSTOP) to the last affected request's TRANSFER_FAILED.
+
+Prints a table, writes JSON (figures, settings, the load average before and after).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import anyio
+import torch
+
+from engine import Engine, EngineConfig, SamplingParams
+from engine.disagg.settings import RemotePrefill
+from engine.logging import configure_logging
+
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+LINK = dict(keepalive=0.25, first_timeout=20.0, chunk_slack=1.0, connect_timeout=20.0, reconnect_interval=0.2)
+
+
+def _engine_fields(model: str, prompt: int, new: int, batch: int) -> dict:
+    pages = batch * (-(-(prompt + new) // 16) + 1) + 16
+    return dict(model=model, page_size=16, num_kv_pages=pages, max_running=batch, max_context=prompt + new + 16,
+                max_prefill_tokens=max(prompt, 512), prefix_cache=False, use_entry_points=False, fence_timeout=60.0)
+
+
+def _cli_flags(fields: dict) -> list[str]:
+    flags = []
+    for name in ("model", "page_size", "num_kv_pages", "max_running", "max_context", "max_prefill_tokens",
+                 "fence_timeout"):
+        flags += [f"--{name.replace('_', '-')}", str(fields[name])]
+    return flags + ["--no-prefix-cache", "--transfer-keepalive", str(LINK["keepalive"]),
+                    "--transfer-first-timeout", str(LINK["first_timeout"]), "--transfer-chunk-slack",
+                    str(LINK["chunk_slack"])]
+
+
+class Prefill:
+    """`kvlife serve --disaggregation prefill` in a child process (killed by pid on exit)."""
+
+    def __init__(self, fields: dict) -> None:
+        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+        self.proc = subprocess.Popen([sys.executable, "-m", "engine.cli.main", "serve", "--disaggregation", "prefill",
+                                      "--disaggregation-bootstrap-port", "0", "--port", "0", "--log-level",
+                                      "info", *_cli_flags(fields)], stderr=self.log, stdout=subprocess.DEVNULL,
+                                     env=dict(os.environ, OMP_NUM_THREADS="1"))
+        deadline = time.monotonic() + 60
+        while True:
+            with open(self.log.name) as f:
+                started = next((json.loads(line) for line in f if '"transfer.prefill_started"' in line), None)
+            if started is not None:
+                self.address = f"127.0.0.1:{started['bootstrap_port']}"
+                return
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the prefill server did not start: {open(self.log.name).read()[-2000:]}")
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self.log.close()
+        os.unlink(self.log.name)
+
+
+def _remote(fields: dict, *peers: str, **link) -> EngineConfig:
+    return EngineConfig(**fields, leak_check="raise", disaggregation="decode",
+                        remote_prefill=RemotePrefill(peers=peers, **{**LINK, **link}))
+
+
+def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(0, 256) for _ in range(length)] for _ in range(n)]
+
+
+async def _run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> tuple[float, list]:
+    outs: list = []
+    started = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for prompt in prompts:
+            async def one(p=prompt) -> None:
+                outs.append(await engine.complete(p, params))
+            tg.start_soon(one)
+    return time.perf_counter() - started, outs
+
+
+# --------------------------------------------------------------- 1. throughput
+async def bench_transfer(jobs: int, tokens: int, rounds: int, chunk_bytes: int) -> dict:
+    """Rounds of the real path and of bare gloo, alternating, so each ratio compares the same moment."""
+    fields = _engine_fields("null", tokens, 1, jobs)
+    prefill = Prefill(fields)
+    bare = None
+    try:
+        config = _remote(fields, prefill.address, max_chunk_bytes=chunk_bytes)
+        real, plain = [], []
+        async with Engine(config) as engine:
+            client = engine.parts.prefill_client
+            nbytes = tokens * _bytes_per_token(engine)
+            bare = _BareGloo(jobs, nbytes, rounds + 1)
+            params = SamplingParams(max_new_tokens=1, ignore_eos=True)
+            await _run(engine, _prompts(2, tokens, 0), params)  # warm-up
+            bare.round()
+            for r in range(rounds):
+                before = client.stats.snapshot()["bytes"]
+                wall, outs = await _run(engine, _prompts(jobs, tokens, r + 1), params)
+                moved = client.stats.snapshot()["bytes"] - before
+                assert moved == jobs * nbytes, "every job moved its KV"
+                real.append(moved / wall)
+                plain.append(bare.round())
+            engine.check_memory()
+    finally:
+        prefill.close()
+        if bare is not None:
+            bare.close()
+    ratios = [r / b for r, b in zip(real, plain)]
+    return {"jobs": jobs, "tokens": tokens, "job_bytes": nbytes, "chunk_bytes": chunk_bytes,
+            "real_GBps": statistics.median(real) / 1e9, "bare_GBps": statistics.median(plain) / 1e9,
+            "ratio": statistics.median(ratios), "ratios": ratios}
+
+
+def _bytes_per_token(engine: Engine) -> int:
+    kv = engine.parts.kv_buffers
+    return sum(t[0].numel() * t.element_size() for t in (*kv.k, *kv.v))
+
+
+class _BareGloo:
+    """The same bytes in the same messages over a bare gloo pair: a child sends, this process receives."""
+
+    def __init__(self, messages: int, nbytes: int, rounds: int) -> None:
+        self.messages, self.nbytes = messages, nbytes
+        self.store = torch.distributed.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=60),
+                                                wait_for_workers=False)
+        self.child = subprocess.Popen([sys.executable, __file__, "--bare-sender", str(self.store.port),
+                                       str(messages), str(nbytes), str(rounds)],
+                                      env=dict(os.environ, OMP_NUM_THREADS="1"))
+        self.pg = _bare_group(self.store, 1)
+        self.buf = torch.empty(nbytes, dtype=torch.uint8)
+        self.go = torch.zeros(1, dtype=torch.int64)
+
+    def round(self) -> float:
+        """Bytes per second of one round (the receiver's clock, from its go to the last byte)."""
+        started = time.perf_counter()
+        self.pg.send([self.go], 0, 0).wait()
+        for _ in range(self.messages):
+            self.pg.recv([self.buf], 0, 1).wait()
+        return self.messages * self.nbytes / (time.perf_counter() - started)
+
+    def close(self) -> None:
+        self.child.wait(60)
+
+
+def _bare_group(store, rank: int):
+    options = torch.distributed.ProcessGroupGloo._Options()
+    options._timeout = datetime.timedelta(seconds=60)
+    options._devices = [torch.distributed.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    return torch.distributed.ProcessGroupGloo(torch.distributed.PrefixStore("bare/", store), rank, 2, options)
+
+
+def _bare_sender(port: int, messages: int, nbytes: int, rounds: int) -> None:
+    store = torch.distributed.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=60))
+    pg = _bare_group(store, 0)
+    buf = torch.ones(nbytes, dtype=torch.uint8)
+    go = torch.zeros(1, dtype=torch.int64)
+    for _ in range(rounds):
+        pg.recv([go], 1, 0).wait()
+        for _ in range(messages):
+            pg.send([buf], 1, 1).wait()
+
+
+# ------------------------------------------------------------- 2. TTFT and e2e
+async def bench_workload(requests: int, prompt: int, new: int) -> dict:
+    fields = _engine_fields("tiny", prompt, new, requests)
+    params = SamplingParams(max_new_tokens=new, ignore_eos=True)
+    prompts = _prompts(requests, prompt, 42)
+    results = {}
+    for name, role in (("single", "none"), ("in-process", "decode")):
+        async with Engine(EngineConfig(**fields, leak_check="raise", disaggregation=role)) as engine:
+            await _run(engine, prompts[:2], params)
+            results[name] = _summary(*await _run(engine, prompts, params), new)
+    prefill = Prefill(fields)
+    try:
+        async with Engine(_remote(fields, prefill.address)) as engine:
+            await _run(engine, prompts[:2], params)
+            results["remote"] = _summary(*await _run(engine, prompts, params), new)
+            engine.check_memory()
+    finally:
+        prefill.close()
+    return {"requests": requests, "prompt": prompt, "new_tokens": new, **results}
+
+
+def _summary(wall: float, outs: list, new: int) -> dict:
+    ttft = sorted(o.time_to_first_token for o in outs)
+    return {"ttft_p50_ms": 1000 * ttft[len(ttft) // 2], "ttft_p95_ms": 1000 * ttft[int(len(ttft) * 0.95) - 1],
+            "tokens_per_s": len(outs) * new / wall, "wall_s": wall}
+
+
+# ------------------------------------------------------------ 3. failure time
+async def bench_failure(how: str, requests: int, prompt: int) -> dict:
+    """Time from SIGKILL/SIGSTOP of the prefill to the last of its requests' TRANSFER_FAILED."""
+    fields = _engine_fields("tiny", prompt, 4, requests)
+    prefill = Prefill(fields)
+    finished: list[float] = []
+    try:
+        async with Engine(_remote(fields, prefill.address)) as engine:
+            client = engine.parts.prefill_client
+            params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+
+            async def one(p) -> None:
+                out = await engine.complete(p, params)
+                if out.finish_reason.name == "TRANSFER_FAILED":
+                    finished.append(time.perf_counter())
+
+            async with anyio.create_task_group() as tg:
+                for p in _prompts(requests, prompt, 7):
+                    tg.start_soon(one, p)
+                while client.stats.snapshot()["jobs"]["ok"] < 1:  # the prefill is busy with the rest
+                    await anyio.sleep(0.001)
+                killed = time.perf_counter()
+                os.kill(prefill.proc.pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+            await engine.wait_idle(30)
+            engine.check_memory()
+    finally:
+        prefill.close()
+    return {"how": how, "affected": len(finished), "last_failed_ms": 1000 * (max(finished) - killed)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller workloads (a smoke run)")
+    parser.add_argument("--out", default="bench-results/disagg.json")
+    parser.add_argument("--chunk-mib", type=float, default=16.0, help="max_chunk_bytes of the transfer part, MiB")
+    parser.add_argument("--parts", nargs="+", default=["transfer", "workload", "failures"])
+    parser.add_argument("--bare-sender", nargs=4, type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.bare_sender:
+        _bare_sender(*args.bare_sender)
+        return
+    torch.set_num_threads(1)
+    configure_logging("error")
+    load_before = os.getloadavg()
+    quick = args.quick
+    chunk = int(args.chunk_mib * (1 << 20))
+    transfer = anyio.run(bench_transfer, 8 if quick else 16, 2048, 2 if quick else 5, chunk) \
+        if "transfer" in args.parts else None
+    workload = anyio.run(bench_workload, 16 if quick else 32, 256, 16 if quick else 32) \
+        if "workload" in args.parts else None
+    failures = [anyio.run(bench_failure, how, 8, 1024) for how in ("kill", "stop")] if "failures" in args.parts else []
+    load_after = os.getloadavg()
+    _report(transfer, workload, failures, load_before, load_after)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"transfer": transfer, "workload": workload, "failures": failures, "link": LINK,
+                   "load_before": load_before, "load_after": load_after, "cpus": os.cpu_count()}, f, indent=2)
+
+
+def _report(transfer, workload, failures, load_before, load_after) -> None:
+    t = transfer
+    if t is not None:
+            print(f"transfer: {t['jobs']} jobs x {t['job_bytes'] / 2**20:.0f} MiB in {t['chunk_bytes'] / 2**20:g} MiB "
+              f"chunks  real path {t['real_GBps']:.2f} GB/s  bare gloo {t['bare_GBps']:.2f} GB/s  ratio "
+              f"{t['ratio']:.2f} (per round: {', '.join(f'{r:.2f}' for r in t['ratios'])})")
+    w = workload
+    if w is not None:
+        print(f"workload: {w['requests']} requests, {w['prompt']}-token prompts, {w['new_tokens']} new tokens")
+        print(f"{'':>10} {'TTFT p50 ms':>12} {'TTFT p95 ms':>12} {'tok/s':>8}")
+        for name in ("single", "in-process", "remote"):
+            r = w[name]
+            print(f"{name:>10} {r['ttft_p50_ms']:>12.1f} {r['ttft_p95_ms']:>12.1f} {r['tokens_per_s']:>8.0f}")
+    for f in failures:
+        print(f"prefill {f['how']:>4}: {f['affected']} requests TRANSFER_FAILED, the last {f['last_failed_ms']:.0f} ms "
+              "after the signal")
+    print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} ({os.cpu_count()} CPUs)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,362 @@
+"""The decode side of one link: a sending thread, a receiving thread, a FIFO of jobs.
+
+The receiving thread is the only writer of a job's pages. It writes each
+chunk under the job's lock, and a job ends exactly once, also under that
+lock (`LinkJob.end`: outcome first, then the fence). Whoever ends it, the
+receiving thread (landed, reported failure), the link going down, or the
+client (a cancel, a missed first-answer deadline), nothing writes the
+pages after that: a later chunk for an ended job is received into staging
+and dropped. So the fence means "no write can happen any more", and it
+is completed within a bounded time on every path.
+
+Waits: a header (or keepalive) within `liveness_timeout`; a chunk within
+`chunk_timeout(bytes)`. Any transport error or timeout ends the link: its
+jobs end failed at once, and the client builds a new pair (a new epoch).
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import structlog
+import torch
+
+from engine.disagg.kv_transfer_hook import TransferCancelled
+from engine.disagg.transfer import TransferFailed
+from engine.disagg.transport import LinkError, Pair, classify
+from engine.disagg.wire import (BYE, CANCEL, CANCELLED, JOB, OK, PING, RESULT, STATUS_NAMES, JobSpec, KVLayout,
+                                ProtocolError, empty_header, encode_job, header)
+
+log = structlog.get_logger("kvlife.transfer")
+
+
+class RemoteTransferFailed(TransferFailed):
+    """A remote transfer failed; `cause` is one of engine.disagg.transport.CAUSES."""
+
+    def __init__(self, cause: str, message: str) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
+@attrs.define(eq=False)
+class LinkJob:
+    """One TransferJob on its way through a link."""
+
+    job: Any
+    destination: Any
+    plan: list
+    spec: JobSpec
+    submitted: float
+    deadline: float  # the first answer's
+    peer: str = ""
+    epoch: int = 0
+    tag: int = 0
+    answered: float | None = None  # when its header arrived
+    done: bool = False  # resolved: outcome set, fence completed
+    cancel_sent: bool = False
+    #: how it ends, decided once: (first_token, cause, message)
+    decision: tuple | None = None
+    lock: threading.Lock = attrs.field(factory=threading.Lock)  # held by the writing thread while it writes
+    _deciding: threading.Lock = attrs.field(factory=threading.Lock)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.plan)
+
+    @property
+    def writable(self) -> bool:
+        """Whether a chunk may still be written (call with the lock held)."""
+        return self.decision is None
+
+    def end(self, first_token: int | None, cause: str | None = None, message: str = "", *,
+            block: bool = True) -> bool:
+        """Decide how the job ends (once; True for the call that decided) and resolve it: outcome
+        first, then the fence. Cause "cancelled" (the decode gave it up) resolves it with
+        TransferCancelled.
+
+        With `block=False` (the event loop) a write in progress is not waited for: the writing
+        thread resolves the job as soon as that write returns, so a writing thread that wedges
+        leaves the fence open (and the loop quarantines the pages at its deadline) instead of
+        wedging the loop.
+        """
+        with self._deciding:
+            decided = self.decision is None
+            if decided:
+                self.decision = (first_token, cause, message)
+        if self.lock.acquire(blocking=block):
+            try:
+                self._resolve()
+            finally:
+                self.lock.release()
+        return decided
+
+    def apply_decision(self) -> None:
+        """After a write (lock released): resolve an end decided during it."""
+        if self.decision is not None and not self.done:
+            with self.lock:
+                self._resolve()
+
+    def _resolve(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        first_token, cause, message = self.decision
+        if cause is None:
+            self.job.resolve("ok", first_token)
+        else:
+            where = f"(peer {self.peer or '-'}, epoch {self.epoch})"
+            error = TransferCancelled(f"{message} {where}") if cause == "cancelled" else \
+                RemoteTransferFailed(cause, f"{message} {where}")
+            self.job.resolve("failed", error)
+
+
+class DecodeLink:
+    """One epoch of the link to one prefill (see the module docstring)."""
+
+    def __init__(self, *, peer: str, epoch: int, boot: str, pair: Pair, settings: Any, layout: KVLayout,
+                 stats: Any, staging: Any, on_down: Callable[[DecodeLink, LinkError], None] | None = None) -> None:
+        self.peer, self.epoch, self.boot = peer, epoch, boot
+        self.pair = pair
+        self.settings = settings
+        self.layout = layout
+        self.stats = stats
+        self.staging = staging
+        self.on_down = on_down
+        self.inflight: deque[LinkJob] = deque()  # in the order their JOB frames were queued
+        self.lock = threading.Lock()
+        self.up = True
+        self.cause = ""
+        self._farewell = False  # tell the prefill when this side ended the link
+        self._out: queue.SimpleQueue = queue.SimpleQueue()
+        self._writes: queue.SimpleQueue = queue.SimpleQueue()  # received chunks for the writing thread
+        self._tags = itertools.count(1)
+        self._threads = [threading.Thread(target=self._send_loop, name=f"kvlife-send-{peer}#{epoch}", daemon=True),
+                         threading.Thread(target=self._recv_loop, name=f"kvlife-recv-{peer}#{epoch}", daemon=True),
+                         threading.Thread(target=self._write_loop, name=f"kvlife-write-{peer}#{epoch}", daemon=True)]
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    # ------------------------------------------------- used by the client
+    @property
+    def load(self) -> int:
+        """Jobs in flight that have not ended (fewest-in-flight spreading)."""
+        with self.lock:
+            return sum(1 for lj in self.inflight if lj.decision is None)
+
+    def jobs(self) -> list[LinkJob]:
+        """Jobs on this link not resolved yet (their fences are open)."""
+        with self.lock:
+            return [lj for lj in self.inflight if not lj.done]
+
+    def submit(self, lj: LinkJob) -> bool:
+        """Queue a job; False (nothing queued) if the link is down."""
+        with self.lock:
+            if not self.up:
+                return False
+            lj.peer, lj.epoch, lj.tag = self.peer, self.epoch, next(self._tags)
+            self.inflight.append(lj)
+        self._out.put(("job", lj))
+        return True
+
+    def cancel(self, lj: LinkJob) -> None:
+        """Tell the prefill that `lj` was given up (the caller has ended it)."""
+        if not lj.cancel_sent:
+            lj.cancel_sent = True
+            self._out.put(("cancel", lj.tag))
+
+    def expire(self, now: float) -> None:
+        """End jobs whose first answer is overdue; an overdue oldest job ends the link (event loop)."""
+        with self.lock:
+            overdue = [lj for lj in self.inflight if lj.answered is None and lj.decision is None
+                       and lj.deadline <= now]
+            head = self.inflight[0] if self.inflight else None
+        if head is not None and head in overdue:
+            self.down(LinkError("budget", f"no answer within the prefill's compute budget "
+                                          f"({self.settings.first_timeout:g} s)"), block=False)
+            return
+        for lj in overdue:
+            if lj.end(None, "budget", "no answer within the prefill's compute budget", block=False):
+                self.stats.job_failed("budget")
+                log.warning("transfer.failed", request_id=lj.job.request_id, peer=self.peer, epoch=self.epoch,
+                            cause="budget")
+                self.cancel(lj)
+
+    def close(self) -> None:
+        """Say goodbye and end the link (jobs still in flight end with cause "shutdown")."""
+        self._out.put(("bye", None))
+
+    @property
+    def alive(self) -> bool:
+        """Whether a thread of this link is still running (a receive returns within its bound)."""
+        return any(t.is_alive() for t in self._threads)
+
+    def join(self, timeout: float) -> bool:
+        """Wait for both threads to return (a peer that answers BYE lets them go at once)."""
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(deadline - time.monotonic(), 0))
+        return not self.alive
+
+    # -------------------------------------------------------- sending
+    def _send_loop(self) -> None:
+        s = self.settings
+        try:
+            while True:
+                try:
+                    kind, item = self._out.get(timeout=s.keepalive)
+                except queue.Empty:
+                    kind, item = "ping", None
+                if not self.up:
+                    if self._farewell:  # so the prefill cancels at once and its threads return
+                        self.pair.send_ctl(header(BYE), s.chunk_slack)
+                    return
+                if kind == "job":
+                    budget = item.deadline - time.monotonic()
+                    spec = attrs.evolve(item.spec, budget=max(budget - min(s.chunk_slack, budget / 4), 0.0))
+                    frame = encode_job(spec)
+                    self.pair.send_ctl(header(JOB, item.tag, frame.numel()), s.chunk_slack)
+                    self.pair.send_ctl(frame, s.chunk_timeout(frame.numel()))
+                elif kind == "cancel":
+                    self.pair.send_ctl(header(CANCEL, item), s.chunk_slack)
+                elif kind == "ping":
+                    self.pair.send_ctl(header(PING), s.chunk_slack)
+                elif kind == "bye":
+                    self.pair.send_ctl(header(BYE), s.chunk_slack)
+                    self.down(LinkError("shutdown", "the decode left"))
+                    return
+        except Exception as exc:  # noqa: BLE001 - every failure ends the link
+            self.down(classify(exc))
+
+    # ------------------------------------------------------ receiving
+    def _recv_loop(self) -> None:
+        hdr = empty_header()
+        try:
+            self._receive(hdr)
+        except Exception as exc:  # noqa: BLE001
+            self.down(classify(exc))
+        finally:
+            self._writes.put(None)  # the writing thread finishes what was received, then returns
+
+    def _receive(self, hdr: torch.Tensor) -> None:
+        """Headers and chunks in FIFO order until the link fails (every exception ends it)."""
+        while True:
+            self.pair.recv_ctl(hdr, self.settings.liveness_timeout)
+            if not self.up:
+                return
+            op, tag, status, first_token, reason_len = hdr[:5].tolist()
+            if op == PING:
+                continue
+            if op == BYE:
+                self._farewell = True  # answer it, so the prefill's receiving thread returns
+                raise LinkError("peer_closed", "the prefill left")
+            if op != RESULT:
+                raise ProtocolError(f"unexpected message op {op}")
+            with self.lock:
+                lj = self.inflight[0] if self.inflight else None
+            if lj is None or lj.tag != tag:
+                raise ProtocolError(f"result for job {tag}, expected {lj.tag if lj else 'none'}")
+            reason = self._recv_reason(reason_len)
+            with lj.lock:
+                lj.answered = time.monotonic()
+            if status == OK:
+                self._recv_chunks(lj, first_token)
+            elif lj.end(None, "prefill_failed", f"the prefill answered {STATUS_NAMES.get(status, status)}: "
+                                                f"{reason}"):
+                if status == CANCELLED:
+                    self.stats.job_cancelled()
+                else:
+                    self.stats.job_failed("prefill_failed")
+                    log.warning("transfer.failed", request_id=lj.job.request_id, peer=self.peer,
+                                epoch=self.epoch, cause="prefill_failed", reason=reason)
+            with self.lock:
+                self.inflight.popleft()
+
+    def _recv_reason(self, nbytes: int) -> str:
+        if nbytes <= 0:
+            return ""
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        self.pair.recv_ctl(buf, self.settings.chunk_timeout(nbytes))
+        return buf.numpy().tobytes().decode(errors="replace")
+
+    def _recv_chunks(self, lj: LinkJob, first_token: int) -> None:
+        """Receive every chunk into staging (the next one posted before this one is waited for) and hand
+        it to the writing thread, which writes it into the pages while the next one arrives."""
+        owner = f"{lj.job.request_id}@{self.peer}#{self.epoch}"
+        device = self.pair.data_device
+        posted: list[torch.Tensor] = []
+
+        def post(chunk):
+            buf = self.staging.take(owner, chunk.nbytes, timeout=self.settings.chunk_slack, device=device)
+            posted.append(buf)
+            return buf, self.pair.post_recv_data(buf)
+
+        try:
+            pending = post(lj.plan[0])
+            for i, chunk in enumerate(lj.plan):
+                buf, work = pending
+                pending = post(lj.plan[i + 1]) if i + 1 < len(lj.plan) else None
+                self.pair.wait(work, self.settings.chunk_timeout(chunk.nbytes))
+                posted.remove(buf)
+                self._writes.put((lj, chunk, buf, owner))
+        finally:
+            for buf in posted:  # posted into by a receive that failed: never read or reused
+                self.staging.give(owner, buf, reuse=False)
+        self._writes.put((lj, None, first_token, owner))
+
+    def _write_loop(self) -> None:
+        """The only writer of the jobs' pages: each chunk under its job's lock, then the job's end."""
+        while (item := self._writes.get()) is not None:
+            lj, chunk, value, owner = item
+            if chunk is None:  # every chunk of the job is written
+                now = time.monotonic()
+                if lj.end(value):  # False: it was given up or failed meanwhile
+                    self.stats.job_ok(lj.nbytes, now - lj.answered, now - lj.submitted)
+                    log.debug("transfer.landed", request_id=lj.job.request_id, peer=self.peer, epoch=self.epoch,
+                              bytes=lj.nbytes, seconds=round(now - lj.answered, 6))
+                continue
+            try:
+                kv = value.view(self.layout.dtype).view(self.layout.chunk_shape(chunk))
+                with lj.lock:
+                    if lj.writable:
+                        lj.destination.write(chunk, kv)
+                lj.apply_decision()
+            except Exception as exc:  # noqa: BLE001 - a bug must not leave the fence open
+                if lj.end(None, "transport", f"writing a chunk failed: {exc!r}"):
+                    self.stats.job_failed("transport")
+            finally:
+                self.staging.give(owner, value)
+
+    # ------------------------------------------------------------- down
+    def down(self, error: LinkError, *, block: bool = True) -> None:
+        """End the link: every job on it ends failed now (idempotent; `block`: see `LinkJob.end`)."""
+        with self.lock:
+            if not self.up:
+                return
+            self.up = False
+            self.cause = error.cause
+            self._farewell = self._farewell or error.cause in ("budget", "protocol")
+            jobs = list(self.inflight)
+            self.inflight.clear()
+        failed = 0
+        for lj in jobs:
+            if lj.end(None, error.cause, str(error), block=block):
+                failed += 1
+                self.stats.job_failed(error.cause)
+                log.warning("transfer.failed", request_id=lj.job.request_id, peer=self.peer, epoch=self.epoch,
+                            cause=error.cause, error=str(error))
+        self._out.put(("stop", None))
+        self.stats.link_down(self.peer, error.cause)
+        level = log.info if error.cause == "shutdown" else log.warning
+        level("transfer.link_down", peer=self.peer, epoch=self.epoch, cause=error.cause, error=str(error),
+              jobs_failed=failed)
+        if self.on_down is not None:
+            self.on_down(self, error)

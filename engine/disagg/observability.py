@@ -1,0 +1,167 @@
+"""Transfer counters, latency histograms and link states, and their Prometheus collector.
+
+    registry.register(TransferCollector(client.stats))   # decode: the remote prefill client
+    registry.register(TransferCollector(server.stats))   # prefill: the prefill server
+
+`TransferStats` is written by link threads and read at scrape time (one lock).
+Names (``kvlife_transfer_*``; labels lower case):
+
+    bytes_total                     KV bytes received (decode) or sent (prefill)
+    jobs_total{outcome}             jobs ended: ok, failed, cancelled
+    failures_total{cause}           failed jobs by cause (engine.disagg.transport.CAUSES)
+    seconds                         histogram: first KV byte expected -> landed (the wire)
+    wait_seconds                    histogram: submitted -> landed (compute and queueing too)
+    link_up{peer}, link_epoch{peer} gauges; link_changes_total{peer, change}
+    refused_total{cause}            handshakes refused (auth, incompatible)
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import attrs
+
+WIRE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Histogram:
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+
+@attrs.define
+class LinkState:
+    up: bool = False
+    epoch: int = 0
+    boot: str = ""
+    ups: int = 0
+    downs: int = 0
+    last_cause: str = ""
+
+
+class TransferStats:
+    """Counters of one side's links (see the module docstring)."""
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self.lock = threading.Lock()
+        self.bytes = 0
+        self.jobs: dict[str, int] = {"ok": 0, "failed": 0, "cancelled": 0}
+        self.failures: dict[str, int] = {}
+        self.refused: dict[str, int] = {}
+        self.wire = Histogram(WIRE_BUCKETS)
+        self.wait = Histogram(WAIT_BUCKETS)
+        self.links: dict[str, LinkState] = {}
+
+    def link_up(self, peer: str, epoch: int, boot: str) -> None:
+        with self.lock:
+            state = self.links.setdefault(peer, LinkState())
+            state.up, state.epoch, state.boot = True, epoch, boot
+            state.ups += 1
+
+    def link_down(self, peer: str, cause: str) -> None:
+        with self.lock:
+            state = self.links.setdefault(peer, LinkState())
+            if state.up:
+                state.downs += 1
+            state.up, state.last_cause = False, cause
+
+    def job_ok(self, nbytes: int, wire_s: float | None, wait_s: float | None) -> None:
+        with self.lock:
+            self.jobs["ok"] += 1
+            self.bytes += nbytes
+            if wire_s is not None:
+                self.wire.observe(wire_s)
+            if wait_s is not None:
+                self.wait.observe(wait_s)
+
+    def job_failed(self, cause: str) -> None:
+        with self.lock:
+            self.jobs["failed"] += 1
+            self.failures[cause] = self.failures.get(cause, 0) + 1
+
+    def job_cancelled(self) -> None:
+        with self.lock:
+            self.jobs["cancelled"] += 1
+
+    def count_refused(self, cause: str) -> None:
+        with self.lock:
+            self.refused[cause] = self.refused.get(cause, 0) + 1
+
+    def links_up(self) -> int:
+        with self.lock:
+            return sum(1 for s in self.links.values() if s.up)
+
+    def snapshot(self) -> dict[str, Any]:
+        """A JSON-able copy (for /debug pages and tests)."""
+        with self.lock:
+            return {
+                "role": self.role, "bytes": self.bytes, "jobs": dict(self.jobs), "failures": dict(self.failures),
+                "refused": dict(self.refused),
+                "links": {peer: attrs.asdict(state) for peer, state in self.links.items()},
+            }
+
+
+class TransferCollector:
+    """A prometheus_client collector over a TransferStats (needs the `serve` extra)."""
+
+    def __init__(self, stats: TransferStats, *, prefix: str = "kvlife_transfer") -> None:
+        self.stats = stats
+        self.prefix = prefix
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        p, s = self.prefix, self.stats
+        with s.lock:
+            total = CounterMetricFamily(f"{p}_bytes", "KV bytes moved over prefill/decode links.")
+            total.add_metric([], s.bytes)
+            jobs = CounterMetricFamily(f"{p}_jobs", "Transfer jobs ended, by outcome.", labels=["outcome"])
+            for outcome, n in sorted(s.jobs.items()):
+                jobs.add_metric([outcome], n)
+            failures = CounterMetricFamily(f"{p}_failures", "Failed transfer jobs, by cause.", labels=["cause"])
+            for cause, n in sorted(s.failures.items()):
+                failures.add_metric([cause], n)
+            refused = CounterMetricFamily(f"{p}_refused", "Link handshakes refused, by cause.", labels=["cause"])
+            for cause, n in sorted(s.refused.items()):
+                refused.add_metric([cause], n)
+            hists = [self._histogram(f"{p}_seconds", "Transfer wire time: header to KV landed.", s.wire),
+                     self._histogram(f"{p}_wait_seconds", "Job submitted to KV landed.", s.wait)]
+            up = GaugeMetricFamily(f"{p}_link_up", "1 while the link to a peer is up.", labels=["peer"])
+            epoch = GaugeMetricFamily(f"{p}_link_epoch", "The link's current epoch.", labels=["peer"])
+            changes = CounterMetricFamily(f"{p}_link_changes", "Links that came up or went down.",
+                                          labels=["peer", "change"])
+            for peer, state in sorted(s.links.items()):
+                up.add_metric([peer], int(state.up))
+                epoch.add_metric([peer], state.epoch)
+                changes.add_metric([peer, "up"], state.ups)
+                changes.add_metric([peer, "down"], state.downs)
+        yield from (total, jobs, failures, refused, *hists, up, epoch, changes)
+
+    @staticmethod
+    def _histogram(name: str, doc: str, hist: Histogram) -> Any:
+        from prometheus_client.core import HistogramMetricFamily
+
+        cumulative, buckets = 0, []
+        for bound, count in zip(hist.bounds, hist.counts):
+            cumulative += count
+            buckets.append((repr(bound), cumulative))
+        buckets.append(("+Inf", cumulative + hist.counts[-1]))
+        return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=hist.sum)

@@ -1,0 +1,219 @@
+"""The prefill side of one link: a control-receiving thread and a sending thread.
+
+The control thread reads the decode's JOB, CANCEL, PING and BYE frames and
+hands jobs and cancels to the server (on its event loop). The sending
+thread answers the link's jobs strictly in the order they arrived: it waits
+for the oldest job's outcome (sending a keepalive every `keepalive` s
+meanwhile, so the decode can tell a busy prefill from a dead or stopped
+one), then sends its RESULT header and, if it succeeded, its staged chunks.
+
+A link that fails (a send or receive error or timeout, the decode's
+silence for `liveness_timeout`, its BYE) is down for good: its jobs not yet
+computed are cancelled, so their requests finish and release through the
+prefill's own machine, and their staging is given back.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import attrs
+import structlog
+import torch
+
+from engine.disagg.transport import LinkError, Pair, classify
+from engine.disagg.wire import (BYE, CANCEL, CANCELLED, FAILED, JOB, OK, PING, RESULT, JobSpec, ProtocolError,
+                                decode_job, empty_header, header)
+
+log = structlog.get_logger("kvlife.transfer")
+
+
+@attrs.define(eq=False)
+class ServerJob:
+    """One decode job on the prefill side."""
+
+    link: Any
+    tag: int
+    spec: JobSpec | None
+    received: float
+    deadline: float
+    worker_id: str = ""
+    job: Any = None  # the worker's TransferJob
+    staged: list = attrs.field(factory=list)  # [(chunk, uint8 buffer)] once the KV is gathered
+    error: str | None = None  # refused before reaching the worker
+    cancelled: bool = False  # the decode gave it up
+    expired: bool = False  # over its compute budget
+    ready: bool = False  # its outcome is known
+
+    def answer(self) -> tuple[int, int, str]:
+        """(status, first token, reason) to send."""
+        if self.error is not None:
+            return FAILED, 0, self.error
+        status, value = self.job.outcome
+        if status == "ok" and self.staged:
+            return OK, int(value), ""
+        if self.cancelled:
+            return CANCELLED, 0, "cancelled by the decode"
+        if self.expired:
+            return FAILED, 0, "over the compute budget"
+        return FAILED, 0, repr(value)[:500]
+
+
+class PrefillLink:
+    """One epoch of one decode's link (see the module docstring)."""
+
+    def __init__(self, server: Any, pair: Pair, name: str, settings: Any, *, epoch: int = 0) -> None:
+        self.server = server
+        self.pair = pair
+        self.name = name
+        self.epoch = epoch
+        self.settings = settings
+        self.outbox: deque[ServerJob] = deque()
+        self.jobs: dict[int, ServerJob] = {}
+        self.cond = threading.Condition()
+        self.up = True
+        self._bye = False  # say goodbye before the sending thread stops
+        self._threads = [threading.Thread(target=self._recv_loop, name=f"kvlife-ctl-{name}", daemon=True),
+                         threading.Thread(target=self._send_loop, name=f"kvlife-answer-{name}", daemon=True)]
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    def join(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            if thread.is_alive() and thread is not threading.current_thread():
+                thread.join(max(deadline - time.monotonic(), 0))
+        return not any(t.is_alive() for t in self._threads)
+
+    def notify(self) -> None:
+        with self.cond:
+            self.cond.notify_all()
+
+    def attach(self, sj: ServerJob, staged: list) -> bool:
+        """Keep a job's staged chunks for sending; False (keep nothing) if the link is down."""
+        with self.cond:
+            if not self.up:
+                return False
+            sj.staged = staged
+            return True
+
+    # ------------------------------------------------------ receiving
+    def _recv_loop(self) -> None:
+        hdr = empty_header()
+        s = self.settings
+        try:
+            while True:
+                self.pair.recv_ctl(hdr, s.liveness_timeout)
+                op, tag, size = hdr[:3].tolist()
+                if not self.up:
+                    return
+                if op == PING:
+                    continue
+                if op == BYE:
+                    raise LinkError("shutdown", "the decode left")
+                if op == CANCEL:
+                    with self.cond:
+                        sj = self.jobs.get(tag)
+                    if sj is not None:
+                        self.server.call(self.server.cancel_job, sj, "cancelled")
+                    continue
+                if op != JOB or not 0 < size <= s.staging_bytes:
+                    raise ProtocolError(f"unexpected control message op {op} size {size}")
+                frame = torch.empty(size, dtype=torch.uint8)
+                self.pair.recv_ctl(frame, s.chunk_timeout(size))
+                now = time.monotonic()
+                try:
+                    spec = decode_job(frame)
+                    sj = ServerJob(self, tag, spec, now, now + spec.budget)
+                except ProtocolError as exc:
+                    sj = ServerJob(self, tag, None, now, now, error=f"malformed job: {exc}", ready=True)
+                with self.cond:
+                    self.outbox.append(sj)
+                    self.jobs[tag] = sj
+                    self.cond.notify_all()
+                if sj.error is None:
+                    self.server.call(self.server.submit_job, sj)
+        except Exception as exc:  # noqa: BLE001 - every failure ends the link
+            self.down(classify(exc))
+
+    # -------------------------------------------------------- sending
+    def _send_loop(self) -> None:
+        s = self.settings
+        last = time.monotonic()
+        try:
+            while True:
+                with self.cond:
+                    if not self.up:
+                        if self._bye:
+                            self.pair.send_ctl(header(BYE), s.chunk_slack)
+                        return
+                    head = self.outbox.popleft() if self.outbox and self.outbox[0].ready else None
+                    if head is None:
+                        self.cond.wait(max(s.keepalive - (time.monotonic() - last), 0.001))
+                    else:
+                        self.jobs.pop(head.tag, None)
+                if head is None:
+                    if time.monotonic() - last >= s.keepalive and self.up:
+                        self.pair.send_ctl(header(PING), s.chunk_slack)
+                        last = time.monotonic()
+                    continue
+                try:
+                    self._answer(head)
+                finally:  # NOTE: the popped job is this thread's alone: `down` no longer sees it
+                    for _chunk, buf in head.staged:  # a send that failed: its buffers are not reused
+                        self.server.staging.give(head.worker_id, buf, reuse=False)
+                    head.staged = []
+                    self.server.call(self.server.forget_job, head)
+                last = time.monotonic()
+        except Exception as exc:  # noqa: BLE001
+            self.down(classify(exc))
+
+    def _answer(self, sj: ServerJob) -> None:
+        s, stats = self.settings, self.server.stats
+        status, first_token, reason = sj.answer()
+        raw = reason.encode()
+        self.pair.send_ctl(header(RESULT, sj.tag, status, first_token, len(raw)), s.chunk_slack)
+        if raw:
+            self.pair.send_ctl(torch.frombuffer(bytearray(raw), dtype=torch.uint8), s.chunk_timeout(len(raw)))
+        if status != OK:
+            if status == FAILED:
+                stats.job_failed("prefill_failed")
+            return
+        nbytes = sum(chunk.nbytes for chunk, _ in sj.staged)
+        points = self.server.test_points
+        index = 0
+        while sj.staged:
+            chunk, buf = sj.staged[0]
+            if points is not None:
+                points("sending", sj.spec.request_id, index)
+            self.pair.wait(self.pair.post_send_data(buf), s.chunk_timeout(chunk.nbytes))
+            self.server.staging.give(sj.worker_id, buf)
+            sj.staged.pop(0)
+            index += 1
+        stats.job_ok(nbytes, None, time.monotonic() - sj.received)
+        log.debug("transfer.sent", request_id=sj.spec.request_id, peer=self.name, epoch=self.epoch, bytes=nbytes)
+
+    # ------------------------------------------------------------- down
+    def down(self, error: LinkError) -> None:
+        """End the link (idempotent): cancel its jobs, give back their staging."""
+        with self.cond:
+            if not self.up:
+                return
+            self.up = False
+            self._bye = error.cause == "shutdown"
+            jobs = list(self.outbox)
+            self.outbox.clear()
+            self.jobs.clear()
+            self.cond.notify_all()
+        for sj in jobs:
+            for _chunk, buf in sj.staged:  # never posted: safe to reuse
+                self.server.staging.give(sj.worker_id, buf)
+            sj.staged = []
+        level = log.info if error.cause in ("shutdown", "peer_closed") and not jobs else log.warning
+        level("transfer.link_down", peer=self.name, epoch=self.epoch, cause=error.cause, error=str(error), jobs_cancelled=len(jobs))
+        self.server.call(self.server.link_down, self, jobs, error)

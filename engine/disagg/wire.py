@@ -1,0 +1,204 @@
+"""The link's wire format: fixed headers, job frames, chunk plans, the
+compatibility record and the handshake's proofs.
+
+Every message is a tensor; a header is `int64[8]`. Per link, in FIFO order::
+
+    decode -> prefill (tag CTL)   header [op, tag, a, b, 0, 0, 0, 0]
+        JOB     tag, a = payload bytes       then uint8[a]: the job frame
+        CANCEL  tag                          the decode gave the job up
+        PING                                 keepalive
+        BYE                                  the decode is leaving
+
+    prefill -> decode (tag DATA)  header [op, tag, status, first_token, reason_bytes, 0, 0, 0]
+        RESULT  for the oldest job not yet answered; then uint8[reason_bytes]
+                if any; if status is OK, one message per chunk of `chunk_plan`
+        PING                                 keepalive
+        BYE                                  the prefill is leaving
+
+A job frame is ``int64[n] token ids | uint8 images | utf-8 JSON meta`` with
+the meta's length in its last 8 bytes (request id, sampling parameters, the
+tokens generated before a retraction, image shapes, the compute budget, the
+chunk size both sides plan with).
+
+A chunk is a run of whole layers for all tokens, or, when one layer does not
+fit in `max_chunk_bytes`, a run of tokens of one layer, laid out as
+``[layers, 2 (K, V), tokens, kv_heads, head_dim]`` in the KV dtype.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from typing import Any
+
+import attrs
+import torch
+
+PROTOCOL_VERSION = 1
+HEADER_LEN = 8
+CTL, DATA = 0, 1  # tags: decode -> prefill, prefill -> decode
+
+JOB, CANCEL, PING, BYE, RESULT = 1, 2, 3, 4, 5
+OK, FAILED, CANCELLED = 0, 1, 2
+STATUS_NAMES = {OK: "ok", FAILED: "failed", CANCELLED: "cancelled"}
+
+
+class ProtocolError(RuntimeError):
+    """A peer sent something the protocol does not allow."""
+
+
+def header(op: int, tag: int = 0, *fields: int) -> torch.Tensor:
+    values = [op, tag, *fields]
+    return torch.tensor(values + [0] * (HEADER_LEN - len(values)), dtype=torch.int64)
+
+
+def empty_header() -> torch.Tensor:
+    return torch.zeros(HEADER_LEN, dtype=torch.int64)
+
+
+# ---------------------------------------------------------------- job frames
+@attrs.frozen
+class JobSpec:
+    """What a prefill needs to run one job (the decode's TransferJob, minus its memory)."""
+
+    request_id: str
+    token_ids: list[int]
+    params: dict[str, Any]
+    output_token_ids: list[int] = attrs.field(factory=list)
+    images: list[torch.Tensor] = attrs.field(factory=list)
+    budget: float = 0.0
+    max_chunk_bytes: int = 16 << 20
+
+
+def encode_job(spec: JobSpec) -> torch.Tensor:
+    images = [img.contiguous().to(torch.uint8).cpu() for img in spec.images]
+    meta = json.dumps({
+        "request_id": spec.request_id, "params": spec.params, "output_token_ids": spec.output_token_ids,
+        "images": [list(img.shape) for img in images], "budget": spec.budget,
+        "max_chunk_bytes": spec.max_chunk_bytes,
+    }).encode()
+    parts = [torch.tensor(spec.token_ids, dtype=torch.int64).view(torch.uint8)]
+    parts += [img.reshape(-1) for img in images]
+    parts += [torch.frombuffer(bytearray(meta), dtype=torch.uint8),
+              torch.tensor([len(meta)], dtype=torch.int64).view(torch.uint8)]
+    return torch.cat(parts)
+
+
+def decode_job(frame: torch.Tensor) -> JobSpec:
+    raw = frame.numpy().tobytes()
+    if len(raw) < 8:
+        raise ProtocolError("job frame shorter than its trailer")
+    meta_len = int.from_bytes(raw[-8:], "little")
+    if meta_len > len(raw) - 8:
+        raise ProtocolError("job frame meta length out of range")
+    try:
+        meta = json.loads(raw[len(raw) - 8 - meta_len: len(raw) - 8])
+        shapes = [tuple(int(x) for x in s) for s in meta["images"]]
+        image_bytes = sum(int(torch.Size(s).numel()) for s in shapes)
+        token_bytes = len(raw) - 8 - meta_len - image_bytes
+        if token_bytes < 8 or token_bytes % 8:
+            raise ProtocolError("job frame token section is not a whole int64 array")
+        tokens = torch.frombuffer(bytearray(raw[:token_bytes]), dtype=torch.int64).tolist()
+        images, offset = [], token_bytes
+        for shape in shapes:
+            n = int(torch.Size(shape).numel())
+            images.append(torch.frombuffer(bytearray(raw[offset: offset + n]), dtype=torch.uint8).view(shape))
+            offset += n
+        return JobSpec(str(meta["request_id"]), tokens, dict(meta["params"]),
+                       [int(t) for t in meta["output_token_ids"]], images, float(meta["budget"]),
+                       int(meta["max_chunk_bytes"]))
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+        if isinstance(exc, ProtocolError):
+            raise
+        raise ProtocolError(f"malformed job frame: {exc}") from exc
+
+
+def params_to_dict(params: Any) -> dict[str, Any]:
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in attrs.asdict(params).items()}
+
+
+# ---------------------------------------------------------------- chunk plan
+@attrs.frozen
+class Chunk:
+    first_layer: int
+    num_layers: int
+    start: int  # first token
+    count: int
+    nbytes: int
+
+
+@attrs.frozen
+class KVLayout:
+    """The per-token K/V geometry both sides must share."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token_layer(self) -> int:
+        return 2 * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+    def chunk_shape(self, chunk: Chunk) -> tuple[int, ...]:
+        return (chunk.num_layers, 2, chunk.count, self.num_kv_heads, self.head_dim)
+
+
+def chunk_plan(layout: KVLayout, num_tokens: int, max_chunk_bytes: int) -> list[Chunk]:
+    """The chunks of a job of `num_tokens`, in sending order (see the module docstring)."""
+    per_layer = num_tokens * layout.bytes_per_token_layer
+    if per_layer <= max_chunk_bytes:
+        group = max(1, min(layout.num_layers, max_chunk_bytes // per_layer))
+        return [Chunk(first, min(group, layout.num_layers - first), 0, num_tokens,
+                      min(group, layout.num_layers - first) * per_layer)
+                for first in range(0, layout.num_layers, group)]
+    tokens = max(1, max_chunk_bytes // layout.bytes_per_token_layer)
+    return [Chunk(layer, 1, start, min(tokens, num_tokens - start),
+                  min(tokens, num_tokens - start) * layout.bytes_per_token_layer)
+            for layer in range(layout.num_layers) for start in range(0, num_tokens, tokens)]
+
+
+# -------------------------------------------------------- compatibility record
+def compatibility_record(*, model_identity: str, layout: KVLayout, page_size: int, backend: str) -> dict[str, Any]:
+    """What both ends of a link must agree on; compared field by field at connect time."""
+    return {
+        "protocol": PROTOCOL_VERSION, "model": model_identity, "dtype": str(layout.dtype).removeprefix("torch."),
+        "num_layers": layout.num_layers, "num_kv_heads": layout.num_kv_heads, "head_dim": layout.head_dim,
+        "page_size": page_size, "backend": backend,
+    }
+
+
+def record_mismatch(mine: dict[str, Any], theirs: Any) -> str | None:
+    """None if the records agree, else which fields differ (this side's value first)."""
+    if not isinstance(theirs, dict):
+        return "the peer sent no compatibility record"
+    diffs = [f"{k} {mine[k]!r} here, {theirs.get(k)!r} there" for k in sorted(mine) if theirs.get(k) != mine[k]]
+    return "; ".join(diffs) or None
+
+
+def model_identity(model_config: Any, config: Any) -> str:
+    """A fingerprint of the model's shapes and, for the built-in seeded models, its seed.
+
+    NOTE: a checkpoint is identified by its config, not its bytes: two
+    checkpoints with the same config.json and different weights would pass.
+    """
+    described = json.dumps(attrs.asdict(model_config), sort_keys=True, default=str)
+    seeded = config.model if "/" not in config.model and "\\" not in config.model else "checkpoint"
+    digest = hashlib.sha256(f"{seeded}|{config.seed if seeded != 'checkpoint' else ''}|{described}".encode())
+    return f"{seeded}:{digest.hexdigest()[:16]}"
+
+
+# ------------------------------------------------------------------ proofs
+def proof(secret: str | None, *parts: Any) -> str:
+    """HMAC-SHA256 of the parts under the secret ('' without one)."""
+    if secret is None:
+        return ""
+    message = "|".join(str(p) for p in parts).encode()
+    return hmac.new(secret.encode(), message, hashlib.sha256).hexdigest()
+
+
+def proof_ok(secret: str | None, presented: Any, *parts: Any) -> bool:
+    if secret is None:
+        return presented == ""
+    return isinstance(presented, str) and hmac.compare_digest(presented, proof(secret, *parts))

@@ -1,0 +1,267 @@
+"""A decode engine (this process) with a remote prefill server (a child process):
+outputs and KV equal the single engine's, and the paths that do not kill the
+prefill: a reported failure, an abort while TRANSFERRING, a refused peer, the
+decode leaving mid-transfer, and the seed's HiSparse health-check scenario."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import anyio
+import httpx
+import pytest
+import structlog
+import torch
+
+from disagg_helpers import (SECRET, SERVE_FAST, SERVE_SMALL, PointStore, PrefillChild, assert_child_whole, client,
+                            remote_config, started_event)
+from engine import Engine, SamplingParams
+from helpers import small_config
+from hisparse import HiSparseConfig
+from states import FinishReason
+
+GREEDY = SamplingParams(max_new_tokens=8, ignore_eos=True)
+SEEDED = SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=0.8, top_k=20, seed=7)
+PROMPTS = [[9, 8, 7, 6, 5, 4, 3], list(range(100, 141)), list(range(20, 90)), list(range(150, 183))]
+IMAGE = torch.full((16, 8, 3), 77, dtype=torch.uint8)
+
+
+@pytest.fixture(scope="module")
+def points():
+    return PointStore()
+
+
+@pytest.fixture(scope="module")
+def prefill(points):
+    child = PrefillChild(points, settings={"secret": SECRET})
+    try:
+        yield child.ready()
+    finally:
+        child.kill()
+
+
+def _page_kv(engine, prompt: list[int]) -> torch.Tensor:
+    """K and V of every layer at the prompt's cached whole pages."""
+    kv_pool, buffers = engine.parts.kv_pool, engine.parts.kv_buffers
+    pages, _ = kv_pool.radix.match(prompt)
+    locs = (torch.tensor(pages).unsqueeze(1) * kv_pool.page_size + torch.arange(kv_pool.page_size)).reshape(-1)
+    return torch.stack([torch.stack((buffers.k[i][locs], buffers.v[i][locs])) for i in range(len(buffers.k))])
+
+
+async def _outputs(config) -> tuple[list[list[int]], list[torch.Tensor]]:
+    async with Engine(config) as engine:
+        outs = [(await engine.complete(p, GREEDY if i % 2 == 0 else SEEDED)).token_ids for i, p in enumerate(PROMPTS)]
+        kv = [_page_kv(engine, p) for p in PROMPTS]
+        image = await engine.complete([1, 2, 3], GREEDY, mm_inputs=[IMAGE])
+    return outs + [image.token_ids], kv
+
+
+def _decode(prefill, **overrides):
+    return Engine(remote_config(prefill.address, secret=SECRET, **overrides))
+
+
+class TestOutputs:
+    @pytest.mark.asyncio
+    async def test_remote_prefill_matches_single_engine(self, prefill):
+        """Greedy, seeded and image-prompt outputs equal the single engine's; the received KV is bit-exact
+        in the pages."""
+        single, single_kv = await _outputs(small_config())
+        remote, remote_kv = await _outputs(remote_config(prefill.address, secret=SECRET))
+        assert remote == single
+        for got, want in zip(remote_kv, single_kv):
+            assert got.numel() > 0 and torch.equal(got, want)
+        assert_child_whole(await anyio.to_thread.run_sync(prefill.wait_idle))
+
+    @pytest.mark.asyncio
+    async def test_prefill_http_routes(self, prefill):
+        """The prefill answers /health, /metrics (pools, leak checks, transfer metrics) and /debug/memory."""
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{prefill.http}") as http:
+            health = await http.get("/health")
+            metrics = (await http.get("/metrics")).text
+            memory = (await http.get("/debug/memory")).json()
+        assert health.status_code == 200 and health.json()["role"] == "prefill"
+        for name in ("kvlife_pool_held{", "kvlife_leak_checks_total", "kvlife_transfer_bytes_total",
+                     'kvlife_transfer_jobs_total{outcome="ok"}', "kvlife_transfer_link_up{"):
+            assert name in metrics
+        assert {"kv_pages", "request_slots", "transfer.staging"} <= set(memory["pools"])
+
+
+class TestFailures:
+    @pytest.mark.asyncio
+    async def test_reported_failure(self, prefill, points):
+        """The prefill reports a failed transfer: TRANSFER_FAILED at once, nothing cached, both sides whole."""
+        points.set("fail/doomed")
+        async with _decode(prefill) as engine:
+            started = time.monotonic()
+            final = await engine.complete(PROMPTS[1], GREEDY, request_id="doomed")
+            elapsed = time.monotonic() - started
+            await engine.wait_idle(2)
+            pools = engine.check_memory().pools
+            failures = client(engine).stats.snapshot()["failures"]
+        assert final.finish_reason is FinishReason.TRANSFER_FAILED and final.token_ids == []
+        assert "failed" in final.error and elapsed < 1.0
+        assert pools["kv_pages"].evictable == 0 and failures == {"prefill_failed": 1}
+        assert_child_whole(await anyio.to_thread.run_sync(prefill.wait_idle))
+
+    @pytest.mark.asyncio
+    async def test_abort_while_transferring(self, prefill, points):
+        """An abort while the prefill computes: ABORT at once, the prefill is told and releases its request."""
+        points.set("hold-compute/aborted")
+        async with _decode(prefill) as engine:
+            stream = engine.generate(PROMPTS[2], GREEDY, request_id="aborted")
+            await anyio.to_thread.run_sync(points.wait, "computing/aborted")
+            waiting = engine.memory_report().as_dict()["owners"][f"transfer.jobs[{prefill.address}]"]
+            assert [o["request_id"] for o in waiting] == ["aborted"]  # /debug/memory names it
+            started = time.monotonic()
+            assert await engine.abort("aborted")
+            outputs = [o async for o in stream]
+            await engine.wait_idle(2)
+            elapsed = time.monotonic() - started
+            stats = client(engine).stats.snapshot()
+        points.set("go/aborted")  # the prefill's step ends; it finds the job cancelled
+        report = await anyio.to_thread.run_sync(prefill.wait_idle)
+        assert outputs[-1].finish_reason is FinishReason.ABORT and elapsed < 1.0
+        assert stats["jobs"]["cancelled"] == 1 and report["transfer"]["jobs"]["cancelled"] >= 1  # it was told
+        assert_child_whole(report)
+
+    @pytest.mark.asyncio
+    @pytest.mark.parametrize("mismatch, cause", [({"secret": "not-the-secret"}, "auth"),
+                                                 ({"page_size": 8}, "incompatible")], ids=["secret", "record"])
+    async def test_refused_peer_never_gets_a_job(self, prefill, points, mismatch, cause):
+        """A wrong secret or a mismatched compatibility record is refused at connect time, with a clear
+        error; no job is ever sent, and with every peer refusing, a request fails TRANSFER_FAILED at once."""
+        rid = f"refused-{cause}"
+        with structlog.testing.capture_logs() as logs:
+            async with Engine(remote_config(prefill.address, **{"secret": SECRET, **mismatch})) as engine:
+                started = time.monotonic()
+                final = await engine.complete(PROMPTS[0], GREEDY, request_id=rid)
+                elapsed = time.monotonic() - started
+                refused = client(engine).stats.snapshot()["refused"]
+        assert final.finish_reason is FinishReason.TRANSFER_FAILED and elapsed < 1.0 and "refused" in final.error
+        assert refused.get(cause, 0) >= 1 and not points.has(f"job/{rid}")
+        errors = [e for e in logs if e["event"] == "transfer.refused"]
+        assert errors and (cause == "auth" or "page_size 8 here, 4 there" in errors[0]["error"])
+        report = await anyio.to_thread.run_sync(prefill.debug)
+        assert report["transfer"]["refused"].get(cause, 0) >= 1
+        assert_child_whole(report)
+
+    @pytest.mark.asyncio
+    async def test_decode_leaves_mid_transfer(self, prefill, points):
+        """The decode shuts down between two chunks: its request ends SHUTDOWN with the pages freed; the
+        prefill's send then fails, and it releases everything."""
+        points.set("hold-send/leaving/1")
+        config = dict(max_chunk_bytes=64 << 10, fence_timeout=30.0)
+        async with _decode(prefill, **config) as engine:
+            stream = engine.generate(PROMPTS[2], GREEDY, request_id="leaving")
+            await anyio.to_thread.run_sync(points.wait, "sending/leaving/1")
+            started = time.monotonic()
+        elapsed = time.monotonic() - started
+        outputs = [o async for o in stream]
+        points.set("go/leaving")
+        report = await anyio.to_thread.run_sync(prefill.wait_idle)
+        assert outputs[-1].finish_reason is FinishReason.SHUTDOWN and elapsed < 3.0
+        assert_child_whole(report)
+
+
+    def test_decode_process_killed(self, prefill, points):
+        """A decode server process SIGKILLed while its request computes on the prefill: the prefill sees the
+        link close, cancels the job, and its request finishes and releases on its side."""
+        points.set("hold-compute/orphan")
+        with tempfile.NamedTemporaryFile("w+", suffix=".log") as log:
+            decode = subprocess.Popen([sys.executable, "-m", "engine.cli.main", "serve", "--disaggregation", "decode",
+                                       "--prefill", prefill.address, "--disaggregation-secret", SECRET, "--port", "0",
+                                       *SERVE_SMALL, *SERVE_FAST], stderr=log, stdout=subprocess.DEVNULL,
+                                      env=dict(os.environ, OMP_NUM_THREADS="1"))
+            try:
+                port = started_event(log.name, decode)["port"]
+                body = {"input_ids": PROMPTS[1], "rid": "orphan", "sampling_params": {"max_new_tokens": 4}}
+                request = threading.Thread(target=_post_ignoring_errors, args=(f"http://127.0.0.1:{port}", body))
+                request.start()
+                points.wait("computing/orphan")
+                decode.kill()
+                decode.wait(10)
+                points.set("go/orphan")
+                request.join(10)
+            finally:
+                if decode.poll() is None:
+                    decode.kill()
+                    decode.wait()
+        report = prefill.wait_idle()
+        assert report["transfer"]["links"] and all(not link["up"] or name != "decode"
+                                                   for name, link in report["transfer"]["links"].items())
+        assert_child_whole(report)
+
+
+def _post_ignoring_errors(url: str, body: dict) -> None:
+    try:
+        httpx.post(f"{url}/generate", json=body, timeout=10.0)
+    except httpx.HTTPError:
+        pass  # the decode died under it
+
+
+class TestPeers:
+    @pytest.mark.asyncio
+    async def test_spread_over_peers_and_a_dead_peer_fails_only_its_jobs(self, prefill, points):
+        """Jobs go to the peer with the fewest in flight; killing one peer fails exactly the requests it
+        held, at once, while the other peer's finish normally."""
+        other = PrefillChild(points, settings={"secret": SECRET})
+        rids = [f"spread-{i}" for i in range(4)]
+        for rid in rids:
+            points.set(f"hold-compute/{rid}")
+        try:
+            other.ready()
+            config = remote_config(prefill.address, other.address, secret=SECRET)
+            async with Engine(config) as engine:
+                streams = [engine.generate(PROMPTS[i], GREEDY, request_id=rid) for i, rid in enumerate(rids)]
+                await anyio.to_thread.run_sync(lambda: _wait_for_keys(points, [f"computing/{r}" for r in rids], 2))
+                assert {p: link["jobs"] for p, link in client(engine).links().items()} == {
+                    prefill.address: 2, other.address: 2}
+                on_other = {o.request_id for o in engine.memory_report().owners[f"transfer.jobs[{other.address}]"]}
+                started = time.monotonic()
+                other.kill()
+                failed = [(await _final(streams[i])) for i, rid in enumerate(rids) if rid in on_other]
+                elapsed = time.monotonic() - started
+                for rid in rids:
+                    points.set(f"go/{rid}")
+                survived = [(await _final(streams[i])) for i, rid in enumerate(rids) if rid not in on_other]
+        finally:
+            other.kill()
+        assert len(on_other) == 2 and elapsed < 1.5
+        assert all(f.finish_reason is FinishReason.TRANSFER_FAILED for f in failed)
+        assert all(f.finish_reason is FinishReason.LENGTH for f in survived) and len(survived) == 2
+        assert_child_whole(await anyio.to_thread.run_sync(prefill.wait_idle))
+
+
+async def _final(stream):
+    return [o async for o in stream][-1]
+
+
+def _wait_for_keys(points, keys: list[str], count: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while sum(points.has(k) for k in keys) < count:
+        assert time.monotonic() < deadline, f"fewer than {count} of {keys}"
+        time.sleep(0.01)
+
+
+class TestSeedScenario:
+    @pytest.mark.asyncio
+    async def test_hisparse_decode_health_checks_across_processes(self, prefill):
+        """The SGLang leak, across processes: HiSparse decode + remote prefill + /health_generate."""
+        from engine.serve.server import running_server
+
+        hisparse = HiSparseConfig(top_k=16, device_buffer_size=24, recent_window=4)
+        async with _decode(prefill, hisparse=hisparse) as engine:
+            async with running_server(engine) as url, httpx.AsyncClient(base_url=url) as http:
+                for _ in range(10):
+                    assert (await http.get("/health_generate")).status_code == 200
+                    await engine.wait_idle(2)
+                    report = engine.check_memory()
+                    assert all(s.held == 0 and s.adds_up for s in report.pools.values()), report
+            finishes = engine.stats.finishes[("health_check", "LENGTH")]
+        assert finishes == 10 and any(name.startswith("hisparse") for name in report.pools)
+        assert_child_whole(await anyio.to_thread.run_sync(prefill.wait_idle))
