@@ -15,7 +15,7 @@ import anyio
 from engine import Engine, EngineConfig, MemoryReport, RequestState, SamplingParams
 from resources import PoolUsage
 
-DEADLINE_S = 30.0  # seconds any helper waits before it fails the test instead of hanging it
+DEADLINE = 30  # seconds any helper or test waits before it fails the test instead of hanging it
 
 
 def small_config(**overrides) -> EngineConfig:
@@ -140,8 +140,8 @@ class StepGate:
 
     async def wait_entered(self) -> None:
         """Wait (without blocking the event loop) until a matching call is held at the gate."""
-        await anyio.to_thread.run_sync(self.entered.wait, DEADLINE_S)
-        assert self.entered.is_set(), f"nothing reached the step gate in {DEADLINE_S}s"
+        await anyio.to_thread.run_sync(self.entered.wait, DEADLINE)
+        assert self.entered.is_set(), f"nothing reached the step gate in {DEADLINE}s"
 
     def allow(self, n: int) -> None:
         with self._cond:

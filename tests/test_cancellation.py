@@ -18,9 +18,8 @@ from engine import Engine, HealthCheckFailed, SamplingParams
 from engine.testing import FaultInjector
 from hisparse import HiSparseConfig
 from states import FinishReason, RequestState
-from helpers import StepGate, assert_pools_whole, collect, live_request, small_config, step_running
+from helpers import DEADLINE, StepGate, assert_pools_whole, collect, live_request, small_config, step_running
 
-DEADLINE = 30
 PROMPT = list(range(1, 20))
 LONG = SamplingParams(max_new_tokens=60, ignore_eos=True)
 HISPARSE = HiSparseConfig(top_k=8, device_buffer_size=16, recent_window=4)

@@ -11,13 +11,12 @@ import torch
 from engine import Engine, SamplingParams
 from engine.testing import FaultInjector
 from engine.disagg.kv_transfer_hook import KVTransferHook
-from helpers import collect, live_request, run_all, small_config
+from helpers import DEADLINE, collect, live_request, run_all, small_config
 from hisparse import HiSparseConfig
 from states import FinishReason, RequestState
 
 PROMPTS = [[9, 8, 7, 6, 5, 4, 3], list(range(100, 141))]
 IMAGE = torch.full((16, 8, 3), 77, dtype=torch.uint8)
-DEADLINE = 30
 
 
 def _copy_sent(engine: Engine, request_id: str) -> bool:

@@ -19,11 +19,10 @@ from engine import (
     SamplingParams,
 )
 from engine.testing import FaultInjector
-from helpers import collect, live_request, small_config
+from helpers import DEADLINE, collect, live_request, small_config
 from plugin_example import LoraSlotHook
 
 S = RequestState
-DEADLINE = 30
 PROMPT = list(range(5, 25))
 
 

@@ -10,14 +10,13 @@ import pytest
 from structlog.testing import capture_logs
 
 from engine import Engine, HiSparseConfig, SamplingParams
-from helpers import CountingPool, collect, small_config
+from helpers import DEADLINE, CountingPool, collect, small_config
 from resources import ManualFence, ResourceExhausted, ResourceHook
 from states import HELD_STATES, FinishReason, Handle, RequestState
 
 S = RequestState
 PROMPT = list(range(3, 23))
 PARAMS = SamplingParams(max_new_tokens=6, ignore_eos=True)
-DEADLINE = 30
 
 
 class _Faulty:

@@ -29,7 +29,7 @@ IMAGE = torch.arange(16 * 16 * 3, dtype=torch.int64).remainder(251).to(torch.uin
 
 def _config(role: str, hisparse: bool, model: str):
     hs = HiSparseConfig(top_k=16, device_buffer_size=24, recent_window=4) if hisparse else None
-    return small_config(model=model, disaggregation=role, hisparse=hs, max_context=192, max_prefill_tokens=8)
+    return small_config(model=model, disaggregation=role, hisparse=hs, max_context=192, max_prefill_tokens=16)
 
 
 class _Watch:
