@@ -6,7 +6,7 @@ retract) and runs a random sequence of rules against it: submit (prompt
 lengths, greedy or sampled, stop tokens, images), bursts, abort at any
 moment (also unknown and finished ids), client disconnect (stream closed or
 consumer cancelled), health checks, duplicate ids, drains to idle, and model
-steps let through one at a time (`stateful_driver.StepGate`, so a seed
+steps let through one at a time (`helpers.StepGate`, so a seed
 replays the same interleaving). Faults are tagged on requests through the
 engine's own `FaultInjector`: the model step raises, a release hook raises,
 a transfer fails, a fence misses its deadline.
