@@ -10,6 +10,7 @@ from engine.errors import (
     EngineDead,
     EngineOverloaded,
     HealthCheckFailed,
+    HealthCheckTimeout,
     InvalidConfig,
     InvalidRequest,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "EngineOverloaded",
     "FinishReason",
     "HealthCheckFailed",
+    "HealthCheckTimeout",
     "HealthReport",
     "HiSparseConfig",
     "InvalidConfig",

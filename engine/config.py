@@ -20,6 +20,7 @@ from states.validation import (
     is_int,
     is_number,
     number_above,
+    number_at_least,
     one_of,
     optional_int_at_least,
     require,
@@ -95,7 +96,10 @@ class EngineConfig:
     max_position_embeddings). Any value works with any `page_size`: the token
     table is rounded up to whole pages. `starvation_timeout` is how long a
     request that could fit may wait for memory before the engine reports it
-    (`memory.starved`, `Engine.health()`).
+    (`memory.starved`, `Engine.health()`). `admission_window` (seconds, 0 = off) is
+    how long the loop waits, after a step that finished requests and left slots free,
+    for new submissions to join the next step: a client over the network resubmits a
+    moment after its answer, and would otherwise wait a whole step.
     """
 
     model: str = attrs.field(default="tiny")
@@ -119,6 +123,7 @@ class EngineConfig:
     use_entry_points: bool = attrs.field(default=True, validator=is_bool())
     fence_timeout: float = attrs.field(default=30.0, validator=number_above(0))
     starvation_timeout: float = attrs.field(default=30.0, validator=number_above(0))
+    admission_window: float = attrs.field(default=0.002, validator=number_at_least(0))
     mm_cache_bytes: int = attrs.field(default=64 << 20, validator=int_at_least(1))
 
     def __attrs_post_init__(self) -> None:

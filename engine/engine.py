@@ -23,7 +23,7 @@ import anyio
 import attrs
 
 from engine.config import EngineConfig, SamplingParams
-from engine.errors import EngineClosed, HealthCheckFailed, InvalidConfig, InvalidRequest
+from engine.errors import EngineClosed, HealthCheckFailed, HealthCheckTimeout, InvalidConfig, InvalidRequest
 from engine.logging import ensure_logging
 from engine.outputs import RequestOutput
 from engine.runtime.assembly import build_parts
@@ -166,7 +166,7 @@ class Engine:
                                             request_id=request_id, kind=RequestKind.HEALTH_CHECK)
         except TimeoutError:
             await self.abort(request_id)
-            raise HealthCheckFailed(f"no token within {timeout}s") from None
+            raise HealthCheckTimeout(f"no token within {timeout}s") from None
         if final.finish_reason not in (FinishReason.LENGTH, FinishReason.STOP):
             raise HealthCheckFailed(f"health check finished with {final.finish_reason}: {final.error}")
         return True

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from states.validation import InvalidConfig, InvalidRequest
 
-__all__ = ["EngineClosed", "EngineDead", "EngineOverloaded", "HealthCheckFailed", "InvalidConfig", "InvalidRequest"]
+__all__ = ["EngineClosed", "EngineDead", "EngineOverloaded", "HealthCheckFailed", "HealthCheckTimeout",
+           "InvalidConfig", "InvalidRequest"]
 
 
 class EngineOverloaded(RuntimeError):
@@ -30,3 +31,7 @@ class EngineDead(RuntimeError):
 
 class HealthCheckFailed(RuntimeError):
     """A health-check request did not complete through the whole path."""
+
+
+class HealthCheckTimeout(HealthCheckFailed):
+    """A health-check request produced no token within its timeout (the engine may be stuck)."""

@@ -75,6 +75,16 @@ def number_above(low: float, error: type[InvalidRequest] = InvalidConfig) -> Cal
     return check
 
 
+def number_at_least(low: float, error: type[InvalidRequest] = InvalidConfig) -> Callable[[Any, Any, Any], None]:
+    """An attrs validator: a finite number >= `low`."""
+
+    def check(inst: Any, attribute: Any, value: Any) -> None:
+        require(is_number(value) and value >= low, error, f"{type(inst).__name__}.{attribute.name}",
+                f"a finite number >= {low}", value)
+
+    return check
+
+
 def one_of(*choices: Any) -> Callable[[Any, Any, Any], None]:
     def check(inst: Any, attribute: Any, value: Any) -> None:
         require(value in choices, InvalidConfig, f"{type(inst).__name__}.{attribute.name}", f"one of {choices}", value)

@@ -29,7 +29,7 @@ torch.set_num_threads(1)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from engine.config import EngineConfig  # noqa: E402
-from engine.disagg.prefill_http import serve_prefill  # noqa: E402
+from engine.serve.prefill_http import serve_prefill  # noqa: E402
 from engine.disagg.settings import PrefillServerConfig  # noqa: E402
 from engine.testing import FaultInjector  # noqa: E402
 

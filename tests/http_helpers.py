@@ -65,3 +65,27 @@ class StepGate:
 
     async def wait_entered(self) -> None:
         await anyio.to_thread.run_sync(self.entered.wait, 10)
+
+
+def write_chat_checkpoint(directory, chat_template: str):
+    """A tiny-model checkpoint with a byte-level `tokenizer.json` and `chat_template`, written by
+    transformers' own `save_pretrained` (tokenizer_config.json, chat_template.jinja as it lays them out)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from engine.model.checkpoint import save_checkpoint
+    from engine.model.llama import LlamaModel
+    from engine.model.model_config import ModelConfig
+
+    config = ModelConfig.tiny()
+    save_checkpoint(LlamaModel.from_seed(config, seed=0), config, directory)
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    backend = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(sorted(alphabet))}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
+                                        pad_token="<pad>", chat_template=chat_template)
+    assert tokenizer.convert_tokens_to_ids(["<s>", "</s>", "<pad>"]) == [config.bos_token_id, config.eos_token_id,
+                                                                         config.pad_token_id]
+    tokenizer.save_pretrained(directory)
+    return directory

@@ -64,7 +64,7 @@ class TestCli:
         code = main(["generate", pm.TEXT_PROMPTS[0], "--model", str(directory), "--max-new-tokens", "8",
                      "--num-kv-pages", "64", "--max-context", "128"])
         assert code == 0
-        decoded = "".join(tokenizer.decode([t], skip_special_tokens=True) for t in expected)
+        decoded = tokenizer.decode(expected, skip_special_tokens=True)  # printed whole (new_text), not per token
         assert capsys.readouterr().out == decoded + "\n"
 
     @pytest.mark.parametrize(

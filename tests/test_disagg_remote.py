@@ -85,8 +85,8 @@ class TestOutputs:
             metrics = (await http.get("/metrics")).text
             memory = (await http.get("/debug/memory")).json()
         assert health.status_code == 200 and health.json()["role"] == "prefill"
-        for name in ("kvlife_pool_held{", "kvlife_leak_checks_total", "kvlife_transfer_bytes_total",
-                     'kvlife_transfer_jobs_total{outcome="ok"}', "kvlife_transfer_link_up{"):
+        for name in ("kvlife:pool_held{", "kvlife:leak_checks_total", "kvlife:transfer_bytes_total",
+                     'kvlife:transfer_jobs_total{outcome="ok"}', "kvlife:transfer_link_up{"):
             assert name in metrics
         assert {"kv_pages", "request_slots", "transfer.staging"} <= set(memory["pools"])
 

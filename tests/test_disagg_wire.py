@@ -11,7 +11,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from disagg_helpers import remote_config
 from engine import Engine, EngineConfig, SamplingParams
-from engine.disagg.observability import TransferCollector, TransferStats
+from engine.disagg.observability import TransferStats
+from engine.serve.transfer_metrics import TransferCollector
 from engine.disagg.settings import SECRET_ENV, PrefillServerConfig, RemotePrefill
 from engine.disagg.staging import StagingFull, StagingPool
 from engine.disagg.wire import (JobSpec, KVLayout, ProtocolError, chunk_plan, decode_job, encode_job, params_to_dict,
@@ -146,10 +147,10 @@ class TestMetrics:
         registry = CollectorRegistry(auto_describe=False)
         registry.register(TransferCollector(stats))
         text = generate_latest(registry).decode()
-        for line in ('kvlife_transfer_bytes_total 4096.0', 'kvlife_transfer_failures_total{cause="timeout"} 1.0',
-                     'kvlife_transfer_link_up{peer="127.0.0.1:1"} 0.0', 'kvlife_transfer_seconds_count 1.0',
-                     'kvlife_transfer_link_changes_total{change="down",peer="127.0.0.1:1"} 1.0',
-                     'kvlife_transfer_link_epoch{peer="127.0.0.1:1"} 2.0'):
+        for line in ('kvlife:transfer_bytes_total 4096.0', 'kvlife:transfer_failures_total{cause="timeout"} 1.0',
+                     'kvlife:transfer_link_up{peer="127.0.0.1:1"} 0.0', 'kvlife:transfer_seconds_count 1.0',
+                     'kvlife:transfer_link_changes_total{change="down",peer="127.0.0.1:1"} 1.0',
+                     'kvlife:transfer_link_epoch{peer="127.0.0.1:1"} 2.0'):
             assert line in text
 
 

@@ -49,9 +49,12 @@ BAD_BODIES = [
     ("/v1/completions", {}, "prompt"),
     ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
     ("/v1/completions", {"prompt": "a", "model": 3}, "model"),
-    ("/v1/completions", {"prompt": "a", "n": 2}, "n"),
+    ("/v1/completions", {"prompt": "a", "n": 0}, "n"),
+    ("/v1/completions", {"prompt": "a", "n": 1000}, "n"),
+    ("/v1/completions", {"prompt": "a", "n": 2, "best_of": 3}, "best_of"),
     ("/v1/completions", {"prompt": "a", "echo": True}, "echo"),
-    ("/v1/completions", {"prompt": "a", "logprobs": 5}, "logprobs"),
+    ("/v1/completions", {"prompt": "a", "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"prompt": "a", "logprobs": True}, "logprobs"),
     ("/v1/completions", {"prompt": "a", "max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {"prompt": "a", "max_tokens": 10_000}, "max_tokens"),
     ("/v1/completions", {"prompt": "a", "temperature": "hot"}, "temperature"),
@@ -77,7 +80,7 @@ class TestBadBodies:
                 case = f"{path} {body!r}"
                 assert response.status_code == 400, case
                 error = response.json()["error"]
-                assert error["field"] == field, case
+                assert error["param"] == field, case
                 assert error["limit"] and field in error["message"], case
         assert engine.stats.submitted == 0
 
@@ -104,7 +107,7 @@ class TestBadBodies:
                 await gate.wait_entered()
                 second = await client.post("/generate", json={**OK, "rid": "dup"})
                 gate.open()
-        assert second.status_code == 400 and second.json()["error"]["field"] == "rid"
+        assert second.status_code == 400 and second.json()["error"]["param"] == "rid"
         assert first["response"].status_code == 200
         assert engine.stats.submitted == 1
 
@@ -123,7 +126,7 @@ class TestBounds:
             declared = await client.post("/generate", json={"text": "a" * 3000})
             streamed = await client.post("/generate", content=chunked())
         assert declared.status_code == 413 and streamed.status_code == 413
-        assert declared.json()["error"]["field"] == "body"
+        assert declared.json()["error"]["param"] == "body"
         assert engine.stats.submitted == 0
 
     @pytest.mark.asyncio

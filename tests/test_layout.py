@@ -34,3 +34,15 @@ def test_the_module_map_names_every_module():
     mapped = set(re.findall(r"`([a-z_]+\.py)`", text))
     missing = [m for m in _modules() if Path(m).name != "__init__.py" and Path(m).name not in mapped]
     assert not missing, f"docs/architecture.md's module map lacks {missing}"
+
+
+def test_web_libraries_are_imported_only_by_the_server():
+    """Every module outside engine/serve and engine/cli imports without starlette, uvicorn or prometheus_client."""
+    modules = [m.removesuffix(".py").replace("/", ".").removesuffix(".__init__") for m in _modules()
+               if not m.startswith(("engine/serve/", "engine/cli/"))]
+    code = ("import importlib, sys\n"
+            f"for name in {modules!r}: importlib.import_module(name)\n"
+            "print(sorted(m for m in ('starlette', 'uvicorn', 'prometheus_client') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
+                         timeout=300)
+    assert out.stdout.strip().splitlines()[-1] == "[]"

@@ -11,7 +11,7 @@ import pytest
 PUBLIC = {
     "engine": {
         "Engine", "EngineClosed", "EngineConfig", "EngineDead", "EngineOverloaded", "FinishReason",
-        "HealthCheckFailed", "HealthReport", "HiSparseConfig", "InvalidConfig", "InvalidRequest", "LeakError",
+        "HealthCheckFailed", "HealthCheckTimeout", "HealthReport", "HiSparseConfig", "InvalidConfig", "InvalidRequest", "LeakError",
         "MemoryReport", "RequestKind", "RequestOutput", "RequestState", "RequestStream", "SamplingParams",
         "TokenLogprob", "configure_logging",
     },

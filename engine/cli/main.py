@@ -3,136 +3,128 @@
     kvlife run [--requests N] [--json PATH]     the built-in mixed workload + report
     kvlife generate "text" --max-new-tokens N   stream one continuation
     kvlife serve [--host H] [--port P]          the HTTP server (needs the `serve` extra)
+    kvlife --version
 
-Engine options are the EngineConfig fields (`--model`, `--device`,
-`--page-size`, ...), validated with the same messages.
+Every command takes the engine options (the EngineConfig fields, HiSparse,
+`--no-plugins`) and the logging options (`--log-level`, `--log-json`),
+given before or after the command; logging is configured once, to stderr.
+Every bad value is one `kvlife: ...` line on stderr with exit code 2: an
+argument argparse rejects, an InvalidConfig or InvalidRequest, a checkpoint
+or chat template that does not load, a broken plugin (the engine's
+PluginError names it), a path that cannot
+be written, a port that cannot be bound. Never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from typing import Any
+from importlib.metadata import PackageNotFoundError, version
 
-import anyio
-
-from engine.config import EngineConfig, SamplingParams
+from engine.cli.generate_command import add_generate_parser
+from engine.cli.options import CLIError
+from engine.cli.run_command import add_run_parser
 from engine.errors import InvalidRequest
-from engine.logging import configure_logging
+from engine.logging import LEVELS, configure_logging
+from resources.plugins import PluginError
 
-ENGINE_OPTIONS: list[tuple[str, type, str]] = [
-    ("model", str, "'tiny', 'tiny-moe', 'null' (no compute) or a checkpoint directory"),
-    ("device", str, "torch device, e.g. cpu or cuda"),
-    ("dtype", str, "float32, float16 or bfloat16"),
-    ("seed", int, "seed of the built-in model's weights"),
-    ("page_size", int, "tokens per KV page"),
-    ("num_kv_pages", int, "KV pages in the pool (page 0 is reserved)"),
-    ("max_running", int, "requests running at once"),
-    ("max_context", int, "prompt + output tokens per request"),
-    ("max_prefill_tokens", int, "prefill tokens per step (chunked prefill)"),
-    ("disaggregation", str, "none or decode"),
-    ("leak_check", str, "raise, log or off"),
-]
+if sys.version_info < (3, 11):  # pragma: no cover
+    from exceptiongroup import BaseExceptionGroup
 
 
-def add_engine_options(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engine options (EngineConfig fields)")
-    for name, kind, help_text in ENGINE_OPTIONS:
-        group.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=None, help=help_text)
-    group.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", default=None)
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors as one `kvlife: ...` line (no usage block), exit code 2."""
+
+    def error(self, message: str):  # type: ignore[override]
+        command = self.prog.removeprefix("kvlife").strip()
+        self.exit(2, f"kvlife: {command + ': ' if command else ''}{message}\n")
 
 
-def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
-    fields = {name: getattr(args, name) for name, _, _ in ENGINE_OPTIONS if getattr(args, name) is not None}
-    if getattr(args, "prefix_cache", None) is not None:
-        fields["prefix_cache"] = args.prefix_cache
-    fields.update(overrides)
-    return EngineConfig(**fields)
+def _user_errors() -> tuple[type[BaseException], ...]:
+    errors: list[type[BaseException]] = [CLIError, InvalidRequest, PluginError]
+    try:
+        from engine.model.checkpoint import CheckpointError
+
+        errors.append(CheckpointError)
+    except ImportError:  # pragma: no cover - the checkpoints extra is missing
+        pass
+    try:
+        from engine.serve.chat_template import ChatTemplateError
+
+        errors.append(ChatTemplateError)
+    except ImportError:  # the serve extra is missing
+        pass
+    return tuple(errors)
 
 
-def _progress(done: int, total: int) -> None:
-    width = 30
-    filled = width * done // total
-    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
-    if done == total:
-        sys.stderr.write("\n")
-    sys.stderr.flush()
+def _log_options(parser: argparse.ArgumentParser, *, suppress: bool) -> None:
+    # NOTE: on the subcommands the defaults are SUPPRESS, so an option given before the
+    # command is not overwritten by the subparser's default; given after, it wins.
+    default = argparse.SUPPRESS if suppress else None
+    group = parser.add_argument_group("logging (before or after the command)")
+    group.add_argument("--log-level", choices=sorted(LEVELS, key=LEVELS.get), default=default,
+                       help="debug, info, warning or error (default: warning; serve: info)")
+    group.add_argument("--log-json", action=argparse.BooleanOptionalAction, default=default,
+                       help="JSON-lines logs (default: off; serve: on)")
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    from engine.cli.workload import format_report, run_workload
-
-    # A deliberately small pool by default, so the run shows queueing and retraction.
-    defaults = {"num_kv_pages": 160, "max_context": 1024, "leak_check": "log"}
-    defaults.update({k: v for k, v in vars(args).items() if k in defaults and v is not None})
-    config = engine_config_from_args(args, **defaults)
-    report = anyio.run(lambda: run_workload(config, num_requests=args.requests, concurrency=args.concurrency,
-                                            seed=args.workload_seed, progress=None if args.quiet else _progress))
-    print(format_report(report))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2, default=str)
-    return 0 if report["leak_check"] == "clean" else 1
-
-
-def cmd_generate(args: argparse.Namespace) -> int:
-    from engine.engine import Engine
-
-    config = engine_config_from_args(args)
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed_sample)
-
-    async def main() -> None:
-        async with Engine(config) as engine:
-            async for output in engine.generate(args.text, params):
-                sys.stdout.write(engine.tokenizer.decode(output.new_token_ids))
-                sys.stdout.flush()
-            sys.stdout.write("\n")
-
-    anyio.run(main)
-    return 0
+def _package_version() -> str:
+    try:
+        return version("kvlife")
+    except PackageNotFoundError:  # pragma: no cover - run from a source tree without installing
+        return "unknown"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvlife", description="kvlife: the LLM decode engine that cannot leak")
-    parser.add_argument("--log-level", default="warning", help="debug, info, warning or error")
-    parser.add_argument("--log-json", action="store_true", help="JSON-lines logs")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    run = sub.add_parser("run", help="run the built-in mixed workload and print a report")
-    run.add_argument("--requests", type=int, default=48)
-    run.add_argument("--concurrency", type=int, default=16)
-    run.add_argument("--workload-seed", type=int, default=0)
-    run.add_argument("--json", metavar="PATH", help="also write the report as JSON")
-    run.add_argument("--quiet", action="store_true", help="no progress bar")
-    add_engine_options(run)
-    run.set_defaults(func=cmd_run)
-
-    gen = sub.add_parser("generate", help="stream the continuation of a prompt")
-    gen.add_argument("text")
-    gen.add_argument("--max-new-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--seed-sample", type=int, default=None, help="sampling seed")
-    add_engine_options(gen)
-    gen.set_defaults(func=cmd_generate)
-
+    parser = _Parser(prog="kvlife", description="kvlife: the LLM decode engine that cannot leak")
+    parser.add_argument("--version", action="version", version=f"kvlife {_package_version()}")
+    _log_options(parser, suppress=False)
+    common = argparse.ArgumentParser(add_help=False)
+    _log_options(common, suppress=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,generate,serve}")
+    add_run_parser(sub, [common])
+    add_generate_parser(sub, [common])
     try:
         from engine.cli.serve_command import add_serve_parser
-    except ImportError:
+    except ImportError:  # pragma: no cover - the serve extra is missing
         pass
     else:
-        add_serve_parser(sub, add_engine_options)
+        add_serve_parser(sub, [common])
     return parser
+
+
+def _leaf(exc: BaseException) -> BaseException:
+    """The one exception inside (nested) single-member exception groups."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+def logging_choice(args: argparse.Namespace) -> tuple[str, bool]:
+    """(level, json) from --log-level / --log-json wherever given, else the command's defaults."""
+    level = args.log_level or args.default_log_level
+    json_logs = args.log_json if args.log_json is not None else getattr(args, "default_log_json", False)
+    return level, json_logs
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    configure_logging(args.log_level, json=args.log_json)
+    level, json_logs = logging_choice(args)
+    configure_logging(level, json=json_logs)
     try:
         return args.func(args)
-    except InvalidRequest as exc:
-        print(f"kvlife: {exc}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        print("kvlife: interrupted", file=sys.stderr)
+        return 130
+    except BaseException as exc:
+        leaf = _leaf(exc)
+        if isinstance(leaf, _user_errors()):
+            cause = leaf.__cause__  # e.g. the CheckpointError behind InvalidConfig('EngineConfig.model')
+            hint = "; --no-plugins runs without plugins" if isinstance(leaf, PluginError) else ""
+            print(f"kvlife: {leaf}" + (f" ({cause})" if isinstance(cause, _user_errors()) else "") + hint,
+                  file=sys.stderr)
+            return 2
+        raise
 
 
 if __name__ == "__main__":

@@ -1,18 +1,18 @@
 """`kvlife serve`: the HTTP server's command line (registered by engine.cli.main).
 
-    kvlife serve [--host 127.0.0.1] [--port 30000] [engine options] [server options]
+    kvlife serve [--host 127.0.0.1] [--port 30000] [--api-key KEY] [engine options] [server options]
     kvlife serve --disaggregation prefill --disaggregation-bootstrap-port 31001 [...]
     kvlife serve --disaggregation decode --prefill H:31001 [--prefill H2:31002 ...] [...]
 
-Engine options are the EngineConfig fields, shared with `kvlife run` through
-`engine.cli.main.add_engine_options`, plus the ones only a server needs
-(`--max-queued`, `--fence-timeout`, HiSparse's `--hisparse-top-k` and
-`--hisparse-device-buffer-size`); EngineConfig validates them with its own
-messages. Logs are JSON lines at info by default (`--log-level debug` adds
-one line per transition).
+Engine options are the EngineConfig fields shared by every command
+(`engine.cli.options.add_engine_options`, HiSparse included); a server
+defaults to leak_check 'log' (a leak is logged and counted, the server keeps
+serving, the exit code reports it). Logs are JSON lines at info by default.
+The API key comes from `--api-key` or the KVLIFE_API_KEY environment
+variable; it is never logged or shown in --help.
 
 Disaggregation options (docs/disaggregation.md): `--disaggregation prefill`
-runs a prefill server (engine.disagg.prefill_http) instead of an engine;
+runs a prefill server (engine.serve.prefill_http) instead of an engine;
 `--prefill` gives a decode server its prefill servers (without it,
 `--disaggregation decode` keeps the in-process prefill worker). The
 `--transfer-*` options are the link's bounds (engine.disagg.settings).
@@ -21,49 +21,47 @@ runs a prefill server (engine.disagg.prefill_http) instead of an engine;
 from __future__ import annotations
 
 import argparse
-import sys
-from collections.abc import Callable
+import os
 from typing import Any
 
 import anyio
 
+from engine.cli.options import CLIError, add_engine_options, engine_config_from_args, int_at_least, port
+from engine.cli.options import positive_seconds
 from engine.errors import InvalidConfig
 
-_EXTRA_ENGINE_OPTIONS: list[tuple[str, type, str]] = [
-    ("max_queued", int, "requests that may wait in the engine's inbox (a full inbox answers 503)"),
-    ("fence_timeout", float, "seconds a fence may stay pending before its handle is quarantined"),
-]
+API_KEY_ENV = "KVLIFE_API_KEY"
 
 
-def add_serve_parser(subparsers: Any, add_engine_options: Callable[[argparse.ArgumentParser], None]) -> None:
+def add_serve_parser(subparsers: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
     """Add the `serve` subcommand to `kvlife`'s subparsers."""
-    serve = subparsers.add_parser("serve", help="run the HTTP server (needs the `serve` extra)")
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=30000, help="port to listen on; 0 picks a free one")
-    serve.add_argument("--log-level", default="info", help="debug, info, warning or error (default info)")
-    serve.add_argument("--no-log-json", dest="log_json", action="store_false", default=True,
-                       help="console logs instead of JSON lines")
-    add_engine_options(serve)
-    engine_group = serve.add_argument_group("more engine options (EngineConfig fields)")
-    existing = {a.dest for a in serve._actions}
-    for name, kind, help_text in _EXTRA_ENGINE_OPTIONS:
-        if name not in existing:
-            engine_group.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=None,
-                                      help=help_text)
-    if "hisparse_top_k" not in existing:
-        engine_group.add_argument("--hisparse-top-k", type=int, default=None,
-                                  help="enable HiSparse, attending over the top K tokens per step")
-        engine_group.add_argument("--hisparse-device-buffer-size", type=int, default=None,
-                                  help="HiSparse device buffer slots per request")
+    serve = subparsers.add_parser("serve", parents=parents, help="run the HTTP server (needs the `serve` extra)",
+                                  description=__doc__.splitlines()[0])
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    serve.add_argument("--port", type=port, default=30000, help="port to listen on; 0 picks a free one "
+                       "(default: 30000)")
+    add_engine_options(serve, {"leak_check": "log"})
     server = serve.add_argument_group("server options")
-    server.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body accepted")
-    server.add_argument("--max-prompt-tokens", type=int, default=None, help="default: max_context - 1")
-    server.add_argument("--max-inflight", type=int, default=None,
+    server.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer <key>' on every route "
+                        f"but /health (default: ${API_KEY_ENV} if set, else no key)")
+    server.add_argument("--max-body-bytes", type=int_at_least(1), default=1 << 20,
+                        help="largest request body accepted (default: 1048576)")
+    server.add_argument("--max-prompt-tokens", type=int_at_least(1), default=None,
+                        help="default: max_context - 1")
+    server.add_argument("--max-inflight", type=int_at_least(1), default=None,
                         help="generation requests at once before 503 (default: max_running + max_queued)")
-    server.add_argument("--health-timeout", type=float, default=10.0, help="seconds for /health_generate")
+    server.add_argument("--health-timeout", type=positive_seconds, default=10.0,
+                        help="seconds for a /health_generate probe, and without progress under load (default: 10)")
     server.add_argument("--served-model-name", default=None, help="model id in /v1 (default: --model)")
     _add_disaggregation_options(serve)
-    serve.set_defaults(func=run_serve)
+    serve.set_defaults(func=run_serve, default_log_level="info", default_log_json=True)
+
+
+def api_key_from(args: argparse.Namespace) -> str | None:
+    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    if key is not None and not key:
+        raise CLIError(f"--api-key (or ${API_KEY_ENV}) must not be empty")
+    return key
 
 
 _TRANSFER_OPTIONS: list[tuple[str, type, str]] = [
@@ -114,15 +112,11 @@ def prefill_settings_from_args(args: argparse.Namespace) -> Any:
 
 
 def engine_config_from_serve_args(args: argparse.Namespace) -> Any:
-    """The EngineConfig `kvlife serve` runs: engine options as given, leak_check 'log' unless set."""
-    from engine.cli.main import engine_config_from_args
-
-    overrides: dict[str, Any] = {name: getattr(args, name) for name, _, _ in _EXTRA_ENGINE_OPTIONS
-                                 if getattr(args, name, None) is not None}
-    if getattr(args, "leak_check", None) is None:
-        overrides["leak_check"] = "log"  # a server logs a leak and keeps serving; the exit verdict reports it
+    """The EngineConfig `kvlife serve` runs (leak_check 'log' unless set): the engine options, and the
+    disaggregation role's (the prefill role runs a plain engine config under its PrefillServerConfig)."""
+    overrides: dict[str, Any] = {}
     if getattr(args, "disaggregation", None) == "prefill":
-        overrides["disaggregation"] = "none"  # the prefill role runs a PrefillServer over a plain engine config
+        overrides["disaggregation"] = "none"
     elif getattr(args, "disaggregation_bootstrap_port", None) is not None:
         raise InvalidConfig("--disaggregation-bootstrap-port", "given only with --disaggregation prefill",
                             args.disaggregation_bootstrap_port)
@@ -130,40 +124,44 @@ def engine_config_from_serve_args(args: argparse.Namespace) -> Any:
         from engine.disagg.settings import RemotePrefill
 
         overrides["remote_prefill"] = RemotePrefill(peers=tuple(args.prefill_peers), **_link_fields(args))
-    top_k, buffer = getattr(args, "hisparse_top_k", None), getattr(args, "hisparse_device_buffer_size", None)
-    if top_k is not None or buffer is not None:
-        try:
-            from hisparse import HiSparseConfig
-        except ImportError:
-            raise InvalidConfig("EngineConfig.hisparse", "available (HiSparse is not in this build)", top_k) from None
-        fields = {k: v for k, v in (("top_k", top_k), ("device_buffer_size", buffer)) if v is not None}
-        overrides["hisparse"] = HiSparseConfig(**fields)
     return engine_config_from_args(args, **overrides)
 
 
 def server_settings_from_args(args: argparse.Namespace) -> Any:
-    from engine.serve.server import ServerSettings
+    from engine.serve.settings import ServerSettings
 
     return ServerSettings(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                           max_inflight=args.max_inflight, health_timeout=args.health_timeout,
-                          served_model_name=args.served_model_name)
+                          served_model_name=args.served_model_name, api_key=api_key_from(args))
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Build the config (InvalidConfig propagates to the CLI's error message), then serve until SIGTERM."""
-    config = engine_config_from_serve_args(args)
+    """Build config and settings (their errors are one line, exit 2), then serve until SIGTERM."""
     try:
         from engine.serve.server import serve
     except ImportError as exc:
-        print(f"kvlife serve needs the `serve` extra (pip install 'kvlife[serve]'): {exc}", file=sys.stderr)
-        return 2
+        raise CLIError(f"serve needs the `serve` extra (pip install 'kvlife[serve]'): {exc}") from None
+    config = engine_config_from_serve_args(args)
     if args.disaggregation == "prefill":
-        from engine.disagg.prefill_http import serve_prefill
+        from engine.cli.main import logging_choice
+        from engine.serve.prefill_http import serve_prefill
 
         prefill = prefill_settings_from_args(args)
-        return anyio.run(lambda: serve_prefill(config, prefill, args.host, args.port, log_json=args.log_json,
-                                               log_level=args.log_level), backend="asyncio")
+        level, json_logs = logging_choice(args)
+        return anyio.run(lambda: serve_prefill(config, prefill, args.host, args.port, log_json=json_logs,
+                                               log_level=level), backend="asyncio")
     settings = server_settings_from_args(args)
 
-    return anyio.run(lambda: serve(config, args.host, args.port, log_json=args.log_json, log_level=args.log_level,
-                                   settings=settings), backend="asyncio")
+    async def main() -> int:
+        try:
+            return await serve(config, args.host, args.port, settings=settings)
+        except OSError as exc:
+            raise CLIError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
+
+    try:
+        import uvloop  # noqa: F401 - the faster event loop, when installed
+    except ImportError:
+        options = {}
+    else:
+        options = {"use_uvloop": True}
+    return anyio.run(main, backend="asyncio", backend_options=options)

@@ -2,6 +2,9 @@
 
 Requests of varied prompt and output lengths stream concurrently; some are
 aborted mid-stream, some clients disconnect, health checks run in between.
+Each request is fitted to the engine's max_context (`fit_to_context`: the
+output length first capped, then the prompt cut), so any valid EngineConfig
+runs the whole workload; the report says how many were fitted.
 The report counts finishes by reason, throughput and latency percentiles,
 transitions per edge, and every pool with the leak-check verdict.
 """
@@ -72,6 +75,7 @@ async def run_workload(
     stats = engine.stats
     return {
         "requests": num_requests,
+        "fitted_to_context": sum(1 for plan in plans if plan.get("fitted")),
         "health_checks": dict(health),
         "client_outcomes": dict(client_outcomes),
         "finishes": {f"{kind}/{reason}": n for (kind, reason), n in sorted(stats.finishes.items())},
@@ -101,10 +105,18 @@ def _plan(rng: random.Random, index: int) -> dict[str, Any]:
     }
 
 
+def fit_to_context(token_ids: list[int], max_new_tokens: int, max_context: int) -> tuple[list[int], int]:
+    """(prompt, max_new_tokens) within `max_context`: at most half of it for output, the prompt cut to the rest."""
+    max_new = max(1, min(max_new_tokens, max_context // 2))
+    return token_ids[: max_context - max_new], max_new
+
+
 async def _run_client(engine: Engine, plan: dict[str, Any]) -> str:
-    params = SamplingParams(max_new_tokens=plan["max_new_tokens"], temperature=plan["temperature"],
-                            top_p=0.95, seed=plan["seed"])
-    stream = engine.generate(plan["prompt"], params, request_id=plan["id"])
+    token_ids = engine.tokenizer.encode(plan["prompt"])
+    prompt, max_new = fit_to_context(token_ids, plan["max_new_tokens"], engine.max_context)
+    plan["fitted"] = (len(prompt), max_new) != (len(token_ids), plan["max_new_tokens"])
+    params = SamplingParams(max_new_tokens=max_new, temperature=plan["temperature"], top_p=0.95, seed=plan["seed"])
+    stream = engine.generate(prompt, params, request_id=plan["id"])
     async with stream:
         async for output in stream:
             if output.finished:
@@ -122,7 +134,8 @@ def _ms(seconds: float | None) -> float | None:
 
 
 def format_report(report: dict[str, Any]) -> str:
-    lines = [f"kvlife run: {report['requests']} requests in {report['elapsed_s']} s"]
+    lines = [f"kvlife run: {report['requests']} requests in {report['elapsed_s']} s"
+             f" ({report['fitted_to_context']} fitted to max_context)"]
     lines.append(f"  finishes       {report['finishes']}")
     lines.append(f"  clients        {report['client_outcomes']}   health checks {report['health_checks']}")
     lines.append(f"  tokens/s       {report['tokens_per_s']}  ({report['tokens_generated']} tokens, "

@@ -4,7 +4,9 @@ transfer backends and the `kv_transfer` hook; and the multi-process roles
 
     EngineConfig(disaggregation="decode", remote_prefill=RemotePrefill(peers=["host:31001"]))
     async with PrefillServer(EngineConfig(), PrefillServerConfig(bootstrap_port=31001)): ...
-    await serve_prefill(EngineConfig(), PrefillServerConfig(...), "127.0.0.1", 30001)   # + HTTP
+
+The prefill server's HTTP routes (`serve_prefill`) and the transfer metrics'
+Prometheus export live in `engine.serve` (prefill_http.py, transfer_metrics.py).
 
 Imported lazily, so the in-process decode role never loads torch.distributed.
 """
@@ -13,10 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["PrefillServer", "PrefillServerConfig", "RemotePrefill", "TransferCollector", "serve_prefill"]
+__all__ = ["PrefillServer", "PrefillServerConfig", "RemotePrefill"]
 
-_WHERE = {"PrefillServer": "prefill_server", "PrefillServerConfig": "settings", "RemotePrefill": "settings",
-          "TransferCollector": "observability", "serve_prefill": "prefill_http"}
+_WHERE = {"PrefillServer": "prefill_server", "PrefillServerConfig": "settings", "RemotePrefill": "settings"}
 
 
 def __getattr__(name: str) -> Any:

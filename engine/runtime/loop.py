@@ -57,6 +57,8 @@ class DecodeLoop:
         self.prefill_client = parts.prefill_client
         self.leak_check = config.leak_check
         self.max_queued = config.max_queued
+        self.admission_window = config.admission_window
+        self._kv_slots = parts.kv_pool.slots
         self.tokenizer = tokenizer
         self._check_memory = check_memory
         self.stats = EngineStats()
@@ -170,7 +172,8 @@ class DecodeLoop:
         if not self.table:
             self._idle_event.set()
             self._on_idle(recheck=bool(reaped))
-            await self._wait(0.05 if self.machine.quarantined else None)
+            # NOTE: poll while a late copy may still land or the prefill client still works
+            await self._wait(0.05 if self.machine.quarantined or not self.idle else None)
             return
         self._checked_idle = False
         self.planner.prepare()
@@ -179,6 +182,7 @@ class DecodeLoop:
             await self._wait(0.005)  # fences or memory: poll again shortly
             return
         self.step_running = True
+        finished = self.stats.finished_total
         try:
             output = await anyio.to_thread.run_sync(self.runner.step, batch)
         except Exception as exc:  # the batch fails, the engine keeps serving
@@ -189,6 +193,9 @@ class DecodeLoop:
             self.step_running = False
             self.stats.on_step(time.monotonic())
         await anyio.lowlevel.checkpoint()
+        if (self.admission_window and self.stats.finished_total > finished and not self.table.unstarted
+                and self._kv_slots.num_free):
+            await self._wait(self.admission_window)  # a new submission ends the wait at once
 
     async def _wait(self, timeout: float | None) -> None:
         with anyio.move_on_after(timeout):

@@ -55,6 +55,7 @@ class EngineStats:
     leak_check_failures: int = 0
     step_errors: int = 0
     steps: int = 0
+    finished_total: int = 0  # requests that reached FINISHED, any kind
     starved: int = 0  # requests reported waiting past the starvation bound
     last_progress: float | None = None
     ttft: SampleWindow = attrs.field(factory=SampleWindow)  # arrival -> first token
@@ -66,6 +67,7 @@ class EngineStats:
         self.transitions[(src.name, dst.name)] += 1
         if dst is RequestState.FINISHED and request.finish_reason is not None:
             self.finishes[(request.kind.value, request.finish_reason.name)] += 1
+            self.finished_total += 1
             if request.kind is RequestKind.NORMAL and request.history:
                 self.e2e.add(request.history[-1][1] - request.arrival_time)
         elif dst is RequestState.RETRACTED:

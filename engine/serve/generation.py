@@ -1,15 +1,19 @@
-"""One HTTP generation: the engine stream as text chunks, and its SSE and JSON answers.
+"""One HTTP generation: the engine stream as chunks per sequence; SSE framing; the `/generate` answers.
 
-`Generation` wraps `engine.generate(...)`: it turns each RequestOutput into
-a `Chunk` (the text delta, the new token ids, and the finish reason on the
-last), matches stop strings on the text (cutting the text before the stop
-string and aborting the request if the engine has not finished it), holds
-back text that may still become a stop string or an incomplete UTF-8
-character, and logs one `request.summary` line at info when it closes.
+`Generation` wraps `engine.generate(...)`: each RequestOutput becomes a
+`Chunk` of one of the request's `n` sequences (`RequestOutput.index`): its
+new text (`RequestOutput.new_text`: the engine detokenizes incrementally,
+holds back an incomplete UTF-8 character or a possible stop-string prefix,
+and matches stop strings itself), its new token ids and logprobs, and the
+finish reason on that sequence's last chunk. Nothing is re-decoded here.
+`Generation.choices` keeps each sequence's text, ids and logprobs for the
+whole answers and usage; one `request.summary` line is logged at info when
+it closes.
 
 `close()` is idempotent and abandons the engine stream: whatever way the
 HTTP exchange ends (finished, client gone, cancelled, error), the request
-is aborted if it is still running and is released like any other.
+(every one of its sequences) is aborted if it is still running and is
+released like any other.
 """
 
 from __future__ import annotations
@@ -24,91 +28,90 @@ import anyio
 import attrs
 import structlog
 
-from engine.serve.schemas import MAX_STOP_CHARS, GenerateBody
-from engine.outputs import RequestOutput
+from engine.errors import EngineDead
+from engine.outputs import RequestOutput, TokenLogprob
+from engine.serve.schemas import GenerateBody
 
 log = structlog.get_logger("kvlife.http")
 DONE = b"data: [DONE]\n\n"
 
 
-class HTTPError(Exception):
-    """An HTTP-level rejection that is not a field error (e.g. 413)."""
-
-    def __init__(self, status: int, message: str, field: str | None = None, limit: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.field, self.limit = status, message, field, limit
-
-
 @attrs.frozen
 class Chunk:
+    index: int
     delta: str
     new_token_ids: list[int]
-    finish_reason: str | None = None  # set on the last chunk only
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    finish_reason: str | None = None  # set on the sequence's last chunk only
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
 
-def _holdback(text: str, stops: tuple[str, ...]) -> int:
-    """Characters at the end of `text` not to send yet: a stop string's prefix, or U+FFFD."""
-    settled = text.rstrip("\ufffd")  # NOTE: an incomplete UTF-8 character decodes to U+FFFD
-    unsettled = len(text) - len(settled)
-    hold = unsettled
-    for stop in stops:
-        for k in range(min(len(stop) - 1, len(settled)), 0, -1):
-            if settled.endswith(stop[:k]):
-                hold = max(hold, unsettled + k)
-                break
-    return hold
+@attrs.define
+class Choice:
+    """One sequence's answer so far."""
+
+    index: int
+    parts: list[str] = attrs.field(factory=list)
+    token_ids: list[int] = attrs.field(factory=list)
+    logprobs: list[TokenLogprob] = attrs.field(factory=list)
+    finish_reason: str | None = None
+    final: RequestOutput | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
 
 
 class Generation:
-    def __init__(self, engine: Any, body: GenerateBody, *, route: str, openai: bool = False) -> None:
-        prefix = "cmpl-" if openai else ""
-        self.request_id = body.rid or f"{prefix}{uuid.uuid4().hex}"
+    def __init__(self, engine: Any, body: GenerateBody, *, route: str, id_prefix: str = "") -> None:
+        self.request_id = body.rid or f"{id_prefix}{uuid.uuid4().hex}"
         self.body = body
         self.route = route
-        self.tokenizer = engine.tokenizer
+        self.tokenizer = engine.tokenizer  # for logprobs' token texts
         self.started = time.monotonic()
         self.created = int(time.time())
         self.stream = engine.generate(body.token_ids, body.params, request_id=self.request_id)
-        self.token_ids: list[int] = []
-        self.text = ""  # what has been (or, on the final chunk, will be) sent
-        self.finish_reason: str | None = None
-        self.final: RequestOutput | None = None
+        self.choices = [Choice(i) for i in range(body.params.n)]
         self.first_chunk_at: float | None = None
         self.on_close: Callable[[], None] | None = None
+        self._open = body.params.n
         self._closed = False
 
+    @property
+    def done(self) -> bool:
+        return self._open == 0
+
     async def next(self) -> Chunk | None:
-        """The next chunk to send; None once the final chunk was returned."""
-        if self.finish_reason is not None:
+        """The next chunk to send; None once every sequence's final chunk was returned."""
+        if self._open == 0:
             return None
         try:
             output = await self.stream.__anext__()
-        except StopAsyncIteration:  # the stream was abandoned under us
-            self.finish_reason = "abort"
-            return Chunk("", [], "abort")
-        self.token_ids = output.token_ids
-        text = self.tokenizer.decode(output.token_ids)
-        finish = output.finish_reason.value if output.finished else None
-        if output.finished:
-            self.final = output
-        stops = self.body.stop
-        if stops:
-            start = max(0, len(self.text) - MAX_STOP_CHARS)
-            hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
-            if hits:
-                text, finish = text[: min(hits)], "stop"
-                self.stream.abandon()  # aborts the request if the engine has not finished it
-        visible = text if finish is not None else text[: len(text) - _holdback(text, stops)]
-        delta = visible[len(self.text):]
-        self.text = visible if len(visible) > len(self.text) else self.text
+        except (StopAsyncIteration, EngineDead) as exc:  # abandoned under us, or the engine died
+            choice = next(c for c in self.choices if c.finish_reason is None)
+            return self._finish(choice, "error" if isinstance(exc, EngineDead) else "abort")
+        choice = self.choices[output.index]
+        choice.token_ids += output.new_token_ids
+        if output.new_text:
+            choice.parts.append(output.new_text)
+        if output.logprobs:
+            choice.logprobs += output.logprobs
         if self.first_chunk_at is None and output.new_token_ids:
             self.first_chunk_at = time.monotonic()
-        self.finish_reason = finish
-        return Chunk(delta, list(output.new_token_ids), finish)
+        finish = None
+        if output.finished:
+            choice.final, finish = output, output.finish_reason.value
+            self._open -= 1
+            choice.finish_reason = finish
+        return Chunk(output.index, output.new_text, output.new_token_ids, output.logprobs, finish)
+
+    def _finish(self, choice: Choice, reason: str) -> Chunk:
+        choice.finish_reason = reason
+        self._open -= 1
+        return Chunk(choice.index, "", [], None, reason)
 
     def close(self) -> None:
         """Abandon the engine stream (an abort if still running) and log the summary, once."""
@@ -118,12 +121,17 @@ class Generation:
         self.stream.abandon()
         if self.on_close is not None:
             self.on_close()
+        reasons = sorted({c.finish_reason or "client_gone" for c in self.choices})
         log.info("request.summary", request_id=self.request_id, route=self.route, stream=self.body.stream,
-                 finish_reason=self.finish_reason or "client_gone", prompt_tokens=len(self.body.token_ids),
-                 completion_tokens=len(self.token_ids), **self.timings())
+                 n=len(self.choices), finish_reason=",".join(reasons), prompt_tokens=len(self.body.token_ids),
+                 completion_tokens=self.completion_tokens, **self.timings())
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices)
 
     def timings(self) -> dict[str, float | None]:
-        final = self.final
+        final = self.choices[0].final
         return {
             "queue_time": None if final is None else final.queue_time,
             "time_to_first_token": None if self.first_chunk_at is None else self.first_chunk_at - self.started,
@@ -131,12 +139,13 @@ class Generation:
         }
 
     def usage(self) -> dict[str, int]:
-        prompt, completion = len(self.body.token_ids), len(self.token_ids)
+        prompt, completion = len(self.body.token_ids), self.completion_tokens
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def meta_info(self) -> dict[str, Any]:
-        final = self.final
-        return {"id": self.request_id, "finish_reason": self.finish_reason, **self.usage(),
+        choice = self.choices[0]
+        final = choice.final
+        return {"id": self.request_id, "finish_reason": choice.finish_reason, **self.usage(),
                 "cached_tokens": 0 if final is None else final.num_cached_tokens,
                 "error": None if final is None else final.error, **self.timings()}
 
@@ -157,7 +166,7 @@ async def run_to_end(generation: Generation, receive: Callable) -> bool:
             tg.cancel_scope.cancel()
     finally:
         generation.close()
-    return generation.finish_reason is not None
+    return generation.done
 
 
 class EventStream:
@@ -186,7 +195,7 @@ class EventStream:
                 await self.events.aclose()  # type: ignore[attr-defined]
 
 
-def _sse(payload: dict[str, Any]) -> bytes:
+def sse_event(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
@@ -196,37 +205,13 @@ async def generate_events(generation: Generation) -> AsyncIterator[bytes]:
         event: dict[str, Any] = {"rid": generation.request_id, "text": chunk.delta,
                                  "token_ids": chunk.new_token_ids, "finished": chunk.finished}
         if chunk.finished:
-            event["meta_info"] = generation.meta_info()
-            event["output_text"] = generation.text
-            event["output_ids"] = generation.token_ids
-        yield _sse(event)
+            choice = generation.choices[0]
+            event |= {"meta_info": generation.meta_info(), "output_text": choice.text, "output_ids": choice.token_ids}
+        yield sse_event(event)
     yield DONE
 
 
 def generate_json(generation: Generation) -> dict[str, Any]:
-    return {"rid": generation.request_id, "text": generation.text, "output_ids": generation.token_ids,
+    choice = generation.choices[0]
+    return {"rid": generation.request_id, "text": choice.text, "output_ids": choice.token_ids,
             "meta_info": generation.meta_info()}
-
-
-def _choice(text: str, finish_reason: str | None) -> dict[str, Any]:
-    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-
-
-async def completion_events(generation: Generation, model: str, include_usage: bool) -> AsyncIterator[bytes]:
-    """`/v1/completions` stream in OpenAI's chunk format, usage last if asked, then [DONE]."""
-    head = {"id": generation.request_id, "object": "text_completion", "created": generation.created, "model": model}
-    while (chunk := await generation.next()) is not None:
-        if chunk.delta or chunk.finished:
-            event = head | {"choices": [_choice(chunk.delta, chunk.finish_reason)]}
-            if include_usage:
-                event["usage"] = None
-            yield _sse(event)
-    if include_usage:
-        yield _sse(head | {"choices": [], "usage": generation.usage()})
-    yield DONE
-
-
-def completion_json(generation: Generation, model: str) -> dict[str, Any]:
-    return {"id": generation.request_id, "object": "text_completion", "created": generation.created,
-            "model": model, "choices": [_choice(generation.text, generation.finish_reason)],
-            "usage": generation.usage()}

@@ -15,10 +15,12 @@ Accepted bodies (unknown fields are rejected):
   ``top_k``, ``stop``, ``stop_token_ids``, ``ignore_eos``, ``seed``),
   ``stream``, ``rid``.
 - ``POST /v1/completions``: ``model``, ``prompt`` (text, token ids, or a
-  batch of one), ``max_tokens``, ``temperature``, ``top_p``, ``stop``,
-  ``seed``, ``stream``, ``stream_options``; ``n``, ``best_of``, ``echo``,
-  ``logprobs``, penalties and ``user`` only at their defaults; extensions
-  ``top_k``, ``ignore_eos``, ``stop_token_ids``.
+  batch of one), ``max_tokens``, ``temperature``, ``top_p``, ``stop``
+  (matched by the engine, `SamplingParams.stop`), ``seed``, ``n``,
+  ``best_of`` (only equal to n), ``logprobs`` (k alternatives, 0 to 20),
+  ``stream``, ``stream_options``; ``echo``, penalties, ``suffix`` and
+  ``logit_bias`` only at their defaults; extensions ``top_k``,
+  ``ignore_eos``, ``stop_token_ids``.
 - ``POST /abort``: ``rid``.
 """
 
@@ -48,7 +50,7 @@ class Limits:
 
     @classmethod
     def for_engine(cls, engine: Any, *, max_prompt_tokens: int | None = None, model_name: str | None = None) -> Limits:
-        max_context = engine.config.max_context
+        max_context = engine.max_context
         bound = max_context - 1 if max_prompt_tokens is None else min(max_prompt_tokens, max_context - 1)
         return cls(engine.model_config.vocab_size, max_context, bound, model_name or engine.config.model)
 
@@ -62,7 +64,6 @@ class GenerateBody:
     params: SamplingParams
     stream: bool = False
     rid: str | None = None
-    stop: tuple[str, ...] = ()
     include_usage: bool = False
 
 
@@ -81,7 +82,7 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     return value
 
 
-def _known_fields(body: dict[str, Any], allowed: frozenset[str], prefix: str = "") -> None:
+def known_fields(body: dict[str, Any], allowed: frozenset[str], prefix: str = "") -> None:
     for key in body:
         if key not in allowed:
             raise InvalidRequest(f"{prefix}{key}", f"a known field (one of {', '.join(sorted(allowed))})", key)
@@ -104,7 +105,7 @@ def _stop_strings(value: Any, field: str) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _prompt_ids(prompt: Any, field: str, limits: Limits, tokenizer: Any) -> list[int]:
+def prompt_ids(prompt: Any, field: str, limits: Limits, tokenizer: Any) -> list[int]:
     """Token ids of a text or token-id prompt, checked against the vocabulary and the bound."""
     if isinstance(prompt, str):
         if not prompt:
@@ -145,16 +146,6 @@ def _check_context(num_prompt: int, max_new: int, field: str, limits: Limits) ->
                              max_new)
 
 
-def _stop_token_ids(stops: tuple[str, ...], tokenizer: Any) -> tuple[int, ...]:
-    """Stop strings that are one token stop in the engine; longer ones are matched on text."""
-    ids = []
-    for stop in stops:
-        encoded = tokenizer.encode(stop)
-        if len(encoded) == 1:
-            ids.append(encoded[0])
-    return tuple(ids)
-
-
 _GENERATE = frozenset({"text", "input_ids", "sampling_params", "stream", "rid"})
 _SAMPLING = frozenset({"max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids",
                        "ignore_eos", "seed"})
@@ -162,51 +153,85 @@ _SAMPLING = frozenset({"max_new_tokens", "temperature", "top_p", "top_k", "stop"
 
 def parse_generate(body: dict[str, Any], limits: Limits, tokenizer: Any) -> GenerateBody:
     """Validate a ``POST /generate`` body."""
-    _known_fields(body, _GENERATE)
+    known_fields(body, _GENERATE)
     if ("text" in body) == ("input_ids" in body):
         raise InvalidRequest("text", "given, or input_ids given, but not both", sorted(set(body) & {"text", "input_ids"}))
     field = "text" if "text" in body else "input_ids"
     prompt = body[field]
-    token_ids = _prompt_ids(prompt, field, limits, tokenizer)
+    token_ids = prompt_ids(prompt, field, limits, tokenizer)
     sp = body.get("sampling_params", {})
     if not isinstance(sp, dict):
         raise InvalidRequest("sampling_params", "a JSON object", sp)
-    _known_fields(sp, _SAMPLING, "sampling_params.")
+    known_fields(sp, _SAMPLING, "sampling_params.")
     stop = _stop_strings(sp.get("stop"), "sampling_params.stop")
     fields = {k: v for k, v in sp.items() if k != "stop" and v is not None}
     names = {name: f"sampling_params.{name}" for name in _SAMPLING}
-    params = _sampling(fields, names)
-    if stop:
-        params = attrs.evolve(params, stop_token_ids=params.stop_token_ids + _stop_token_ids(stop, tokenizer))
+    params = _sampling({**fields, "stop": stop}, names)
     _check_context(len(token_ids), params.max_new_tokens, "sampling_params.max_new_tokens", limits)
     rid = body.get("rid")
     if rid is not None and not (isinstance(rid, str) and 0 < len(rid) <= MAX_RID_CHARS and rid.isprintable()):
         raise InvalidRequest("rid", f"a printable string of 1 to {MAX_RID_CHARS} characters", rid)
     stream = _bool(body.get("stream", False), "stream")
-    return GenerateBody(prompt, token_ids, params, stream=stream, rid=rid, stop=stop)
+    return GenerateBody(prompt, token_ids, params, stream=stream, rid=rid)
 
 
-_COMPLETION = frozenset({"model", "prompt", "max_tokens", "temperature", "top_p", "stop", "seed", "stream",
-                         "stream_options", "n", "best_of", "echo", "logprobs", "presence_penalty",
-                         "frequency_penalty", "user", "suffix", "logit_bias", "top_k", "ignore_eos",
-                         "stop_token_ids"})
+_OPENAI_SAMPLING = frozenset({"model", "max_tokens", "temperature", "top_p", "stop", "seed", "stream",
+                              "stream_options", "n", "presence_penalty", "frequency_penalty", "user",
+                              "logit_bias", "top_k", "ignore_eos", "stop_token_ids"})
+_COMPLETION = _OPENAI_SAMPLING | {"prompt", "best_of", "echo", "logprobs", "suffix"}
 #: OpenAI fields accepted only at the value that means "off"
-_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
-    "n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (0,), "presence_penalty": (0,),
-    "frequency_penalty": (0,), "suffix": ("",), "logit_bias": ({},),
+DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
+    "echo": (False,), "presence_penalty": (0,), "frequency_penalty": (0,), "suffix": ("",), "logit_bias": ({},),
 }
+
+
+def check_default_only(body: dict[str, Any], fields: dict[str, tuple[Any, ...]]) -> None:
+    """Fields this server does not support yet, accepted only at their "off" value."""
+    for name, allowed in fields.items():
+        value = body.get(name)
+        if value is not None and (isinstance(value, bool) != isinstance(allowed[0], bool) or value not in allowed):
+            raise InvalidRequest(name, f"{allowed[0]!r} or absent (not supported)", value)
+
+
+def served_model(body: dict[str, Any], limits: Limits) -> str:
+    model = body.get("model", limits.model_name)
+    if not isinstance(model, str):
+        raise InvalidRequest("model", "a string", model)
+    return model
+
+
+def openai_body(body: dict[str, Any], token_ids: list[int], prompt: Any, limits: Limits, *,
+                max_tokens_field: str = "max_tokens", default_max_tokens: int = 16,
+                logprobs: tuple[str, Any] | None = None) -> GenerateBody:
+    """The sampling, stop and streaming fields shared by /v1/completions and /v1/chat/completions;
+    `logprobs` is (the body field, the SamplingParams.logprobs value) when the request asks for them."""
+    fields: dict[str, Any] = {
+        "max_new_tokens": default_max_tokens if body.get(max_tokens_field) is None else body[max_tokens_field],
+        "temperature": 1.0 if body.get("temperature") is None else body["temperature"],
+        "stop": _stop_strings(body.get("stop"), "stop"),
+    }
+    for name in ("top_p", "top_k", "seed", "ignore_eos", "stop_token_ids", "n"):
+        if body.get(name) is not None:
+            fields[name] = body[name]
+    names = {"max_new_tokens": max_tokens_field}
+    if logprobs is not None:
+        names["logprobs"], fields["logprobs"] = logprobs
+    params = _sampling(fields, names)
+    _check_context(len(token_ids), params.max_new_tokens, max_tokens_field, limits)
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise InvalidRequest("stream_options", "a JSON object", options)
+    known_fields(options, frozenset({"include_usage", "continuous_usage_stats"}), "stream_options.")
+    include_usage = _bool(options.get("include_usage", False), "stream_options.include_usage")
+    stream = _bool(False if body.get("stream") is None else body["stream"], "stream")
+    return GenerateBody(prompt, token_ids, params, stream=stream, include_usage=include_usage)
 
 
 def parse_completion(body: dict[str, Any], limits: Limits, tokenizer: Any) -> tuple[GenerateBody, str]:
     """Validate a ``POST /v1/completions`` body; returns it and the model name to answer with."""
-    _known_fields(body, _COMPLETION)
-    for name, allowed in _DEFAULT_ONLY.items():
-        value = body.get(name)
-        if value is not None and (isinstance(value, bool) != isinstance(allowed[0], bool) or value not in allowed):
-            raise InvalidRequest(name, f"{allowed[0]!r} or absent (not supported)", value)
-    model = body.get("model", limits.model_name)
-    if not isinstance(model, str):
-        raise InvalidRequest("model", "a string", model)
+    known_fields(body, _COMPLETION)
+    check_default_only(body, DEFAULT_ONLY)
+    model = served_model(body, limits)
     if "prompt" not in body:
         raise InvalidRequest("prompt", "given (text or token ids)", None)
     prompt = body["prompt"]
@@ -214,31 +239,17 @@ def parse_completion(body: dict[str, Any], limits: Limits, tokenizer: Any) -> tu
         if len(prompt) != 1:
             raise InvalidRequest("prompt", "a single prompt (batches are not supported)", f"{len(prompt)} prompts")
         prompt = prompt[0]
-    token_ids = _prompt_ids(prompt, "prompt", limits, tokenizer)
-    stop = _stop_strings(body.get("stop"), "stop")
-    fields: dict[str, Any] = {
-        "max_new_tokens": 16 if body.get("max_tokens") is None else body["max_tokens"],
-        "temperature": 1.0 if body.get("temperature") is None else body["temperature"],
-    }
-    for name in ("top_p", "top_k", "seed", "ignore_eos", "stop_token_ids"):
-        if body.get(name) is not None:
-            fields[name] = body[name]
-    params = _sampling(fields, {"max_new_tokens": "max_tokens"})
-    if stop:
-        params = attrs.evolve(params, stop_token_ids=params.stop_token_ids + _stop_token_ids(stop, tokenizer))
-    _check_context(len(token_ids), params.max_new_tokens, "max_tokens", limits)
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise InvalidRequest("stream_options", "a JSON object", options)
-    _known_fields(options, frozenset({"include_usage", "continuous_usage_stats"}), "stream_options.")
-    include_usage = _bool(options.get("include_usage", False), "stream_options.include_usage")
-    stream = _bool(body.get("stream", False) if body.get("stream") is not None else False, "stream")
-    return GenerateBody(prompt, token_ids, params, stream=stream, stop=stop, include_usage=include_usage), model
+    token_ids = prompt_ids(prompt, "prompt", limits, tokenizer)
+    n, best_of = body.get("n"), body.get("best_of")
+    if best_of is not None and best_of != (1 if n is None else n):
+        raise InvalidRequest("best_of", "absent or equal to n (beam search is not supported)", best_of)
+    logprobs = None if body.get("logprobs") is None else ("logprobs", body["logprobs"])
+    return openai_body(body, token_ids, prompt, limits, logprobs=logprobs), model
 
 
 def parse_abort(body: dict[str, Any]) -> str:
     """The request id of a ``POST /abort`` body."""
-    _known_fields(body, frozenset({"rid"}))
+    known_fields(body, frozenset({"rid"}))
     rid = body.get("rid")
     if not isinstance(rid, str) or not rid:
         raise InvalidRequest("rid", "a non-empty string", rid)

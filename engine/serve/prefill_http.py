@@ -6,15 +6,14 @@
 Routes:
 
     GET /health         200 while the server runs (503 while it stops), with its links
-    GET /metrics        Prometheus text: pools, leak checks, kvlife_transfer_* (observability.py)
+    GET /metrics        Prometheus text: pools, leak checks, kvlife:transfer_* (transfer_metrics.py)
     GET /debug/memory   the memory report with owners, the leak checks and the links
 
 On SIGTERM or SIGINT it closes every link (each decode is told, so its jobs
 on this prefill fail at once), lets the worker finish and release what it
 started, logs the final leak check and returns 0 (1 if it found a leak).
 
-NOTE: this is the one web-serving module outside engine/serve; its ASGI
-and uvicorn plumbing mirrors engine.serve.server's.
+Its ASGI and uvicorn plumbing is engine.serve.server's.
 """
 
 from __future__ import annotations
@@ -35,11 +34,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from engine.config import EngineConfig
-from engine.disagg.observability import TransferCollector
 from engine.disagg.prefill_server import PrefillServer
 from engine.disagg.settings import PrefillServerConfig
 from engine.logging import configure_logging
 from engine.serve.server import bind_socket
+from engine.serve.transfer_metrics import TransferCollector
 from resources import LeakError
 
 log = structlog.get_logger("kvlife.http")
@@ -47,9 +46,9 @@ POOL_FIELDS = ("capacity", "free", "evictable", "held", "quarantined")
 
 
 class PrefillCollector:
-    """The prefill server's pools, leak checks and worker requests (kvlife_* names, as the decode's)."""
+    """The prefill server's pools, leak checks and worker requests (kvlife:* names, as the decode's)."""
 
-    def __init__(self, server: PrefillServer, *, prefix: str = "kvlife") -> None:
+    def __init__(self, server: PrefillServer, *, prefix: str = "kvlife:") -> None:
         self.server = server
         self.prefix = prefix
 
@@ -60,16 +59,16 @@ class PrefillCollector:
         p, server = self.prefix, self.server
         report = server.memory_report()
         for field in POOL_FIELDS:
-            gauge = GaugeMetricFamily(f"{p}_pool_{field}", f"Pool units {field}, per pool.", labels=["pool", "unit"])
+            gauge = GaugeMetricFamily(f"{p}pool_{field}", f"Pool units {field}, per pool.", labels=["pool", "unit"])
             for name, pool in sorted(report.pools.items()):
                 gauge.add_metric([name, pool.unit], getattr(pool, field))
             yield gauge
         for name, value, doc in (("leak_checks", server.leak_checks, "Leak checks run (each time it went idle)."),
                                  ("leak_check_failures", server.leak_check_failures, "Leak checks that found a leak.")):
-            counter = CounterMetricFamily(f"{p}_{name}", doc)
+            counter = CounterMetricFamily(f"{p}{name}", doc)
             counter.add_metric([], value)
             yield counter
-        requests = GaugeMetricFamily(f"{p}_prefill_requests", "Prefill requests not yet released.")
+        requests = GaugeMetricFamily(f"{p}prefill_requests", "Prefill requests not yet released.")
         requests.add_metric([], len(server.worker.requests))
         yield requests
 

@@ -1,0 +1,148 @@
+"""Options every `kvlife` command shares: the EngineConfig fields, HiSparse, plugins; checked argument types.
+
+    add_engine_options(parser, defaults={"num_kv_pages": 160})   # this command's own defaults, shown in --help
+    config = engine_config_from_args(args)                         # InvalidConfig names the field and the limit
+
+Argument types reject a bad value at parse time, so argparse reports it as
+one ``kvlife: argument --port: ...`` line with exit code 2; EngineConfig
+and HiSparseConfig check the rest with their own messages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from engine.config import EngineConfig
+
+
+class CLIError(Exception):
+    """A bad value or environment the user can fix: printed as one `kvlife: ...` line, exit code 2."""
+
+
+def int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
+def positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r}")
+    return value
+
+
+def non_negative_number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
+def port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in [0, 65535] (0 picks a free one), got {text!r}")
+    return value
+
+
+def non_empty(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("must be a non-empty string")
+    return text
+
+
+#: (EngineConfig field, type, help)
+ENGINE_OPTIONS: list[tuple[str, type, str]] = [
+    ("model", str, "'tiny', 'tiny-moe', 'null' (no compute) or a checkpoint directory"),
+    ("device", str, "torch device, e.g. cpu or cuda"),
+    ("dtype", str, "float32, float16 or bfloat16"),
+    ("seed", int, "seed of the built-in model's weights"),
+    ("page_size", int, "tokens per KV page"),
+    ("num_kv_pages", int, "KV pages in the pool (page 0 is reserved)"),
+    ("max_running", int, "requests running at once"),
+    ("max_context", int, "prompt + output tokens per request"),
+    ("max_prefill_tokens", int, "prefill tokens per step (chunked prefill)"),
+    ("max_queued", int, "requests that may wait in the engine's inbox"),
+    ("disaggregation", str, "none or decode (serve: also prefill, a prefill server)"),
+    ("leak_check", str, "raise, log or off"),
+    ("fence_timeout", float, "seconds a fence may stay pending before its handle is quarantined"),
+]
+#: (HiSparseConfig field, help)
+HISPARSE_OPTIONS: list[tuple[str, str]] = [
+    ("top_k", "enable HiSparse, attending over the top K tokens per decode step"),
+    ("device_buffer_size", "HiSparse device KV slots per request (>= top-k)"),
+    ("recent_window", "HiSparse: the last tokens always attended (within top-k)"),
+]
+_CONFIG_DEFAULTS = {f.name: f.default for f in attrs.fields(EngineConfig)}
+
+
+def add_engine_options(parser: argparse.ArgumentParser, defaults: dict[str, Any] | None = None) -> None:
+    """The EngineConfig fields as options; `defaults` are this command's own, shown in --help."""
+    defaults = defaults or {}
+    group = parser.add_argument_group("engine options (EngineConfig fields)")
+    for name, kind, help_text in ENGINE_OPTIONS:
+        shown = defaults.get(name, _CONFIG_DEFAULTS[name])
+        shown = "derived from the pool and the model" if shown is None else shown
+        group.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=defaults.get(name),
+                           help=f"{help_text} (default: {shown})")
+    group.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", default=None,
+                       help="turn the radix prefix cache off")
+    group.add_argument("--no-plugins", dest="use_entry_points", action="store_false", default=None,
+                       help="do not load resource-hook plugins from entry points")
+    hisparse = parser.add_argument_group("HiSparse options (any of them turns HiSparse on)")
+    for name, help_text in HISPARSE_OPTIONS:
+        hisparse.add_argument(f"--hisparse-{name.replace('_', '-')}", dest=f"hisparse_{name}", type=int,
+                              default=None, help=help_text)
+
+
+def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
+    """The EngineConfig the options name (InvalidConfig if a value is out of range)."""
+    fields = {name: getattr(args, name) for name, _, _ in ENGINE_OPTIONS if getattr(args, name, None) is not None}
+    for name in ("prefix_cache", "use_entry_points"):
+        if getattr(args, name, None) is not None:
+            fields[name] = getattr(args, name)
+    hisparse = {name: getattr(args, f"hisparse_{name}") for name, _ in HISPARSE_OPTIONS
+                if getattr(args, f"hisparse_{name}", None) is not None}
+    if hisparse:
+        from hisparse import HiSparseConfig
+
+        fields["hisparse"] = HiSparseConfig(**hisparse)
+    fields.update(overrides)
+    return EngineConfig(**fields)
+
+
+def writable_path(path: str) -> Path:
+    """`path` can be written (checked before a long run, not after it), else CLIError."""
+    target = Path(path)
+    parent = target.parent if str(target.parent) else Path(".")
+    if target.is_dir():
+        raise CLIError(f"--json {path}: is a directory")
+    if not parent.is_dir():
+        raise CLIError(f"--json {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise CLIError(f"--json {path}: not writable")
+    return target

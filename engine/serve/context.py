@@ -1,0 +1,55 @@
+"""What every route of one app shares: the engine, the settings, the prompt limits, the chat
+template, the in-flight count and the draining flag; and reading a bounded JSON body."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import attrs
+from starlette.requests import ClientDisconnect, Request
+
+from engine.serve.chat_template import ChatTemplate
+from engine.serve.http_errors import HTTPError
+from engine.serve.schemas import Limits, parse_json
+from engine.serve.settings import ServerSettings
+
+
+@attrs.define
+class ServerContext:
+    engine: Any
+    settings: ServerSettings
+    limits: Limits
+    chat_template: ChatTemplate
+    max_inflight: int
+    inflight: int = 0
+    draining: bool = False  # NOTE: `serve` sets it on SIGTERM: new generation requests get 503
+    started_at: float = attrs.field(factory=time.monotonic)
+
+    @classmethod
+    def build(cls, engine: Any, settings: ServerSettings) -> ServerContext:
+        limits = Limits.for_engine(engine, max_prompt_tokens=settings.max_prompt_tokens,
+                                   model_name=settings.served_model_name)
+        max_inflight = settings.max_inflight or engine.config.max_running + engine.config.max_queued
+        return cls(engine, settings, limits, ChatTemplate.for_model(engine.config.model), max_inflight)
+
+    def unavailable(self, message: str) -> HTTPError:
+        return HTTPError(503, message, headers={"Retry-After": str(self.settings.retry_after_s)})
+
+    async def read_json(self, request: Request) -> dict[str, Any]:
+        """The body as a JSON object, at most `max_body_bytes` (declared or streamed), else HTTPError."""
+        bound = self.settings.max_body_bytes
+        too_large = HTTPError(413, f"body must be at most {bound} bytes", "body", f"at most {bound} bytes")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > bound:
+            raise too_large
+        chunks, size = [], 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > bound:
+                    raise too_large
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise HTTPError(499, "the client disconnected while sending the body") from None
+        return parse_json(b"".join(chunks))

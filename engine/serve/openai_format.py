@@ -1,0 +1,135 @@
+"""OpenAI's answers for a `Generation`: text completions and chat completions, whole or streamed,
+with `n` choices and logprobs.
+
+    events = completion_events(generation, model)     # SSE bytes, "data: [DONE]" last
+    body = chat_json(generation, model)               # a chat.completion object
+
+Streams follow OpenAI's chunk format, one choice per chunk (its `index`
+says which of the n): completions send ``text`` deltas; chat sends, for
+each choice, a first chunk with ``delta.role = "assistant"``, then
+``delta.content`` deltas, and the finish reason on the choice's last chunk.
+With ``stream_options.include_usage`` every chunk carries ``"usage": null``
+and a last chunk with no choices carries the usage (all n choices), before
+``[DONE]``.
+
+Logprobs are the engine's (`RequestOutput.logprobs`, from the logits the
+sampler used), each token shown as its decoded text. Completions use the
+legacy shape (``tokens``, ``token_logprobs``, ``top_logprobs`` as
+``{token: logprob}``, ``text_offset``); chat uses ``{"content": [{"token",
+"logprob", "bytes", "top_logprobs": [...]}]}``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+from engine.outputs import TokenLogprob
+from engine.serve.generation import DONE, Chunk, Generation, sse_event
+
+
+def _token(tokenizer: Any, token_id: int) -> str:
+    return tokenizer.decode([token_id])
+
+
+class _CompletionLogprobs:
+    """The legacy completions shape; `text_offset` runs on across a choice's chunks."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.offsets: dict[int, int] = {}
+
+    def __call__(self, index: int, entries: Sequence[TokenLogprob] | None) -> dict[str, Any] | None:
+        if entries is None:
+            return None
+        tokens, offsets = [], []
+        offset = self.offsets.get(index, 0)
+        for entry in entries:
+            text = _token(self.tokenizer, entry.token_id)
+            tokens.append(text)
+            offsets.append(offset)
+            offset += len(text)
+        self.offsets[index] = offset
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{_token(self.tokenizer, t): lp for t, lp in e.top} for e in entries],
+                "text_offset": offsets}
+
+
+def _chat_entry(tokenizer: Any, token_id: int, logprob: float) -> dict[str, Any]:
+    text = _token(tokenizer, token_id)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+
+def _chat_logprobs(tokenizer: Any, entries: Sequence[TokenLogprob] | None) -> dict[str, Any] | None:
+    if entries is None:
+        return None
+    content = [_chat_entry(tokenizer, e.token_id, e.logprob)
+               | {"top_logprobs": [_chat_entry(tokenizer, t, lp) for t, lp in e.top]} for e in entries]
+    return {"content": content, "refusal": None}
+
+
+def _wants_logprobs(generation: Generation) -> bool:
+    return generation.body.params.logprobs is not None
+
+
+def _head(generation: Generation, model: str, kind: str) -> dict[str, Any]:
+    return {"id": generation.request_id, "object": kind, "created": generation.created, "model": model}
+
+
+async def _events(generation: Generation, head: dict[str, Any], choice: Callable[[Chunk], dict],
+                  first: Callable[[int], dict] | None) -> AsyncIterator[bytes]:
+    usage_field = {"usage": None} if generation.body.include_usage else {}
+    if first is not None:
+        for index in range(len(generation.choices)):
+            yield sse_event(head | {"choices": [first(index)]} | usage_field)
+    chunk: Chunk | None
+    while (chunk := await generation.next()) is not None:
+        if chunk.delta or chunk.finished or chunk.logprobs:
+            yield sse_event(head | {"choices": [choice(chunk)]} | usage_field)
+    if generation.body.include_usage:
+        yield sse_event(head | {"choices": [], "usage": generation.usage()})
+    yield DONE
+
+
+def completion_events(generation: Generation, model: str) -> AsyncIterator[bytes]:
+    """`/v1/completions` as server-sent events."""
+    logprobs = _CompletionLogprobs(generation.tokenizer) if _wants_logprobs(generation) else None
+
+    def choice(chunk: Chunk) -> dict[str, Any]:
+        return {"index": chunk.index, "text": chunk.delta,
+                "logprobs": None if logprobs is None else logprobs(chunk.index, chunk.logprobs or ()),
+                "finish_reason": chunk.finish_reason}
+
+    return _events(generation, _head(generation, model, "text_completion"), choice, None)
+
+
+def completion_json(generation: Generation, model: str) -> dict[str, Any]:
+    logprobs = _CompletionLogprobs(generation.tokenizer) if _wants_logprobs(generation) else None
+    choices = [{"index": c.index, "text": c.text,
+                "logprobs": None if logprobs is None else logprobs(c.index, c.logprobs),
+                "finish_reason": c.finish_reason} for c in generation.choices]
+    return _head(generation, model, "text_completion") | {"choices": choices, "usage": generation.usage()}
+
+
+def chat_events(generation: Generation, model: str) -> AsyncIterator[bytes]:
+    """`/v1/chat/completions` as server-sent events."""
+    tokenizer, wanted = generation.tokenizer, _wants_logprobs(generation)
+
+    def first(index: int) -> dict[str, Any]:
+        return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                "finish_reason": None}
+
+    def choice(chunk: Chunk) -> dict[str, Any]:
+        return {"index": chunk.index, "delta": {"content": chunk.delta} if chunk.delta else {},
+                "logprobs": _chat_logprobs(tokenizer, chunk.logprobs or ()) if wanted else None,
+                "finish_reason": chunk.finish_reason}
+
+    return _events(generation, _head(generation, model, "chat.completion.chunk"), choice, first)
+
+
+def chat_json(generation: Generation, model: str) -> dict[str, Any]:
+    tokenizer, wanted = generation.tokenizer, _wants_logprobs(generation)
+    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                "logprobs": _chat_logprobs(tokenizer, c.logprobs) if wanted else None,
+                "finish_reason": c.finish_reason} for c in generation.choices]
+    return _head(generation, model, "chat.completion") | {"choices": choices, "usage": generation.usage()}

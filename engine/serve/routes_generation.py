@@ -1,0 +1,113 @@
+"""The generation routes: ``POST /generate``, ``/v1/completions`` and ``/v1/chat/completions``.
+
+One path for all three: refuse while draining, read and validate the body
+(400/413 before the engine is called), check the model name (404) and the
+in-flight bound (503), submit (a full engine inbox is 503 with
+Retry-After), then answer streamed (SSE) or whole. The API only decides how
+the body is parsed and how the answer is written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import attrs
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from engine.errors import EngineClosed, EngineOverloaded, InvalidRequest
+from engine.serve.chat_schema import parse_chat
+from engine.serve.context import ServerContext
+from engine.serve.generation import EventStream, Generation, generate_events, generate_json, run_to_end
+from engine.serve.http_errors import HTTPError
+from engine.serve.openai_format import chat_events, chat_json, completion_events, completion_json
+from engine.serve.schemas import GenerateBody, parse_completion, parse_generate
+
+
+@attrs.frozen
+class API:
+    """How one route parses its body and writes its answer."""
+
+    parse: Callable[[ServerContext, dict[str, Any]], tuple[GenerateBody, str | None]]
+    events: Callable[[Generation, str], AsyncIterator[bytes]]
+    json: Callable[[Generation, str], dict[str, Any]]
+    id_prefix: str = ""
+
+
+def _parse_generate(ctx: ServerContext, raw: dict[str, Any]) -> tuple[GenerateBody, str | None]:
+    return parse_generate(raw, ctx.limits, ctx.engine.tokenizer), None
+
+
+def _parse_completion(ctx: ServerContext, raw: dict[str, Any]) -> tuple[GenerateBody, str | None]:
+    return parse_completion(raw, ctx.limits, ctx.engine.tokenizer)
+
+
+def _parse_chat(ctx: ServerContext, raw: dict[str, Any]) -> tuple[GenerateBody, str | None]:
+    return parse_chat(raw, ctx.limits, ctx.engine.tokenizer, ctx.chat_template)
+
+
+GENERATE = API(_parse_generate, lambda g, model: generate_events(g), lambda g, model: generate_json(g))
+COMPLETIONS = API(_parse_completion, completion_events, completion_json, "cmpl-")
+CHAT = API(_parse_chat, chat_events, chat_json, "chatcmpl-")
+
+
+def _start(ctx: ServerContext, request: Request, api: API, raw: dict[str, Any]) -> tuple[Generation, str]:
+    try:
+        body, model = api.parse(ctx, raw)
+    except InvalidRequest as exc:
+        raise HTTPError.invalid(exc) from None
+    if model is not None and model != ctx.limits.model_name:
+        raise HTTPError(404, f"model {model!r} is not served here (serving {ctx.limits.model_name!r})",
+                        "model", repr(ctx.limits.model_name))
+    if ctx.inflight >= ctx.max_inflight:
+        raise ctx.unavailable(f"{ctx.max_inflight} requests already in flight; retry later")
+    try:
+        generation = Generation(ctx.engine, body, route=request.url.path, id_prefix=api.id_prefix)
+    except InvalidRequest as exc:  # the engine's own checks (a rid already in flight)
+        field = "rid" if exc.field == "request_id" else exc.field
+        raise HTTPError(400, str(exc).replace(exc.field, field, 1), field, exc.limit) from None
+    except EngineOverloaded as exc:
+        raise ctx.unavailable(f"the engine's queue is full ({exc}); retry later") from None
+    except EngineClosed:
+        raise ctx.unavailable("the engine is not running") from None
+    return generation, model or ctx.limits.model_name
+
+
+async def _serve(ctx: ServerContext, request: Request, api: API) -> Response:
+    try:
+        if ctx.draining:
+            raise ctx.unavailable("the server is shutting down")
+        try:
+            raw = await ctx.read_json(request)
+        except InvalidRequest as exc:
+            raise HTTPError.invalid(exc) from None
+        generation, model = _start(ctx, request, api, raw)
+    except HTTPError as exc:
+        return exc.response()
+    ctx.inflight += 1
+
+    def done() -> None:
+        ctx.inflight -= 1
+
+    generation.on_close = done
+    if generation.body.stream:
+        return EventStream(api.events(generation, model), generation.close)
+    if not await run_to_end(generation, request.receive):
+        return Response(status_code=499)  # the client left; nobody reads this
+    return JSONResponse(api.json(generation, model))
+
+
+def generation_routes(ctx: ServerContext) -> list[Route]:
+    def endpoint(api: API) -> Callable[[Request], Any]:
+        async def handle(request: Request) -> Response:
+            return await _serve(ctx, request, api)
+
+        return handle
+
+    return [
+        Route("/generate", endpoint(GENERATE), methods=["POST"]),
+        Route("/v1/completions", endpoint(COMPLETIONS), methods=["POST"]),
+        Route("/v1/chat/completions", endpoint(CHAT), methods=["POST"]),
+    ]

@@ -1,0 +1,54 @@
+"""ServerSettings: the HTTP layer's bounds, timeouts and access (the engine's own are in EngineConfig).
+
+Validated at construction with `InvalidConfig` naming the field and the
+limit, as EngineConfig is: ``ServerSettings.max_body_bytes must be an
+integer >= 1, got 0``. The API key is kept out of `repr` so no log line or
+traceback can show it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import attrs
+
+from engine.errors import InvalidConfig
+
+
+def _int_at_least(low: int, *, optional: bool = False):
+    def check(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if optional and value is None:
+            return
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= low):
+            limit = f"an integer >= {low}" + (" or None" if optional else "")
+            raise InvalidConfig(f"ServerSettings.{attribute.name}", limit, value)
+
+    return check
+
+
+def _positive_seconds(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0):
+        raise InvalidConfig(f"ServerSettings.{attribute.name}", "a finite number of seconds > 0", value)
+
+
+def _optional_text(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and not (isinstance(value, str) and value):
+        raise InvalidConfig(f"ServerSettings.{attribute.name}", "None or a non-empty string",
+                            "<hidden>" if attribute.name == "api_key" else value)
+
+
+@attrs.frozen
+class ServerSettings:
+    max_body_bytes: int = attrs.field(default=1 << 20, validator=_int_at_least(1))
+    #: None: max_context - 1
+    max_prompt_tokens: int | None = attrs.field(default=None, validator=_int_at_least(1, optional=True))
+    #: generation requests at once; None: max_running + max_queued
+    max_inflight: int | None = attrs.field(default=None, validator=_int_at_least(1, optional=True))
+    #: a health probe must finish within this; a busy engine must have made progress within it
+    health_timeout: float = attrs.field(default=10.0, validator=_positive_seconds)
+    retry_after_s: int = attrs.field(default=1, validator=_int_at_least(0))
+    served_model_name: str | None = attrs.field(default=None, validator=_optional_text)
+    graceful_timeout: float = attrs.field(default=10.0, validator=_positive_seconds)
+    #: None: no access control; else every route but /health needs `Authorization: Bearer <key>`
+    api_key: str | None = attrs.field(default=None, validator=_optional_text, repr=False)
