@@ -1,15 +1,22 @@
-"""RequestStream: one submission's outputs, as an async iterator.
+"""RequestStream: one submission's outputs, as an async iterator, and the channel
+that carries them from the loop.
 
-Closing it, leaving `async with stream`, cancelling the task that iterates
-it, or dropping it unfinished all abort the request it was created for (and
-no other, even one that reuses its id): a client that left must never keep
-memory busy. With `SamplingParams(n=k)` the stream carries the outputs of
-all k sequences (`RequestOutput.index`) and ends after the k-th final one.
-If the engine's loop dies, the stream raises `EngineDead`.
+Closing the stream, leaving `async with stream`, cancelling the task that
+iterates it, or dropping it unfinished all abort the request it was created
+for (and no other, even one that reuses its id): a client that left must
+never keep memory busy. With `SamplingParams(n=k)` the stream carries the
+outputs of all k sequences (`RequestOutput.index`) and ends after the k-th
+final one. If the engine's loop dies, the stream raises `EngineDead`.
+
+NOTE: `OutputChannel` is a deque and a wake-up event instead of an anyio
+memory object stream: both ends live on the event loop's thread (the loop
+writes, one client reads), and a send is then an append, which matters at
+one send per token of every running request.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -19,10 +26,53 @@ from engine.errors import EngineDead
 from engine.outputs import RequestOutput
 
 
+class OutputChannel:
+    """Outputs from the loop (the only writer) to one RequestStream (the only reader)."""
+
+    __slots__ = ("_items", "_waiter", "closed", "reader_gone")
+
+    def __init__(self) -> None:
+        self._items: deque[Any] = deque()
+        self._waiter: anyio.Event | None = None
+        self.closed = False  # the writer is done: the reader ends after the items left
+        self.reader_gone = False  # the reader left: nothing is delivered any more
+
+    def send(self, item: Any) -> bool:
+        """Queue `item`; False if the reader has left (or the channel is closed)."""
+        if self.reader_gone or self.closed:
+            return False
+        self._items.append(item)
+        self._wake()
+        return True
+
+    def close(self) -> None:
+        self.closed = True
+        self._wake()
+
+    def leave(self) -> None:
+        """The reader stops listening: drop what is queued."""
+        self.reader_gone = True
+        self._items.clear()
+
+    async def receive(self) -> Any:
+        """The next item; raises `anyio.EndOfStream` once closed and drained."""
+        while not self._items:
+            if self.closed or self.reader_gone:
+                raise anyio.EndOfStream
+            self._waiter = anyio.Event()
+            await self._waiter.wait()
+        return self._items.popleft()
+
+    def _wake(self) -> None:
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            waiter.set()
+
+
 class RequestStream:
-    def __init__(self, request_id: str, receive: Any, abandon: Callable[[], None], *, n: int = 1) -> None:
+    def __init__(self, request_id: str, channel: OutputChannel, abandon: Callable[[], None], *, n: int = 1) -> None:
         self.request_id = request_id
-        self._receive = receive
+        self._channel = channel
         self._abandon_cb = abandon
         self._open = n  # sequences without a final output yet
         self._done = False
@@ -34,22 +84,22 @@ class RequestStream:
         if self._done:
             raise StopAsyncIteration
         try:
-            output = await self._receive.receive()
+            output = await self._channel.receive()
         except anyio.EndOfStream:
             self._done = True
             raise StopAsyncIteration from None
-        except BaseException:  # cancelled, or the stream was closed under us
+        except BaseException:  # cancelled while waiting
             self.abandon()
             raise
         if isinstance(output, EngineDead):
             self._done = True
-            self._receive.close()
+            self._channel.leave()
             raise output
         if output.finished:
             self._open -= 1
             if self._open <= 0:
                 self._done = True
-                self._receive.close()
+                self._channel.leave()
         return output
 
     async def __aenter__(self) -> RequestStream:
@@ -66,7 +116,7 @@ class RequestStream:
         if self._done:
             return
         self._done = True
-        self._receive.close()
+        self._channel.leave()
         self._abandon_cb()
 
     def __del__(self) -> None:

@@ -6,6 +6,8 @@ package, imported lazily), and the stand-in for a checkpoint without one.
 
 from __future__ import annotations
 
+import codecs
+
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -148,6 +150,24 @@ class ByteTokenizer(_SpecialIds):
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return bytes(t for t in token_ids if 0 <= t < 256).decode("utf-8", errors="replace")
+
+    def incremental_decoder(self) -> ByteStreamDecoder:
+        """A decoder that turns ids into text as they come, O(1) per id (the engine's
+        streaming path uses it instead of re-decoding a window)."""
+        return ByteStreamDecoder()
+
+
+class ByteStreamDecoder:
+    """UTF-8 decoding of byte ids as they arrive; a character split over ids waits for its end."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        return self._decoder.decode(bytes(t for t in token_ids if 0 <= t < 256))
+
+    def flush(self) -> str:
+        return self._decoder.decode(b"", final=True)
 
 
 class HFTokenizer(_SpecialIds):

@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import anyio
 import structlog
 
 from engine.outputs import TokenLogprob
@@ -154,9 +153,7 @@ class Finisher:
         send = submission.send
         if send is None:
             return
-        try:
-            send.send_nowait(output)
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+        if not send.send(output):
             close_stream(submission)  # the client left: abort what it asked for, if anything is left
             if any(not r.is_finished for r in submission.requests):
                 self.table.aborts.append((submission, FinishReason.ABORT))

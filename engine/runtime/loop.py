@@ -24,7 +24,6 @@ submissions raise it, and `errored` holds the cause.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Sequence
@@ -40,7 +39,7 @@ from engine.runtime.output_builder import OutputBuilder
 from engine.runtime.planner import Planner
 from engine.runtime.stats import EngineStats
 from engine.runtime.table import RequestTable, Submission, close_stream
-from engine.stream import RequestStream
+from engine.stream import OutputChannel, RequestStream
 from resources.ledger import LeakError
 from states import FinishReason, Request, RequestState, ResourceExhausted
 
@@ -92,8 +91,8 @@ class DecodeLoop:
         queued = len(self.table.unstarted) + len(self.table.waiting)
         if queued + len(requests) > self.max_queued:
             raise EngineOverloaded(f"{queued} requests already queued (max_queued = {self.max_queued})")
-        send, receive = anyio.create_memory_object_stream[Any](math.inf)
-        submission = Submission(request_id, list(requests), send,
+        channel = OutputChannel()
+        submission = Submission(request_id, list(requests), channel,
                                 {r: OutputBuilder(r, self.tokenizer, index=i, request_id=request_id)
                                  for i, r in enumerate(requests)})
         self.table.add(submission)
@@ -101,7 +100,7 @@ class DecodeLoop:
         if self._idle_event.is_set():
             self._idle_event = anyio.Event()
         self.wake()
-        return RequestStream(request_id, receive, lambda: self.abandon(submission), n=len(requests))
+        return RequestStream(request_id, channel, lambda: self.abandon(submission), n=len(requests))
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
         """Abort a live submission by id; False if unknown or already finished."""
@@ -241,10 +240,7 @@ class DecodeLoop:
         dead = EngineDead(exc)
         for submission in list(self.table.submissions.values()):
             if submission.send is not None:
-                try:
-                    submission.send.send_nowait(dead)
-                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                    pass
+                submission.send.send(dead)
                 close_stream(submission)
         for request in self.table.requests():  # best effort: release what can be released
             try:

@@ -27,18 +27,27 @@ _ADMITTED = (RequestState.PREFILLING, RequestState.TRANSFERRING)
 
 
 class IncrementalDetokenizer:
+    """A tokenizer's own streaming decoder when it has one (`incremental_decoder()`, the
+    byte tokenizer's), else the window diff described above."""
+
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self._read = 0  # ids[:_read] are already turned into text
+        make = getattr(tokenizer, "incremental_decoder", None)
+        self._stream = make() if make is not None else None
 
     def add(self, new_ids: Sequence[int]) -> str:
         """The text `new_ids` add (possibly empty while a character is incomplete)."""
+        if self._stream is not None:
+            return self._stream.add(new_ids)
         self.ids.extend(new_ids)
         return self._advance(final=False)
 
     def flush(self) -> str:
         """Whatever text is still pending (at the end of the output)."""
+        if self._stream is not None:
+            return self._stream.flush()
         return self._advance(final=True)
 
     def _advance(self, *, final: bool) -> str:
@@ -62,14 +71,16 @@ class StopMatcher:
 
     def feed(self, text: str) -> tuple[str, bool]:
         """(text safe to emit, whether a stop string was found). After a match the
-        text before the stop string is returned and the rest is dropped."""
+        text before the stop string that completed first is returned, the rest dropped."""
         if not self.stops:
             return text, False
         pending = self._held + text
-        hits = [i for i in (pending.find(s) for s in self.stops) if i >= 0]
+        # NOTE: the stop that completes first wins (ties: the longer), as if fed a character
+        # at a time, so the result does not depend on where token boundaries fall
+        hits = [(i + len(s), i) for s in self.stops if (i := pending.find(s)) >= 0]
         if hits:
             self._held = ""
-            return pending[: min(hits)], True
+            return pending[: min(hits)[1]], True
         keep = self._possible_start(pending)
         self._held = pending[len(pending) - keep :] if keep else ""
         return pending[: len(pending) - keep], False

@@ -17,7 +17,6 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
-import anyio
 import attrs
 
 from engine.runtime.output_builder import OutputBuilder
@@ -32,7 +31,7 @@ RUNNING_STATES = frozenset({S.TRANSFERRING, S.PREFILLING, S.PREBUILT, S.STAGING,
 class Submission:
     request_id: str
     requests: list[Request]
-    send: Any  # the output stream's sending end (None once closed)
+    send: Any  # the OutputChannel to the client (None once closed)
     builders: dict[Request, OutputBuilder]
     #: requests not yet finished; the stream closes when it reaches 0
     open: int = 0
@@ -102,7 +101,4 @@ class RequestTable:
 def close_stream(submission: Submission) -> None:
     send, submission.send = submission.send, None
     if send is not None:
-        try:
-            send.close()
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-            pass
+        send.close()
