@@ -1,7 +1,6 @@
-"""Hooks, a clock and drivers shared by the machine's tests."""
+"""Counting hooks, paths through the state table and drivers shared by the machine's tests."""
 
 from __future__ import annotations
-
 
 from resources import ResourceHook, order_hooks
 from states import (
@@ -43,9 +42,7 @@ LEGAL = sorted(((a, b) for a, bs in TRANSITIONS.items() for b in bs), key=lambda
 ILLEGAL = [(a, b) for a in RequestState for b in RequestState if b not in TRANSITIONS[a]]
 
 
-
-
-class _Hook(ResourceHook):
+class CountingHook(ResourceHook):
     """A hook whose pool is a counter of handles out."""
 
     def __init__(self, name, acquire_on, scope=HELD_STATES, *, before=(), after=()) -> None:
@@ -71,23 +68,25 @@ class _Hook(ResourceHook):
         self.held -= 1
 
 
-def _make_hooks() -> dict[str, _Hook]:
+def make_hooks() -> dict[str, CountingHook]:
     """Five hooks shaped like the built-ins, registered out of order; ordered by constraints."""
     hooks = [
-        _Hook("timing", {S.QUEUED}, after=("mm",)),
-        _Hook("kv", {S.PREFILLING, S.TRANSFERRING}, KV_SCOPE),
-        _Hook("mm", {S.QUEUED}, after=("kv",)),
-        _Hook("hisparse", {S.PREBUILT}, KV_SCOPE - {S.TRANSFERRING, S.PREFILLING}, before=("kv",)),
-        _Hook("moe", {S.QUEUED}, before=("hisparse",)),
+        CountingHook("timing", {S.QUEUED}, after=("mm",)),
+        CountingHook("kv", {S.PREFILLING, S.TRANSFERRING}, KV_SCOPE),
+        CountingHook("mm", {S.QUEUED}, after=("kv",)),
+        CountingHook("hisparse", {S.PREBUILT}, KV_SCOPE - {S.TRANSFERRING, S.PREFILLING}, before=("kv",)),
+        CountingHook("moe", {S.QUEUED}, before=("hisparse",)),
     ]
     return {h.name: h for h in order_hooks(hooks)}
 
 
-def _make_machine(hooks=None, **kw) -> RequestMachine:  # noqa: D103
+def make_machine(hooks=None, **kw) -> RequestMachine:
+    """A machine over these hooks (in their order), or none."""
     return RequestMachine(list((hooks or {}).values()), **kw)
 
 
-def _step(machine: RequestMachine, req: Request, dst: RequestState) -> None:
+def step(machine: RequestMachine, req: Request, dst: RequestState) -> None:
+    """One move to `dst`, through finish or try_release where the table says so."""
     if dst is S.FINISHED:
         assert machine.finish(req, FinishReason.ABORT)
     elif dst is S.RELEASED:
@@ -96,16 +95,18 @@ def _step(machine: RequestMachine, req: Request, dst: RequestState) -> None:
         machine.advance(req, dst)
 
 
-def _drive(machine: RequestMachine, path: list[RequestState], rid: str = "r1") -> Request:
+def drive(machine: RequestMachine, path: list[RequestState], rid: str = "r1") -> Request:
+    """A new request started and moved along `path` (which begins at QUEUED)."""
     req = Request(rid, [1, 2, 3], None)
     machine.start(req)
     for dst in path[1:]:
-        _step(machine, req, dst)
+        step(machine, req, dst)
     assert req.state is path[-1]
     return req
 
 
-def _expected_held(hooks: dict[str, _Hook], path: list[RequestState]) -> list[str]:
+def expected_held(hooks: dict[str, CountingHook], path: list[RequestState]) -> list[str]:
+    """The hooks the scopes say a request holds at the end of `path`, in release order."""
     held: set[str] = set()
     for state in path:
         held = {n for n in held if state in hooks[n].scope}
@@ -113,7 +114,8 @@ def _expected_held(hooks: dict[str, _Hook], path: list[RequestState]) -> list[st
     return [n for n in ORDER if n in held]
 
 
-def _events(logs, *names) -> list[tuple]:
+def events(logs, *names) -> list[tuple]:
+    """The captured log events named `names`: (event, src, dst) for transitions, (event, resource) otherwise."""
     return [
         (e["event"], e["src"], e["dst"]) if e["event"] == "request.transition" else (e["event"], e["resource"])
         for e in logs
@@ -121,7 +123,8 @@ def _events(logs, *names) -> list[tuple]:
     ]
 
 
-def _finish_all(machine: RequestMachine, req: Request) -> None:
+def finish_all(machine: RequestMachine, req: Request) -> None:
+    """Finish and release `req` wherever it is, so no counting hook stays held."""
     if req.state is not S.RELEASED:
         machine.finish(req, FinishReason.SHUTDOWN)
         machine.try_release(req)

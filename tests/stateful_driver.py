@@ -4,14 +4,16 @@ The hypothesis state machine in test_stateful_engine.py is synchronous and
 the engine is async, so `EngineDriver` runs the engine in a blocking portal
 (its own event-loop thread, asyncio or trio) and offers what the rules need:
 submit, abort, disconnect, health checks, and `run(n)`, which lets n model
-steps through a `StepGate` (the engine's documented `FaultInjector.
+steps through a `helpers.StepGate` (the engine's documented `FaultInjector.
 stall_step` hook point), so a seed replays the same interleaving of rules
-and steps. Between rules the engine is parked at the gate or idle.
+and steps. Between rules the engine is parked at the gate or idle. Faults
+are tagged on requests; `chaos_plugin.ChaosLease` fails the plugin seam.
 
 It records everything an invariant needs: each request's stream outputs,
-each RELEASED transition, every handle ever held, and any pool that did not
-add up at any transition. `Oracle` computes the greedy output each prompt
-has alone, in a fresh fault-free engine of the same variant.
+each RELEASED transition, every handle ever held, and (`helpers.PoolWatch`)
+any pool that did not add up at any transition or step. `Oracle` computes
+the greedy output each prompt has alone, in a fresh fault-free engine of the
+same variant.
 """
 
 from __future__ import annotations
@@ -26,63 +28,15 @@ import anyio
 import attrs
 from anyio.from_thread import start_blocking_portal
 
+from chaos_plugin import ChaosLease
 from engine import Engine, EngineConfig, InvalidRequest, SamplingParams
 from engine.model.dense_reference import dense_forward
 from engine.testing import FaultInjector
-from helpers import live_request
-from resources import PoolUsage, ResourceExhausted
+from helpers import PoolWatch, StepGate, assert_pools_whole, live_request, step_running
 from states import Handle, RequestState
 
 DEADLINE = 60.0  # seconds any single wait may take before the engine is declared hung
 QUIET = 0.1  # seconds without progress (and no step running) that mean "nothing left to step"
-
-
-class StepGate:
-    """`stall_step` for lockstep runs: each model step takes one permit, or passes freely once opened.
-
-    The decode role's prefill worker is not gated: holding its steps would
-    hold transfers past their fences' (wall-clock) deadlines.
-
-    A step never waits longer than `timeout`, so a forgotten gate slows a
-    failing test down instead of hanging it.
-    """
-
-    def __init__(self, timeout: float = DEADLINE) -> None:
-        self._cond = threading.Condition()
-        self.permits = self.waiting = self.passed = 0
-        self.opened = False
-        self.timeout = timeout
-
-    def __call__(self, request_ids: Any) -> None:
-        if all(rid.startswith("prefill:") for rid in request_ids):
-            return  # the decode role's prefill worker runs freely: its transfers are deadline-fenced
-        with self._cond:
-            self.waiting += 1
-            self._cond.notify_all()
-            self._cond.wait_for(lambda: self.opened or self.permits > 0, timeout=self.timeout)
-            self.waiting -= 1
-            if not self.opened and self.permits > 0:
-                self.permits -= 1
-            self.passed += 1
-            self._cond.notify_all()
-
-    def allow(self, n: int) -> None:
-        with self._cond:
-            self.permits += n
-            self._cond.notify_all()
-
-    def revoke(self) -> None:
-        with self._cond:
-            self.permits = 0
-
-    def set_open(self, opened: bool) -> None:
-        with self._cond:
-            self.opened = opened
-            self._cond.notify_all()
-
-    def wait_change(self, timeout: float) -> None:
-        with self._cond:
-            self._cond.wait(timeout)
 
 
 @attrs.define(eq=False)
@@ -107,60 +61,13 @@ class Rec:
         return self.outputs[-1] if self.outputs and self.outputs[-1].finished else None
 
 
-class _LeasePool:
-    name = "chaos_leases"
-
-    def __init__(self, hook: ChaosLease) -> None:
-        self.hook = hook
-
-    def stats(self) -> PoolUsage:
-        return PoolUsage(capacity=64, free=self.hook.free, unit="leases")
-
-
-class ChaosLease:
-    """A duck-typed plugin hook (no base class) with its own pool, failing as requests are tagged:
-    ``plugin:acquire`` raises a bug at admission, ``plugin:busy`` refuses it once as exhausted,
-    ``plugin:release`` raises after giving the lease back, ``plugin:grow`` raises while decoding."""
-
-    name = "chaos_lease"
-    pool = "chaos_leases"
-    acquire_on = frozenset({RequestState.PREFILLING, RequestState.TRANSFERRING})
-    scope = frozenset(RequestState) - {RequestState.QUEUED, RequestState.RETRACTED, RequestState.RELEASED}
-    before: tuple[str, ...] = ()
-    after = ("kv",)
-
-    def __init__(self, tags_of: Callable[[str], frozenset[str]]) -> None:
-        self.tags_of = tags_of
-        self.free = 64
-        self.refused: set[str] = set()
-        self.pools = [_LeasePool(self)]
-
-    def acquire(self, request, into):
-        tags = self.tags_of(request.request_id)
-        if "plugin:acquire" in tags:
-            raise RuntimeError("chaos: acquire bug")
-        if "plugin:busy" in tags and request.request_id not in self.refused:
-            self.refused.add(request.request_id)
-            raise ResourceExhausted("chaos: leases busy")
-        self.free -= 1
-        return Handle(self.name, request.request_id, amount=1)
-
-    def release(self, request, handle):
-        self.free += 1
-        if "plugin:release" in self.tags_of(request.request_id):
-            raise RuntimeError("chaos: release bug")
-
-    def grow(self, request, handle, num_tokens):
-        if "plugin:grow" in self.tags_of(request.request_id):
-            raise RuntimeError("chaos: grow bug")
-        return True
-
-
 class EngineDriver:
     """One engine in a portal, parked at a step gate between rules."""
 
     def __init__(self, config: EngineConfig, backend: str, *, drain_at_end: bool, built: list) -> None:
-        self.gate = StepGate()
+        # NOTE: the decode role's prefill worker runs freely: holding its steps would hold
+        # transfers past their fences' (wall-clock) deadlines
+        self.gate = StepGate(match=lambda ids: not all(rid.startswith("prefill:") for rid in ids), timeout=DEADLINE)
         self.tags: dict[str, frozenset[str]] = {}
         self.failed_ids: set[str] = set()  # every request id in a batch whose step was made to fail
         self.faults = FaultInjector(stall_step=self.gate, fail_step=self._fail_step,
@@ -175,10 +82,10 @@ class EngineDriver:
         self.released: Counter = Counter()  # Request -> RELEASED transitions (ids repeat: a re-prefill's job)
         self.requests: dict[str, Any] = {}
         self.handles: dict[int, Handle] = {}
-        self.violations: list[str] = []
         self._portal_cm = start_blocking_portal(backend)
         self.portal = self._portal_cm.__enter__()
         self.engine: Engine = self.portal.call(lambda: Engine(self.config, faults=self.faults))
+        self.pool_watch = PoolWatch(self.engine)
         machines = [self.engine.parts.machine]
         worker = getattr(self.engine.parts, "prefill_client", None)
         if worker is not None:
@@ -226,9 +133,6 @@ class EngineDriver:
             self.handles[id(handle)] = handle
         if dst is RequestState.RELEASED:
             self.released[request] += 1
-        bad = {n: s for n, s in self.engine.memory_report().pools.items() if not s.adds_up}
-        if bad:
-            self.violations.append(f"{rid} {src.name}->{dst.name}: pools do not add up: {bad}")
 
     async def _consume(self, rec: Rec) -> None:
         with anyio.CancelScope() as rec.scope:
@@ -258,8 +162,8 @@ class EngineDriver:
         return await self.engine.abort(request_id), expected
 
     def _snapshot(self) -> tuple:
-        loop = self.engine.loop
-        return self.engine.idle, loop.step_running, sum(loop.stats.transitions.values()), self.gate.passed
+        engine = self.engine
+        return engine.idle, step_running(engine), sum(engine.stats.transitions.values()), self.gate.passed
 
     # --------------------------------------------------- rules (test thread)
     def submit(self, rec: Rec) -> None:
@@ -359,7 +263,7 @@ class EngineDriver:
     def check_now(self) -> None:
         """After every rule: the engine runs, every pool adds up, nothing was released twice."""
         self.raise_if_crashed()
-        assert not self.violations, self.violations[:3]
+        assert not self.pool_watch.violations, self.pool_watch.violations[:3]
         twice = [r.request_id for r, n in self.released.items() if n > 1]
         assert not twice, f"released more than once: {twice}"
         report = self.portal.call(self.engine.memory_report)
@@ -370,24 +274,15 @@ class EngineDriver:
         self.portal.call(self._check_idle)
 
     def _check_idle(self) -> None:
-        engine, loop = self.engine, self.engine.loop
-        assert engine.idle, engine.requests_by_state()
-        report = engine.check_memory()
+        engine = self.engine
+        report = assert_pools_whole(engine, quarantined=None)  # no table of the loop keeps anything either
         stuck = {rid for rid, tags in self.tags.items() if "stuck" in tags}
-        for name, stats in report.pools.items():
-            assert stats.adds_up and stats.held == stats.quarantined, (name, report.as_dict())
-            for owner in report.owners[name]:
-                assert owner.quarantined, f"{name}: {owner.describe()} is held but not quarantined"
-                assert owner.request_id.removeprefix("prefill:") in stuck, owner.describe()
+        for owners in report.owners.values():  # quarantined, and only what a stuck fence protects
+            assert all(o.request_id.removeprefix("prefill:") in stuck for o in owners), [o.describe() for o in owners]
         suspects = {n for n, s in report.pools.items() if s.suspect}
         assert not suspects or any(t.startswith("release:") or t == "plugin:release"
                                    for ts in self.tags.values() for t in ts), suspects
-        table = loop.table
-        tables = {"submissions": table.submissions, "owner": table.owner, "waiting": table.waiting,
-                  "unstarted": table.unstarted, "aborts": table.aborts, "starved": loop.planner.starved,
-                  "prefix_locks": engine.parts.kv_pool.prefix_locks}
-        assert not any(tables.values()), {k: len(v) for k, v in tables.items() if v}
-        assert loop.stats.leak_check_failures == 0
+        assert engine.stats.leak_check_failures == 0
         for rid in self.recs:
             times = self.released[self.requests[rid]]
             assert times == 1, f"{rid} released {times} times"

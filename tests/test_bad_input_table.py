@@ -13,13 +13,14 @@ Adding a row is one line in the table it belongs to.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import anyio
 import pytest
 import torch
 
 from engine import Engine, EngineClosed, InvalidConfig, InvalidRequest, SamplingParams
-from helpers import small_config
+from helpers import assert_pools_whole, small_config
 from hisparse import HiSparseConfig
 
 NAN, INF = math.nan, math.inf
@@ -176,35 +177,38 @@ def _ids(table):
     return [f"{row[-2]}={row[0]!r}"[:60] for row in table]
 
 
-def _assert_names(exc: InvalidRequest, field: str, fragment: str) -> None:
+def _assert_names(exc: InvalidRequest, field: str, fragment: str, *, exactly: type | None = None) -> None:
+    """The error names the field and the limit (and is exactly of type `exactly`, not a subclass)."""
+    if exactly is not None:
+        assert type(exc) is exactly, f"{type(exc).__name__}, not {exactly.__name__}"
     assert exc.field == field, f"names {exc.field!r}, not {field!r}"
     assert fragment in exc.limit, f"limit {exc.limit!r} lacks {fragment!r}"
     assert str(exc).startswith(f"{field} must be {exc.limit}"), str(exc)
 
 
+def _assert_rejected(build: Callable[[], object], exactly: type, field: str, fragment: str) -> None:
+    """build() raises exactly `exactly` (not a subclass), naming the field and the limit."""
+    with pytest.raises(exactly) as info:
+        build()
+    _assert_names(info.value, field, fragment, exactly=exactly)
+
+
 def _assert_nothing_allocated(engine: Engine) -> None:
-    assert engine.idle and not engine.loop.requests() and not engine.loop.table.submissions
+    """Nothing was submitted, the ledger tracks no request, and every pool is whole."""
     assert engine.stats.submitted == 0 and engine.parts.ledger.num_tracked_requests == 0
-    for name, stats in engine.memory_report().pools.items():
-        assert stats.held == 0 and stats.free + stats.evictable == stats.capacity, name
+    assert_pools_whole(engine)
 
 
 class TestEngineConfigTable:
     @pytest.mark.parametrize("overrides,field,fragment", ENGINE_CONFIG, ids=_ids(ENGINE_CONFIG))
     def test_rejected_at_construction(self, overrides, field, fragment):
         """Each invalid EngineConfig value raises InvalidConfig naming the field and the limit."""
-        with pytest.raises(InvalidConfig) as info:
-            small_config(**overrides)
-        assert type(info.value) is InvalidConfig
-        _assert_names(info.value, field, fragment)
+        _assert_rejected(lambda: small_config(**overrides), InvalidConfig, field, fragment)
 
     @pytest.mark.parametrize("overrides,field,fragment", ENGINE_BUILD, ids=_ids(ENGINE_BUILD))
     def test_rejected_when_built(self, overrides, field, fragment):
         """A config the engine cannot serve raises InvalidConfig when the Engine is built."""
-        with pytest.raises(InvalidConfig) as info:
-            Engine(small_config(**overrides))
-        assert type(info.value) is InvalidConfig
-        _assert_names(info.value, field, fragment)
+        _assert_rejected(lambda: Engine(small_config(**overrides)), InvalidConfig, field, fragment)
 
     def test_faults_must_be_an_injector(self):
         """Engine(faults=...) takes only an engine.testing.FaultInjector."""
@@ -223,10 +227,7 @@ class TestHiSparseConfigTable:
     @pytest.mark.parametrize("kwargs,field,fragment", HISPARSE_CONFIG, ids=_ids(HISPARSE_CONFIG))
     def test_rejected_at_construction(self, kwargs, field, fragment):
         """Each invalid HiSparseConfig value raises InvalidConfig naming the field and the limit."""
-        with pytest.raises(InvalidConfig) as info:
-            HiSparseConfig(**kwargs)
-        assert type(info.value) is InvalidConfig
-        _assert_names(info.value, field, fragment)
+        _assert_rejected(lambda: HiSparseConfig(**kwargs), InvalidConfig, field, fragment)
 
     @pytest.mark.parametrize("kwargs,overrides,field,fragment", HISPARSE_VS_ENGINE,
                              ids=[r[2] for r in HISPARSE_VS_ENGINE])
@@ -242,10 +243,7 @@ class TestSamplingParamsTable:
     @pytest.mark.parametrize("kwargs,field,fragment", SAMPLING, ids=_ids(SAMPLING))
     def test_rejected_at_construction(self, kwargs, field, fragment):
         """Each invalid SamplingParams value raises InvalidRequest naming the field and the limit."""
-        with pytest.raises(InvalidRequest) as info:
-            SamplingParams(**kwargs)
-        assert type(info.value) is InvalidRequest
-        _assert_names(info.value, field, fragment)
+        _assert_rejected(lambda: SamplingParams(**kwargs), InvalidRequest, field, fragment)
 
 
 class TestRequestTable:
@@ -259,8 +257,7 @@ class TestRequestTable:
             async with Engine(small_config()) as engine:
                 with pytest.raises(InvalidRequest) as info:
                     engine.generate(prompt, sampling, **kwargs)
-                assert type(info.value) is InvalidRequest
-                _assert_names(info.value, field, fragment)
+                _assert_names(info.value, field, fragment, exactly=InvalidRequest)
                 _assert_nothing_allocated(engine)
 
 
@@ -292,7 +289,7 @@ class TestLifecycleMisuse:
                 await engine.wait_idle(10)
                 for request_id in ("done", "never-seen", "", None, 42):
                     assert await engine.abort(request_id) is False
-                _assert_nothing_allocated_but_counted(engine)
+                assert_pools_whole(engine)
 
     @pytest.mark.asyncio
     async def test_duplicate_id_in_flight_then_reused(self):
@@ -308,10 +305,3 @@ class TestLifecycleMisuse:
                 again = await engine.complete([1, 2, 3], SamplingParams(max_new_tokens=20), request_id="dup")
         assert first[-1].finish_reason.name == "LENGTH" and len(first[-1].token_ids) == 20
         assert again.token_ids == first[-1].token_ids
-
-
-def _assert_nothing_allocated_but_counted(engine: Engine) -> None:
-    """Idle with every pool whole after real requests ran (evictable prefix pages allowed)."""
-    assert engine.idle and not engine.loop.table.submissions
-    for name, stats in engine.check_memory().pools.items():
-        assert stats.held == 0 and stats.adds_up, name

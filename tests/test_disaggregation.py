@@ -10,19 +10,27 @@ import torch
 
 from engine import Engine, SamplingParams
 from engine.testing import FaultInjector
-from helpers import collect, small_config
+from engine.disagg.kv_transfer_hook import KVTransferHook
+from helpers import DEADLINE, collect, live_request, run_all, small_config
 from hisparse import HiSparseConfig
-from states import FinishReason
+from states import FinishReason, RequestState
 
 PROMPTS = [[9, 8, 7, 6, 5, 4, 3], list(range(100, 141))]
 IMAGE = torch.full((16, 8, 3), 77, dtype=torch.uint8)
 
 
+def _copy_sent(engine: Engine, request_id: str) -> bool:
+    """Whether the request's KV copy was sent (its job has an outcome), or the request is past TRANSFERRING."""
+    request = live_request(engine, request_id)
+    if request is None or request.state is not RequestState.TRANSFERRING:
+        return request is None or request.state is not RequestState.QUEUED
+    return KVTransferHook.job(request).outcome is not None
+
+
 async def _greedy(config, images=None) -> list[list[int]]:
+    """Greedy continuations of PROMPTS, batched, in a fresh engine of this config."""
     async with Engine(config) as engine:
-        outs = [await engine.complete(p, SamplingParams(max_new_tokens=10, ignore_eos=True), mm_inputs=images)
-                for p in PROMPTS]
-    return [o.token_ids for o in outs]
+        return await run_all(engine, PROMPTS, 10, mm_inputs=images)
 
 
 class TestOutputs:
@@ -64,8 +72,12 @@ class TestTransferFailures:
         config = small_config(disaggregation="decode", fence_timeout=0.3)
         async with Engine(config, faults=faults) as engine:
             stream = engine.generate(PROMPTS[1], SamplingParams(max_new_tokens=4), request_id="stuck")
-            with anyio.move_on_after(0.1):
-                await collect(stream)  # never lands: cancelling the consumer aborts the request
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(collect, stream)
+                with anyio.fail_after(DEADLINE):
+                    while not _copy_sent(engine, "stuck"):
+                        await anyio.sleep(0.005)
+                tg.cancel_scope.cancel()  # the copy never lands: cancelling the consumer aborts the request
             await engine.wait_idle(5)
             report = engine.check_memory()
         decode_pages = report.pools["kv_pages"]

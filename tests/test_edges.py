@@ -19,11 +19,10 @@ from engine import (
     SamplingParams,
 )
 from engine.testing import FaultInjector
-from helpers import collect, live_request, small_config
+from helpers import DEADLINE, collect, live_request, small_config
 from plugin_example import LoraSlotHook
 
 S = RequestState
-DEADLINE = 30
 PROMPT = list(range(5, 25))
 
 
@@ -159,8 +158,7 @@ class TestQuarantineEnds:
 class TestLeaksAndDeaths:
     @pytest.mark.asyncio
     async def test_a_leak_at_idle_is_reported_and_service_goes_on(self):
-        """With leak_check="raise" an idle leak is logged and counted, the engine keeps serving, and
-        leaving `async with` raises LeakError itself (item 4)."""
+        """An idle leak is logged and counted while the engine serves on; leak_check="raise" raises at exit (item 4)."""
         engine = Engine(small_config(resources=(_Forgetful,)))
         engine._expect_leak = True
         with pytest.raises(LeakError, match="lora_slots"):
@@ -220,8 +218,7 @@ class TestSeededPaths:
     @pytest.mark.asyncio
     @pytest.mark.parametrize("role", ["none", "decode"])
     async def test_a_retracted_seeded_request_gets_the_same_tokens(self, role):
-        """Sampling is seeded by output position, so retraction (and the decode role's re-prefill)
-        changes no token (item 15)."""
+        """Sampling seeded by output position: retraction or a re-prefill changes no token (item 15)."""
         params = SamplingParams(max_new_tokens=24, temperature=1.0, seed=11, ignore_eos=True)
         async with Engine(small_config(disaggregation=role)) as roomy:
             want = await roomy.complete(PROMPT[:8], params)

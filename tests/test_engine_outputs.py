@@ -3,7 +3,6 @@ prefix-cache reuse, chunked prefill, retraction under pressure, checkpoints."""
 
 from __future__ import annotations
 
-import anyio
 import pytest
 
 from engine import Engine, SamplingParams
@@ -11,7 +10,7 @@ from engine.model.checkpoint import save_checkpoint
 from engine.model.dense_reference import dense_forward
 from engine.model.model_config import ModelConfig
 from engine.model.llama import LlamaModel
-from helpers import small_config
+from helpers import run_all, small_config
 
 PROMPTS = [[7, 3, 99, 12], list(range(40, 71)), [5] * 13, list(range(200, 209)) * 3]
 
@@ -22,19 +21,6 @@ def _dense_greedy(model, prompt: list[int], n: int) -> list[int]:
     for _ in range(n):
         tokens.append(int(dense_forward(model, tokens)[-1].argmax()))
     return tokens[len(prompt):]
-
-
-async def _run_all(engine: Engine, prompts, n: int) -> list[list[int]]:
-    results: list = [None] * len(prompts)
-
-    async def one(i: int) -> None:
-        out = await engine.complete(prompts[i], SamplingParams(max_new_tokens=n, ignore_eos=True))
-        results[i] = out.token_ids
-
-    async with anyio.create_task_group() as tg:
-        for i in range(len(prompts)):
-            tg.start_soon(one, i)
-    return results
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +41,7 @@ class TestDenseOracle:
     async def test_greedy_matches_dense_recompute(self, expected, overrides):
         """Batched paged greedy decoding equals a dense full recompute, token for token."""
         async with Engine(small_config(**overrides)) as engine:
-            got = await _run_all(engine, PROMPTS, 12)
+            got = await run_all(engine, PROMPTS, 12)
         assert got == expected
 
     @pytest.mark.asyncio
@@ -96,7 +82,7 @@ class TestPressure:
         config = small_config(num_kv_pages=30, max_context=96, max_running=8)
         prompts = PROMPTS * 2
         async with Engine(config) as engine:
-            got = await _run_all(engine, prompts, 12)
+            got = await run_all(engine, prompts, 12)
             retractions = engine.stats.retractions
         assert got == expected * 2
         assert retractions > 0
@@ -109,7 +95,7 @@ class TestCheckpoint:
         config = ModelConfig.tiny()
         save_checkpoint(LlamaModel.from_seed(config, 0), config, tmp_path)
         async with Engine(small_config(model=str(tmp_path))) as engine:
-            got = await _run_all(engine, PROMPTS[:2], 12)
+            got = await run_all(engine, PROMPTS[:2], 12)
         assert got == expected[:2]
 
 
@@ -119,7 +105,7 @@ class TestBackends:
     async def test_trio_smoke(self, anyio_backend, expected):
         """The engine runs on trio too: streaming, abort and a clean leak check."""
         async with Engine(small_config()) as engine:
-            got = await _run_all(engine, PROMPTS[:2], 12)
+            got = await run_all(engine, PROMPTS[:2], 12)
             stream = engine.generate([1, 2, 3], SamplingParams(max_new_tokens=50), request_id="x")
             await stream.__anext__()
             assert await engine.abort("x")

@@ -10,24 +10,13 @@ import pytest
 from structlog.testing import capture_logs
 
 from engine import Engine, HiSparseConfig, SamplingParams
-from helpers import collect, small_config
-from resources import ManualFence, PoolUsage, ResourceExhausted, ResourceHook
+from helpers import DEADLINE, CountingPool, collect, small_config
+from resources import ManualFence, ResourceExhausted, ResourceHook
 from states import HELD_STATES, FinishReason, Handle, RequestState
 
 S = RequestState
 PROMPT = list(range(3, 23))
 PARAMS = SamplingParams(max_new_tokens=6, ignore_eos=True)
-DEADLINE = 30
-
-
-class _Pool:
-    name = "faulty_pool"
-
-    def __init__(self) -> None:
-        self.capacity, self.free = 4, 4
-
-    def stats(self) -> PoolUsage:
-        return PoolUsage(capacity=self.capacity, free=self.free, unit="leases")
 
 
 class _Faulty:
@@ -36,14 +25,14 @@ class _Faulty:
     name = "faulty"
     before: tuple[str, ...] = ()
     after = ("kv",)
-    pool = _Pool.name
+    pool = "faulty_pool"
 
     def __init__(self, call: str, at: RequestState, error: BaseException) -> None:
         self.call, self.at, self.error = call, at, error
         self.armed = True
         self.acquire_on = frozenset({at if call == "acquire" else S.PREFILLING})
         self.scope = HELD_STATES - ({S.RETRACTED, S.QUEUED} if at is S.RETRACTED and call == "release" else set())
-        self.pools = [_Pool()]
+        self.pools = [CountingPool(self.pool, 4)]
         self.fences: list[ManualFence] = []
 
     def _maybe_fail(self, call: str) -> None:
@@ -103,8 +92,7 @@ def _ids(case) -> str:
 @pytest.mark.parametrize("case", CASES, ids=[_ids(c) for c in CASES])
 @pytest.mark.asyncio
 async def test_a_faulty_hook_never_cuts_a_release_short(kind, error, case):
-    """The request ends (ERROR for a bug, or completes after waiting for an exhausted pool), every
-    handle is released, the fault is logged against the hook, and the next request is served."""
+    """A hook's bug or exhaustion in any call ends or delays only its request; all released, logged, served on."""
     call, state, overrides = case
     hook = kind(call, state, ERRORS[error])
     config = small_config(model="null", resources=(hook,), **overrides)

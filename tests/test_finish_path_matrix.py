@@ -18,7 +18,7 @@ import torch
 
 from engine import Engine, SamplingParams
 from engine.testing import FaultInjector
-from helpers import abort_when_step_sees, collect, small_config
+from helpers import abort_on_entry, collect, small_config
 from hisparse import HiSparseConfig
 from states import FinishReason, RequestState
 
@@ -29,14 +29,15 @@ IMAGE = torch.arange(16 * 16 * 3, dtype=torch.int64).remainder(251).to(torch.uin
 
 def _config(role: str, hisparse: bool, model: str):
     hs = HiSparseConfig(top_k=16, device_buffer_size=24, recent_window=4) if hisparse else None
-    return small_config(model=model, disaggregation=role, hisparse=hs, max_context=192)
+    return small_config(model=model, disaggregation=role, hisparse=hs, max_context=192, max_prefill_tokens=16)
 
 
 class _Watch:
-    """Counts RELEASED per request id and tokens per forward, on both sides of the role."""
+    """Per request id, on both sides of the role: RELEASED count and the state it finished from; tokens per forward."""
 
     def __init__(self, engine: Engine) -> None:
         self.released: Counter = Counter()
+        self.finished_from: dict[str, str] = {}
         self.forward_tokens = 0
         self._watch_parts(engine.parts, engine.loop.step_observers)
         worker = engine.parts.prefill_client
@@ -50,6 +51,8 @@ class _Watch:
     def _on_transition(self, request, src, dst) -> None:
         if dst is S.RELEASED:
             self.released[request.request_id] += 1
+        elif dst is S.FINISHED:
+            self.finished_from[request.request_id] = src.name
 
     def _on_step(self, batch, output) -> None:
         self.forward_tokens += sum(s.num_tokens for s in batch)
@@ -60,8 +63,8 @@ async def _drive_every_path(engine: Engine, role: str, images: list) -> dict[str
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     reasons: dict[str, FinishReason] = {}
 
-    async def run(rid: str, p=params, disconnect_after: int | None = None) -> None:
-        stream = engine.generate(prompt, p, request_id=rid, mm_inputs=images)
+    async def run(rid: str, p=params, disconnect_after: int | None = None, tokens=prompt) -> None:
+        stream = engine.generate(tokens, p, request_id=rid, mm_inputs=images)
         async with stream:
             async for out in stream:
                 if disconnect_after is not None and len(out.token_ids) >= disconnect_after:
@@ -75,15 +78,17 @@ async def _drive_every_path(engine: Engine, role: str, images: list) -> dict[str
     stop_params = SamplingParams(max_new_tokens=6, stop_token_ids=[free.token_ids[2]])
     queued = engine.generate(prompt, params, request_id="abort-queued", mm_inputs=images)
     await engine.abort("abort-queued")  # applied right after the inbox is drained: QUEUED
-    abort_when_step_sees(engine, "abort-decoding", S.DECODING)
+    abort_on_entry(engine, "abort-decoding", S.DECODING)
     if role == "none":
-        abort_when_step_sees(engine, "abort-prefilling", S.PREFILLING)
+        abort_on_entry(engine, "abort-prefilling", S.PREFILLING)
     async with anyio.create_task_group() as tg:
         tg.start_soon(run, "stop", stop_params)
         tg.start_soon(run, "length-1", SamplingParams(max_new_tokens=1))
         tg.start_soon(run, "abort-decoding", SamplingParams(max_new_tokens=40, ignore_eos=True))
         tg.start_soon(run, "disconnect", SamplingParams(max_new_tokens=40, ignore_eos=True), 2)
-        tg.start_soon(run, "transfer-failed" if role == "decode" else "abort-prefilling")
+        # a prompt of its own: not in the prefix cache, so its prefill takes several chunks
+        tg.start_soon(run, "transfer-failed" if role == "decode" else "abort-prefilling", params, None,
+                      list(range(40, 61)))
         tg.start_soon(run, "abort-transferring" if role == "decode" else "length-6")
         reasons["abort-queued"] = (await collect(queued))[-1].finish_reason
         assert await engine.health_check(timeout=20)
@@ -120,6 +125,11 @@ async def test_every_finish_path_releases_everything(role, hisparse, with_images
     expected.update({"transfer-failed": FinishReason.TRANSFER_FAILED, "abort-transferring": FinishReason.ABORT}
                     if role == "decode" else {"abort-prefilling": FinishReason.ABORT, "length-6": FinishReason.LENGTH})
     assert {k: reasons.get(k) for k in expected} == expected
+    where = {"abort-queued": "QUEUED", "length-1": "PREBUILT", "abort-decoding": "DECODING",
+             "error": "DECODING" if role == "decode" else "PREFILLING"}
+    where.update({"abort-transferring": "TRANSFERRING", "transfer-failed": "TRANSFERRING"} if role == "decode" else
+                 {"abort-prefilling": "PREFILLING"})
+    assert {k: watch.finished_from.get(k) for k in where} == where
     decode_side = {rid: n for rid, n in watch.released.items() if not rid.startswith("prefill:")}
     assert all(n == 1 for n in watch.released.values()), watch.released
     assert set(expected) | {"disconnect"} <= set(decode_side)

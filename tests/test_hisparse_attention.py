@@ -5,7 +5,6 @@ top-k by index score; and a request's device slots stay bounded at 4k tokens."""
 
 from __future__ import annotations
 
-import anyio
 import pytest
 import torch
 
@@ -16,15 +15,10 @@ from resources.request_slots import RequestSlotHook
 from hisparse import DEVICE_SLOTS, HiSparseConfig
 from hisparse.attention import SparseDecodeAttention, _Row
 from states import FinishReason, Request, RequestState
-from helpers import small_config
+from helpers import hisparse_state, run_all, small_config
 
 S = RequestState
 PROMPTS = [list(range(1, 30)), [5, 17, 42, 99, 3, 8, 120, 77, 31], [(7 * i) % 250 for i in range(70)]]
-
-
-def _state(engine_or_parts):
-    parts = getattr(engine_or_parts, "parts", engine_or_parts)
-    return next(h for h in parts.machine.hooks if h.name == "hisparse_host").state
 
 
 def _reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -36,31 +30,18 @@ def _reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> tor
     return torch.einsum("hn,nhd->hd", logits.softmax(-1), v).float()
 
 
-async def _run_all(engine: Engine, prompts, max_new_tokens: int) -> list[list[int]]:
-    results: dict[int, list[int]] = {}
-
-    async def one(i, prompt):
-        final = await engine.complete(prompt, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
-        results[i] = final.token_ids
-
-    async with anyio.create_task_group() as tg:
-        for i, prompt in enumerate(prompts):
-            tg.start_soon(one, i, prompt)
-    return [results[i] for i in range(len(prompts))]
-
-
 class TestDenseEquivalence:
     @pytest.mark.asyncio
     async def test_full_top_k_equals_dense_engine(self):
         """With top_k >= every context, greedy output is the dense engine's, mixed batches included."""
         async with Engine(small_config()) as dense:
-            expected = await _run_all(dense, PROMPTS, 20)
+            expected = await run_all(dense, PROMPTS, 20)
         config = HiSparseConfig(top_k=96, device_buffer_size=96, recent_window=4, index_dim=8)
         mixed = []
         async with Engine(small_config(hisparse=config)) as engine:
             engine.loop.step_observers.append(lambda batch, out: mixed.append(
                 {s.request.state for s in batch} >= {S.PREFILLING, S.DECODING}))
-            got = await _run_all(engine, PROMPTS, 20)
+            got = await run_all(engine, PROMPTS, 20)
         assert got == expected
         assert any(mixed), "no step mixed prefill rows with sparse decode rows"
 
@@ -68,11 +49,10 @@ class TestDenseEquivalence:
 class TestSparseOracle:
     @pytest.mark.asyncio
     async def test_each_layer_equals_direct_attention_over_selected(self):
-        """Every layer's sparse output equals direct attention over the host K/V of its selection,
-        and the selection is the recent window plus the best index scores."""
+        """Each layer's output is direct attention over its selection: the recent window plus the top index scores."""
         config = HiSparseConfig(top_k=8, device_buffer_size=12, recent_window=2, index_dim=16)
         async with Engine(small_config(hisparse=config)) as engine:
-            state = _state(engine)
+            state = hisparse_state(engine)
             state.trace = []
             snapshots = {}
 
@@ -85,7 +65,7 @@ class TestSparseOracle:
                          state.host.index[i][rows].clone()) for i in range(state.num_layers)]
 
             engine.parts.machine.transition_observers.append(snapshot)
-            await _run_all(engine, [PROMPTS[0], PROMPTS[2]], 12)
+            await run_all(engine, [PROMPTS[0], PROMPTS[2]], 12)
         assert state.swapped_in > 0 and len(state.trace) == 2 * 11 * state.num_layers
         projection = state.projection
         for entry in state.trace:
@@ -104,13 +84,12 @@ class TestSparseOracle:
 
 class TestDeviceBound:
     def test_4k_context_holds_64_plus_one_slots(self):
-        """At a 4k-token context with a 64-slot buffer a request holds 65 device slots, every step,
-        and attention still equals the direct oracle over its selection."""
+        """At a 4k context a 64-slot buffer holds 65 device slots every step; attention equals the direct oracle."""
         config = HiSparseConfig(top_k=32, device_buffer_size=64, recent_window=4, index_dim=16,
                                 host_pool_tokens=4400)
         parts = build_parts(small_config(model="null", page_size=16, num_kv_pages=280, max_running=2,
                                          max_context=4200, hisparse=config))
-        state, machine = _state(parts), parts.machine
+        state, machine = hisparse_state(parts), parts.machine
         state.trace = []
         prompt_len = 4096
         request = Request("long", [1] * prompt_len, SamplingParams(max_new_tokens=16))

@@ -17,7 +17,7 @@ from resources.kv_pool import KV_PAGES
 from resources.ledger import check_memory
 from resources.request_slots import REQUEST_SLOTS, RequestSlotHook
 from states import FinishReason, Request, RequestState
-from helpers import small_config
+from helpers import hisparse_state, small_config
 
 S = RequestState
 
@@ -27,10 +27,6 @@ def _make_parts(faults=None, **overrides):
                                                         index_dim=8))
     fields.update(overrides)
     return build_parts(small_config(**fields), faults=faults)
-
-
-def _state(parts):
-    return next(h for h in parts.machine.hooks if h.name == "hisparse_host").state
 
 
 def _to_staging(parts, prompt_len: int, rid: str = "r", max_new_tokens: int = 8) -> Request:
@@ -65,7 +61,7 @@ class TestStaging:
         """Entering STAGING copies every prompt token's K/V to its host rows and computes its index key."""
         parts = _make_parts()
         request = _to_staging(parts, 10)
-        state = _state(parts)
+        state = hisparse_state(parts)
         record = request.handles["hisparse_host"].payload
         kv_locs = parts.kv_pool.slots.req_to_token[RequestSlotHook.slot(request), :10]
         for layer in range(parts.model_config.num_layers):
@@ -90,7 +86,7 @@ class TestStaging:
         assert held[DEVICE_SLOTS] == buffer.slots.numel() == 9 and held[SLOT_MAPS] == 1
         table = request.handles["hisparse_map"].payload.table
         assert table[2, :6].tolist() == list(range(6)) and table[2, 6] == -1
-        assert torch.equal(_state(parts).device_pool.kv[2][buffer.slots[:6], 0], expected)
+        assert torch.equal(hisparse_state(parts).device_pool.kv[2][buffer.slots[:6], 0], expected)
         _release(parts, request, FinishReason.STOP)
 
     def test_long_context_starts_empty(self):
@@ -201,9 +197,9 @@ class TestGrowth:
         parts = _make_parts(hisparse=HiSparseConfig(top_k=4, device_buffer_size=8, host_pool_tokens=256))
         request = _to_staging(parts, 8)
         parts.machine.advance(request, S.DECODING)
-        free = _state(parts).host.allocator.num_free
+        free = hisparse_state(parts).host.allocator.num_free
         assert not parts.machine.grow(request, 8 + 4 * free + 1)
-        assert _state(parts).host.allocator.num_free == free
+        assert hisparse_state(parts).host.allocator.num_free == free
         assert parts.machine.grow(request, 8 + 4 * free)
         _release(parts, request)
 

@@ -55,9 +55,8 @@ def _snapshot(kv: KVPool, ledger: Ledger) -> tuple:
             ledger.held(KV_PAGES), ledger.held(REQUEST_SLOTS), dict(kv.prefix_locks))
 
 
-def _assert_whole(kv: KVPool, ledger: Ledger, *, idle: bool = False):
-    for stats in _stats(kv, ledger).values():
-        assert stats.adds_up, stats
+def _check(kv: KVPool, ledger: Ledger, *, idle: bool = False):
+    """check_memory over the KV pool and its slots: raises LeakError if a pool does not add up (or, idle, holds)."""
     return check_memory(_pools(kv), ledger, idle=idle)
 
 
@@ -94,7 +93,7 @@ class TestAdmission:
         row = kv.slots.req_to_token[block.slot, :3].tolist()
         assert row == [block.pages[i // PS] * PS + i % PS for i in range(3)]
         assert (ledger.holding(KV_PAGES, req), ledger.holding(REQUEST_SLOTS, req)) == (2, 1)
-        _assert_whole(kv, ledger)
+        _check(kv, ledger)
         _release(machine, req, FinishReason.ABORT)
 
     def test_cached_prefix_is_matched_locked_and_shared(self):
@@ -110,7 +109,7 @@ class TestAdmission:
         assert ledger.holding(KV_PAGES, second) == 1  # the prefix is the cache's, not the request's
         _release(machine, second, FinishReason.ABORT)
         assert kv.radix.protected_pages == 0
-        _assert_whole(kv, ledger, idle=True)
+        _check(kv, ledger, idle=True)
 
     def test_transfer_preallocates_without_matching(self):
         """The decode role pre-allocates every page to receive a transfer."""
@@ -121,7 +120,7 @@ class TestAdmission:
         req = _admit(machine, "b", [1, 2, 3, 4, 5], into=S.TRANSFERRING)
         assert _block(req).num_prefix_pages == 0 and ledger.holding(KV_PAGES, req) == 3
         _release(machine, req, FinishReason.TRANSFER_FAILED)
-        _assert_whole(kv, ledger, idle=True)
+        _check(kv, ledger, idle=True)
 
     @pytest.mark.parametrize("short", ["slots", "pages"])
     def test_exhaustion_raises_and_changes_nothing(self, short):
@@ -137,7 +136,7 @@ class TestAdmission:
         _release(machine, holder, FinishReason.ABORT)
         machine.advance(req, S.PREFILLING)
         _release(machine, req, FinishReason.ABORT)
-        _assert_whole(kv, ledger, idle=True)
+        _check(kv, ledger, idle=True)
 
     def test_failed_later_acquisition_rolls_kv_back(self):
         """A hook failing after KV on admission leaves pages, slot and prefix lock as before."""
@@ -201,7 +200,7 @@ class TestRelease:
         for dst in (s for s in steps if s != "transfer"):
             machine.advance(req, dst)
         _release(machine, req, FinishReason.ABORT)
-        report = _assert_whole(kv, ledger, idle=True)
+        report = _check(kv, ledger, idle=True)
         assert report.pools[KV_PAGES].held == 0 and report.pools[REQUEST_SLOTS].free == 2
         assert kv.radix.evictable_pages == cached
         assert kv.radix.match([1, 2, 3, 4, 5])[0] == kv.radix.match([1, 2, 3, 4, 5, 6])[0][:cached]
@@ -223,7 +222,7 @@ class TestRelease:
         req = _admit(machine, "req-42", [1, 2, 3])
         _prefill(req, machine)
         with pytest.raises(LeakError) as info:
-            check_memory(_pools(kv), ledger, idle=True)
+            _check(kv, ledger, idle=True)
         assert "kv_pages: 2 pages held while idle" in str(info.value)
         assert "req-42 (DECODING, -) 2" in str(info.value) and "request_slots: 1 slots" in str(info.value)
         _release(machine, req)
@@ -247,7 +246,7 @@ class TestFences:
         else:
             clock.now = 10.5
         assert machine.try_release(req) is True and req.state is S.RELEASED
-        report = _assert_whole(kv, ledger, idle=True)  # quarantine is not a leak...
+        report = _check(kv, ledger, idle=True)  # quarantine is not a leak...
         pages = report.pools[KV_PAGES]
         if meets_deadline:
             assert pages.held == pages.quarantined == 0 and machine.quarantined == []
@@ -264,7 +263,7 @@ class TestFences:
         _release(machine, fresh, FinishReason.ABORT)
         fence.complete()  # the late copy is done at last: the pages come back, uncached
         assert machine.reap_quarantine() == 1 and machine.quarantined == []
-        report = _assert_whole(kv, ledger, idle=True)
+        report = _check(kv, ledger, idle=True)
         assert report.pools[KV_PAGES].held == report.pools[KV_PAGES].quarantined == 0
         assert kv.radix.match([1, 2, 3, 4, 5])[0] == []
 
@@ -358,7 +357,7 @@ class KVModel(RuleBasedStateMachine):
 
     @invariant()
     def pools_add_up(self):
-        report = _assert_whole(self.kv, self.ledger)
+        report = _check(self.kv, self.ledger)
         holders = [r for r in self.live if "kv" in r.handles]
         own = sum(len(_block(r).pages) - _block(r).num_prefix_pages for r in holders)
         assert self.ledger.held(KV_PAGES) == own
@@ -368,7 +367,7 @@ class KVModel(RuleBasedStateMachine):
     def teardown(self):
         for req in list(self.live):
             _release(self.machine, req, FinishReason.SHUTDOWN)
-        report = _assert_whole(self.kv, self.ledger, idle=True)
+        report = _check(self.kv, self.ledger, idle=True)
         assert report.pools[KV_PAGES].held == 0 and self.kv.radix.protected_pages == 0
 
 

@@ -7,6 +7,7 @@ import json
 import pytest
 from structlog.testing import capture_logs
 
+from helpers import CountingPool
 from resources.ledger import LeakError, Ledger, PoolStats, PoolUsage, check_memory, memory_report
 from states import FinishReason, Request, RequestState
 
@@ -15,11 +16,12 @@ S = RequestState
 
 
 
-class _Pool:
+class _Pool(CountingPool):
     """A counter pool whose holdings the ledger records, as the machine does for real pools."""
 
     def __init__(self, name: str, capacity: int, ledger: Ledger, unit: str = "pages") -> None:
-        self.name, self.capacity, self.free, self.ledger, self.unit = name, capacity, capacity, ledger, unit
+        super().__init__(name, capacity, unit)
+        self.ledger = ledger
 
     def take(self, request: Request, n: int) -> None:
         self.free -= n
@@ -28,9 +30,6 @@ class _Pool:
     def give(self, request: Request, n: int) -> None:
         self.free += n
         self.ledger.drop(self.name, request, n)
-
-    def stats(self) -> PoolUsage:
-        return PoolUsage(capacity=self.capacity, free=self.free, unit=self.unit)
 
 
 def _make_request(rid: str, state=S.DECODING, reason: FinishReason | None = None) -> Request:

@@ -7,17 +7,7 @@ from structlog.testing import capture_logs
 
 from helpers import Clock
 from machine_helpers import (
-    S,
-    KV_SCOPE,
-    ORDER,
-    PATHS,
-    LEGAL,
-    _Hook,
-    _make_hooks,
-    _make_machine,
-    _drive,
-    _events,
-    _finish_all,
+    KV_SCOPE, LEGAL, ORDER, PATHS, S, CountingHook, drive, events, finish_all, make_hooks, make_machine,
 )
 from resources import ManualFence, ResourceExhausted
 from resources.ledger import Ledger
@@ -28,16 +18,16 @@ class TestFailingRelease:
     @pytest.mark.parametrize("broken", ORDER)
     def test_a_raising_hook_does_not_stop_the_others(self, broken):
         """The error is logged, later hooks still run and the request reaches RELEASED."""
-        hooks = _make_hooks()
+        hooks = make_hooks()
         ledger = Ledger()
-        machine = _make_machine(hooks, ledger=ledger)
-        req = _drive(machine, PATHS[S.DECODING])
+        machine = make_machine(hooks, ledger=ledger)
+        req = drive(machine, PATHS[S.DECODING])
         hooks[broken].fail_release = True
         with capture_logs() as logs:
             machine.finish(req, FinishReason.ERROR)
             machine.try_release(req)
         assert req.state is S.RELEASED and req.handles == {}
-        assert _events(logs, "resource.released", "resource.release_failed") == [
+        assert events(logs, "resource.released", "resource.release_failed") == [
             ("resource.release_failed" if n == broken else "resource.released", n) for n in ORDER
         ]
         assert next(e for e in logs if e["event"] == "resource.release_failed")["log_level"] == "error"
@@ -51,12 +41,12 @@ class TestRollback:
     )
     def test_failed_acquisition_leaves_the_request_where_it_was(self, src, dst):
         """A hook raising ResourceExhausted undoes this transition's acquisitions; nothing moves."""
-        hooks = _make_hooks()
-        hooks["extra"] = _Hook("extra", {dst}, {dst})  # acquired first: released last
-        hooks["full"] = _Hook("full", {dst}, {dst})
+        hooks = make_hooks()
+        hooks["extra"] = CountingHook("extra", {dst}, {dst})  # acquired first: released last
+        hooks["full"] = CountingHook("full", {dst}, {dst})
         hooks = {n: hooks[n] for n in ["full", *ORDER, "extra"]}
-        machine = _make_machine(hooks)
-        req = _drive(machine, PATHS[src])
+        machine = make_machine(hooks)
+        req = drive(machine, PATHS[src])
         hooks["full"].fail_acquire = ResourceExhausted("pool full")
         held = {n: h.held for n, h in hooks.items()}
         handles, history = dict(req.handles), list(req.history)
@@ -67,28 +57,28 @@ class TestRollback:
         hooks["full"].fail_acquire = None
         machine.advance(req, dst)  # room again: the same move now succeeds
         assert hooks["full"].held == hooks["extra"].held == 1
-        _finish_all(machine, req)
+        finish_all(machine, req)
 
     def test_failed_start_holds_nothing(self):
         """If an acquisition on entering QUEUED fails, no handle is kept and start can be retried."""
-        hooks = _make_hooks()
+        hooks = make_hooks()
         hooks["moe"].fail_acquire = ResourceExhausted("no expert record")
-        machine = _make_machine(hooks)
+        machine = make_machine(hooks)
         req = Request("r1", [1], None)
         with pytest.raises(ResourceExhausted):
             machine.start(req)
         assert req.handles == {} and req.history == [] and all(h.held == 0 for h in hooks.values())
         hooks["moe"].fail_acquire = None
         machine.start(req)
-        _finish_all(machine, req)
+        finish_all(machine, req)
 
 
 class TestFences:
     def _setup(self, *, timeout=5.0):
         clock = Clock(100.0)
-        hooks = _make_hooks()
-        machine = _make_machine(hooks, clock=clock)
-        req = _drive(machine, PATHS[S.DECODING])
+        hooks = make_hooks()
+        machine = make_machine(hooks, clock=clock)
+        req = drive(machine, PATHS[S.DECODING])
         fence = ManualFence("kv_transfer", {"kv"}, timeout=timeout, clock=clock)
         req.fences.append(fence)
         return clock, hooks, machine, req, fence
@@ -119,7 +109,7 @@ class TestFences:
         assert {n: h.held for n, h in hooks.items()} == {n: int(n == "kv") for n in ORDER}
         quarantined = [e for e in logs if e["event"] == "resource.quarantined"]
         assert [(e["resource"], e["fence"]) for e in quarantined] == [("kv", "kv_transfer")]
-        assert ("resource.released", "kv") not in _events(logs, "resource.released")
+        assert ("resource.released", "kv") not in events(logs, "resource.released")
         fence.complete()  # the late copy lands after all: the handle is released then, once
         with capture_logs() as logs:
             assert machine.reap_quarantine() == 1 and machine.reap_quarantine() == 0
@@ -136,7 +126,7 @@ class TestFences:
         fence.complete()
         machine.advance(req, S.RETRACTED)
         assert "kv" not in req.handles
-        _finish_all(machine, req)
+        finish_all(machine, req)
 
     def test_pending_fence_on_a_kept_handle_does_not_block(self):
         """A fence only blocks transitions that free what it protects."""
@@ -145,7 +135,7 @@ class TestFences:
         machine.advance(req, S.RETRACTED)
         assert "moe" in req.handles
         req.fences[0].complete()
-        _finish_all(machine, req)
+        finish_all(machine, req)
 
     def test_finish_is_never_refused_and_keeps_fenced_memory(self):
         """Finishing always succeeds; a fenced handle outside FINISHED's scope stays held until RELEASED."""
@@ -164,12 +154,11 @@ class _Interrupt(BaseException):
 
 class TestBaseException:
     def test_an_interrupt_in_a_release_still_finishes_the_sequence(self):
-        """A BaseException in one hook's release is re-raised only after every other hook ran
-        and the request reached RELEASED (item 5)."""
-        hooks = _make_hooks()
+        """A BaseException in a release is re-raised only after every hook ran and RELEASED was reached (item 5)."""
+        hooks = make_hooks()
         ledger = Ledger()
-        machine = _make_machine(hooks, ledger=ledger)
-        req = _drive(machine, PATHS[S.FINISHED])
+        machine = make_machine(hooks, ledger=ledger)
+        req = drive(machine, PATHS[S.FINISHED])
 
         def interrupted(request, handle):
             hooks["kv"].held -= 1
@@ -183,21 +172,21 @@ class TestBaseException:
 
     def test_an_interrupt_in_an_acquisition_rolls_back(self):
         """A BaseException during an acquisition releases what the move took and leaves the request put."""
-        hooks = _make_hooks()
-        machine = _make_machine(hooks)
-        req = _drive(machine, PATHS[S.QUEUED])
+        hooks = make_hooks()
+        machine = make_machine(hooks)
+        req = drive(machine, PATHS[S.QUEUED])
         hooks["kv"].fail_acquire = _Interrupt()
         with pytest.raises(_Interrupt):
             machine.advance(req, S.PREFILLING)
         assert req.state is S.QUEUED and set(req.handles) == {"moe", "mm", "timing"}
         hooks["kv"].fail_acquire = None
-        _finish_all(machine, req)
+        finish_all(machine, req)
 
     def test_an_observer_that_raises_is_only_logged(self):
         """A transition observer cannot refuse or stop a move."""
-        machine = _make_machine(_make_hooks())
+        machine = make_machine(make_hooks())
         machine.transition_observers.append(lambda r, a, b: 1 / 0)
         with capture_logs() as logs:
-            req = _drive(machine, PATHS[S.RELEASED])
+            req = drive(machine, PATHS[S.RELEASED])
         assert req.state is S.RELEASED
         assert {e["event"] for e in logs if e["log_level"] == "error"} == {"machine.observer_failed"}

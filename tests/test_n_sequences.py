@@ -11,10 +11,9 @@ import pytest
 
 from engine import Engine, FinishReason, HiSparseConfig, SamplingParams
 from engine.testing import FaultInjector
-from helpers import collect, small_config
+from helpers import DEADLINE, collect, small_config
 
 PROMPT = list(range(3, 30))  # 27 tokens: six whole pages of 4 and a tail of 3
-DEADLINE = 30
 
 
 def _count_prefill(engine: Engine) -> Counter:

@@ -6,7 +6,7 @@ retract) and runs a random sequence of rules against it: submit (prompt
 lengths, greedy or sampled, stop tokens, images), bursts, abort at any
 moment (also unknown and finished ids), client disconnect (stream closed or
 consumer cancelled), health checks, duplicate ids, drains to idle, and model
-steps let through one at a time (`stateful_driver.StepGate`, so a seed
+steps let through one at a time (`helpers.StepGate`, so a seed
 replays the same interleaving). Faults are tagged on requests through the
 engine's own `FaultInjector`: the model step raises, a release hook raises,
 a transfer fails, a fence misses its deadline.
@@ -49,6 +49,7 @@ from hypothesis.stateful import run_state_machine_as_test
 from engine import Engine, EngineConfig, HealthCheckFailed, SamplingParams
 from hisparse import HiSparseConfig
 from states import FinishReason
+from helpers import leftovers
 from stateful_driver import EngineDriver, Oracle, Rec
 
 MAX_CONTEXT = 40
@@ -350,10 +351,10 @@ class TestFoundByTheStateMachine:
                 stream = engine.generate([1, 2, 3], SamplingParams(max_new_tokens=2), request_id="done")
                 await engine.wait_idle(10)
                 await stream.aclose()  # the final output was never read
-                assert not engine.loop.table.aborts
+                assert "aborts" not in leftovers(engine)
                 engine.generate([1, 2, 3], SamplingParams(max_new_tokens=30), request_id="late")
                 await engine.abort("late")
-            assert not engine.loop.table.aborts and engine.idle
+            assert not leftovers(engine) and engine.idle
 
 
 class TestVariants:
