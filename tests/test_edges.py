@@ -4,6 +4,8 @@ pools whole (conftest)."""
 
 from __future__ import annotations
 
+import time
+
 import anyio
 import pytest
 import torch
@@ -253,3 +255,23 @@ class TestRefusedStarts:
             assert live_request(engine, "waits") is not None
             final = (await collect(stream))[-1]
         assert final.finish_reason is FinishReason.LENGTH and gate.refusals == 0
+
+
+class TestStarvationEnds:
+    @pytest.mark.asyncio
+    async def test_a_starved_request_that_finishes_is_no_longer_reported(self):
+        """A request reported starved and then aborted from QUEUED leaves the report and health() at release."""
+        slow = FaultInjector(stall_step=lambda ids: time.sleep(0.005))  # the first request holds the slot a while
+        async with Engine(small_config(model="null", max_running=1, starvation_timeout=0.05), faults=slow) as engine:
+            first = engine.generate([1, 2, 3], SamplingParams(max_new_tokens=200, ignore_eos=True), request_id="first")
+            second = engine.generate([1, 2, 3], SamplingParams(max_new_tokens=2), request_id="second")
+            with anyio.fail_after(DEADLINE):
+                while not engine.memory_report().starved:
+                    await anyio.sleep(0.01)
+            assert engine.health().reason == "starved"
+            await engine.abort("second")
+            await collect(second)
+            await engine.abort("first")
+            await collect(first)
+            await engine.wait_idle(DEADLINE)
+            assert engine.memory_report().starved == () and engine.health().healthy

@@ -43,8 +43,10 @@ class Planner:
         #: memory_report(), for naming what a starved request waits on
         self.report = report
         self._admissions = 0
-        #: request -> what it was reported starving for (reported once per request)
+        #: request -> what it was reported starving for (reported once per request), until it
+        #: is admitted or released
         self.starved: dict[Request, dict[str, Any]] = {}
+        finisher.release_observers.append(lambda request: self.starved.pop(request, None))
 
     def prepare(self) -> None:
         if self.transfer_job is not None:
