@@ -17,8 +17,13 @@ was quarantined (a late copy may have written it).
 
 Sliding windows: when every layer of the model has one, growth also frees
 the request's own pages that lie wholly before the widest window (no query
-can attend them again); such a request caches nothing at release, since its
-KV no longer starts at token 0.
+can attend them again); only the pages before the freed ones can then be
+cached at release (with the prefix cache on, the prompt's whole pages are
+kept for that).
+
+The request's page ids live in its slot's row of the pool's `page_table`
+(numpy, filled in place); a quarantined handle takes its own copy, since its
+slot is given back at once.
 
 NOTE: a request with images neither matches nor inserts prefixes. Its
 placeholder token ids are the same for every image, so token-keyed pages
@@ -31,7 +36,7 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
-import torch
+import numpy as np
 
 from resources.contract import ResourceExhausted, ResourceHook
 from resources.kv_pool import KV_PAGES, KVPool
@@ -41,18 +46,32 @@ from states import Handle, Request, RequestState
 S = RequestState
 
 
-@attrs.define
+@attrs.define(eq=False)
 class KVBlock:
-    """The KV hook's record: slot, page ids in token order, the locked prefix."""
+    """The KV hook's record: the slot, its page-table row (page ids in token order, the
+    first `num_pages` valid), the locked prefix, and the pages freed outside the window."""
 
     slot: int
-    pages: list[int]
+    row: np.ndarray
+    num_pages: int = 0
     num_prefix_pages: int = 0
     prefix_node: Any = None  # the radix node locked for the prefix
     #: pages [drop_from, drop_from + num_dropped) were freed because every layer's sliding
     #: window has left them (their table entries stay, masked out by the window)
     drop_from: int = 0
     num_dropped: int = 0
+
+    @property
+    def pages(self) -> list[int]:
+        return self.row[: self.num_pages].tolist()
+
+    def held_pages(self) -> np.ndarray:
+        """The page ids the request owns (not the cache's prefix, not the freed ones)."""
+        own = self.row[self.num_prefix_pages : self.num_pages]
+        if not self.num_dropped:
+            return own
+        start = self.drop_from - self.num_prefix_pages
+        return np.concatenate((own[:start], own[start + self.num_dropped :]))
 
 
 class KVHook(ResourceHook):
@@ -74,43 +93,47 @@ class KVHook(ResourceHook):
         kv = self.kv
         tokens = request.all_token_ids
         slot = RequestSlotHook.slot(request)
-        prefix_pages: list[int] = []
-        node = None
+        row = kv.page_table[slot]
+        num_prefix, node = 0, None
         if self._caches(request) and into is S.PREFILLING:
             # leave at least one token to compute: its logits give the next token
-            prefix_pages, node = kv.radix.match(tokens[: len(tokens) - 1])
-            if prefix_pages:
+            prefix, node = kv.radix.match_pages(tokens[: len(tokens) - 1])
+            num_prefix = prefix.shape[0]
+            if num_prefix:
                 kv.radix.lock(node)
+                row[:num_prefix] = prefix
             else:
                 node = None
-        need = kv.pages_for(len(tokens)) - len(prefix_pages)
-        pages = kv.alloc_pages(need)
-        if pages is None:
+        num_pages = kv.pages_for(len(tokens))
+        if not kv.alloc_into(row[num_prefix:num_pages]):
             if node is not None:
                 kv.radix.unlock(node)
-            raise ResourceExhausted(f"need {need} KV pages, {kv.available_pages} available")
-        if prefix_pages:
-            kv.write_locations(slot, 0, torch.tensor(prefix_pages, dtype=torch.int64))
-        kv.write_locations(slot, len(prefix_pages), pages)
-        block = KVBlock(slot, prefix_pages + pages.tolist(), len(prefix_pages), node)
+            raise ResourceExhausted(f"need {num_pages - num_prefix} KV pages, {kv.available_pages} available")
+        kv.write_locations(slot, 0, row[:num_pages])
         if node is not None:
-            kv.prefix_locks[request] = (node, len(prefix_pages))
-        request.kv_len = len(prefix_pages) * kv.page_size
-        return Handle(self.name, request.request_id, block, amount=need)
+            kv.prefix_locks[request] = (node, num_prefix)
+        request.kv_len = num_prefix * kv.page_size
+        block = KVBlock(slot, row, num_pages, num_prefix, node)
+        return Handle(self.name, request.request_id, block, amount=num_pages - num_prefix)
 
     def grow(self, request: Request, handle: Handle, num_tokens: int) -> bool:
         """Make the request's pages cover `num_tokens` tokens; False if the pool is short."""
         block: KVBlock = handle.payload
         if self.window is not None:
             self._drop_outside_window(request, block, handle, num_tokens)
-        need = self.kv.pages_for(num_tokens) - len(block.pages)
+        n = block.num_pages
+        need = self.kv.pages_for(num_tokens) - n
         if need <= 0:
             return True
-        pages = self.kv.alloc_pages(need)
-        if pages is None:
+        if need == 1:
+            page = self.kv.alloc_one()
+            if page is None:
+                return False
+            block.row[n] = page
+        elif not self.kv.alloc_into(block.row[n : n + need]):
             return False
-        self.kv.write_locations(block.slot, len(block.pages), pages)
-        block.pages.extend(pages.tolist())
+        self.kv.write_locations(block.slot, n, block.row[n : n + need])
+        block.num_pages = n + need
         handle.amount += need
         return True
 
@@ -128,7 +151,7 @@ class KVHook(ResourceHook):
         dead = max(0, (num_tokens - self.window) // ps)
         if dead <= first:
             return
-        self.kv.allocator.free(torch.tensor(block.pages[first:dead], dtype=torch.int64))
+        self.kv.allocator.free(block.row[first:dead])
         block.num_dropped += dead - first
         handle.amount -= dead - first
 
@@ -136,19 +159,22 @@ class KVHook(ResourceHook):
     def release(self, request: Request, handle: Handle) -> None:
         kv = self.kv
         block: KVBlock = handle.payload
-        dropped = range(block.drop_from, block.drop_from + block.num_dropped)
-        held = [i for i in range(block.num_prefix_pages, len(block.pages)) if i not in dropped]
-        to_free = [block.pages[i] for i in held]
+        to_free = [block.held_pages()]
         if self._caches(request) and not handle.was_quarantined:  # NOTE: see the module docstring
-            full = min(request.kv_len // kv.page_size, len(block.pages))
+            full = min(request.kv_len // kv.page_size, block.num_pages)
             if block.num_dropped:  # only the pages before the freed ones still form a prefix
                 full = min(full, block.drop_from)
             if full > block.num_prefix_pages:
                 tokens = request.all_token_ids[: full * kv.page_size]
-                duplicates = kv.radix.insert(tokens, block.pages[:full])
-                to_free = duplicates + [block.pages[i] for i in held if i >= full]
-        if to_free:
-            kv.allocator.free(torch.tensor(to_free, dtype=torch.int64))
+                duplicates = kv.radix.insert_pages(tokens, block.row[:full])
+                rest = block.row[full : block.num_pages]
+                if block.num_dropped:
+                    rest = np.concatenate((block.row[full : block.drop_from],
+                                           block.row[block.drop_from + block.num_dropped : block.num_pages]))
+                to_free = [duplicates, rest]
+        chunks = [chunk for chunk in to_free if chunk.shape[0]]
+        if chunks:
+            kv.allocator.free_chunks(chunks)
         if block.prefix_node is not None:
             kv.radix.unlock(block.prefix_node)
             kv.prefix_locks.pop(request, None)
@@ -166,24 +192,27 @@ class KVHook(ResourceHook):
         if full <= block.num_prefix_pages or not self._caches(request):
             return
         tokens = request.prompt_token_ids[: full * ps]
-        duplicates = kv.radix.insert(tokens, block.pages[:full])
-        cached, node = kv.radix.match(tokens)
+        duplicates = kv.radix.insert_pages(tokens, block.row[:full])
+        cached, node = kv.radix.match_pages(tokens)
         kv.radix.lock(node)
         if block.prefix_node is not None:
             kv.radix.unlock(block.prefix_node)
-        for index in (i for i in range(full) if block.pages[i] != cached[i]):
-            kv.write_locations(block.slot, index, torch.tensor([cached[index]], dtype=torch.int64))
-        if duplicates:
-            kv.allocator.free(torch.tensor(duplicates, dtype=torch.int64))
-        block.pages[:full] = cached
+        changed = np.flatnonzero(block.row[:full] != cached)
+        block.row[:full] = cached
+        for index in changed.tolist():
+            kv.write_locations(block.slot, index, block.row[index : index + 1])
+        if duplicates.shape[0]:
+            kv.allocator.free(duplicates)
         block.num_prefix_pages, block.prefix_node = full, node
         kv.prefix_locks[request] = (node, full)
-        handle.amount = len(block.pages) - full
+        handle.amount = block.num_pages - full - block.num_dropped
 
     def quarantine(self, request: Request, handle: Handle) -> None:
         """A copy may still write the request's own pages: they stay allocated until the
-        fence completes. The matched prefix is only read, so its lock goes now."""
+        fence completes. The matched prefix is only read, so its lock goes now; the slot
+        is given back at once, so the block keeps its own copy of the page ids."""
         block: KVBlock = handle.payload
+        block.row = block.row[: block.num_pages].copy()
         if block.prefix_node is not None:
             self.kv.radix.unlock(block.prefix_node)
             self.kv.prefix_locks.pop(request, None)

@@ -11,12 +11,18 @@ by running requests. The ledger adds the pages requests own, so
 Only `resources.kv_hook.KVHook` allocates from or frees into it; unlocked
 prefix-cache pages leave by eviction when an allocation needs room.
 
+Each request slot has a row of `page_table` (host int64, numpy): the
+request's page ids in token order, filled in place (no list, no tensor on
+the hot path). `req_to_token` (on the device) is written from it, once per
+allocation, by `write_locations`.
+
 The radix cache always exists: `prefix_cache=False` only stops ordinary
 requests from matching and inserting.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from resources.ledger import Owner, PoolUsage
@@ -47,10 +53,13 @@ class KVPool:
         self.prefix_cache = prefix_cache
         self.allocator = PageAllocator(num_pages, page_size)
         self.slots = RequestSlots(max_running, max_context, page_size, device)
+        self.page_table = np.zeros((max_running, pages_for(max_context, page_size)), dtype=np.int64)
         self.radix = RadixCache(page_size)
         #: request -> (locked radix node, pages it protects), for attribution
         self.prefix_locks: dict[Request, tuple[object, int]] = {}
-        self._offsets = torch.arange(page_size, dtype=torch.int64, device=self.device)
+        self._offsets = np.arange(page_size, dtype=np.int64)
+        #: the token table itself when it lives in host memory (written in place), else None
+        self._table_np = self.slots.req_to_token.numpy() if self.device.type == "cpu" else None
 
     # ----------------------------------------------------------- queries
     def pages_for(self, num_tokens: int) -> int:
@@ -74,21 +83,36 @@ class KVPool:
         return [Owner.of(request, pages) for request, (_node, pages) in self.prefix_locks.items()]
 
     # ------------------------------------------------- used by the KV hook
-    def alloc_pages(self, n: int) -> torch.Tensor | None:
-        """Allocate `n` pages, evicting unlocked prefix-cache pages if needed."""
-        short = n - self.allocator.num_free
-        if short > 0:
-            if short > self.radix.evictable_pages:
-                return None
-            evicted = self.radix.evict(short)
-            self.allocator.free(torch.tensor(evicted, dtype=torch.int64))
-        return self.allocator.alloc(n)
+    def alloc_into(self, out: np.ndarray) -> bool:
+        """Fill `out` (a slice of a page-table row) with fresh pages, evicting unlocked
+        prefix-cache pages if needed; False (changing nothing) if the pool is short."""
+        if not self._make_room(out.shape[0]):
+            return False
+        return self.allocator.alloc_into(out)
 
-    def write_locations(self, slot: int, first_page_index: int, pages: torch.Tensor) -> None:
+    def alloc_one(self) -> int | None:
+        """One fresh page (evicting if needed), or None if the pool is short."""
+        if not self._make_room(1):
+            return None
+        return self.allocator.alloc_one()
+
+    def _make_room(self, n: int) -> bool:
+        short = n - self.allocator.num_free
+        if short <= 0:
+            return True
+        if short > self.radix.evictable_pages:
+            return False
+        self.allocator.free(self.radix.evict_pages(short))
+        return True
+
+    def write_locations(self, slot: int, first_page_index: int, pages: np.ndarray) -> None:
         """Fill `req_to_token[slot]` for `pages`, starting at page index `first_page_index`."""
-        if pages.numel() == 0:
+        if not pages.shape[0]:
             return
         ps = self.page_size
-        locs = (pages.to(self.device).unsqueeze(1) * ps + self._offsets).reshape(-1)
+        locs = (pages[:, None] * ps + self._offsets).reshape(-1)
         start = first_page_index * ps
-        self.slots.req_to_token[slot, start : start + locs.numel()] = locs
+        if self._table_np is not None:
+            self._table_np[slot, start : start + locs.shape[0]] = locs
+        else:
+            self.slots.req_to_token[slot, start : start + locs.shape[0]] = torch.from_numpy(locs).to(self.device)

@@ -38,9 +38,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
-import structlog
-
 from states.handle import Handle, ResourceExhausted
+from states.logs import LiveLogger
 from states.request import Request
 from states.request_state import TRANSITIONS, FinishReason, IllegalTransition, RequestState
 
@@ -86,10 +85,14 @@ class RequestMachine:
     ) -> None:
         self.hooks = tuple(hooks)  # release order
         self._acquire_order = tuple(reversed(self.hooks))
+        # NOTE: per destination, precomputed once: who acquires on entering it, and whose scope
+        # it leaves (each transition then only looks at the hooks that can matter)
+        self._acquirers = {s: tuple(h for h in self._acquire_order if s in h.acquire_on) for s in S}
+        self._leavers = {s: tuple(h for h in self.hooks if s not in h.scope) for s in S}
         self._growers = tuple(h for h in self._acquire_order if callable(getattr(h, "grow", None)))
         self.ledger = ledger if ledger is not None else _NoLedger()
         self.clock = clock
-        self.log = logger if logger is not None else structlog.get_logger("kvlife.machine")
+        self.log = logger if logger is not None else LiveLogger("kvlife.machine")
         self.transition_observers: list[TransitionObserver] = []
         #: handles whose fence missed its deadline, until the fence completes
         self.quarantined: list[Quarantined] = []
@@ -203,7 +206,8 @@ class RequestMachine:
         src = request.state
         if dst not in TRANSITIONS[src]:
             raise IllegalTransition(request.request_id, src, dst)
-        leaving = [h for h in self.hooks if h.name in request.handles and dst not in h.scope]
+        handles = request.handles
+        leaving = [h for h in self._leavers[dst] if h.name in handles]
         if leaving and dst is not S.RELEASED:
             fenced = self._fenced(request, leaving)
             if fenced and dst is not S.FINISHED:
@@ -231,8 +235,8 @@ class RequestMachine:
     def _acquire(self, request: Request, dst: RequestState) -> None:
         acquired: list[Any] = []
         try:
-            for hook in self._acquire_order:
-                if dst in hook.acquire_on and hook.name not in request.handles:
+            for hook in self._acquirers[dst]:
+                if hook.name not in request.handles:
                     handle = hook.acquire(request, dst)
                     if handle is not None:
                         request.handles[hook.name] = handle
@@ -266,8 +270,10 @@ class RequestMachine:
         except Exception as exc:  # a faulty hook must not stop the others
             self._hook_failed(request, hook, "release", exc)
             return
-        self.log.debug("resource.released", request_id=request.request_id, resource=hook.name,
-                       amount=handle.amount, after_quarantine=after_quarantine)
+        log = self.log.debug_enabled() if isinstance(self.log, LiveLogger) else self.log
+        if log is not None:
+            log.debug("resource.released", request_id=request.request_id, resource=hook.name,
+                      amount=handle.amount, after_quarantine=after_quarantine)
 
     def _quarantine(self, request: Request, fence: Any) -> None:
         for hook in self.hooks:
@@ -303,8 +309,10 @@ class RequestMachine:
 
     def _record(self, request: Request, src: RequestState | None, dst: RequestState, reason: str | None) -> None:
         request.history.append((dst, self.clock()))
-        self.log.debug("request.transition", request_id=request.request_id,
-                       src=None if src is None else src.name, dst=dst.name, reason=reason)
+        log = self.log.debug_enabled() if isinstance(self.log, LiveLogger) else self.log
+        if log is not None:
+            log.debug("request.transition", request_id=request.request_id,
+                      src=None if src is None else src.name, dst=dst.name, reason=reason)
         if src is None:
             return
         for observer in self.transition_observers:

@@ -33,6 +33,10 @@ class RequestState(enum.Enum):
     def __repr__(self) -> str:
         return f"RequestState.{self.name}"
 
+    # NOTE: members are singletons compared by identity, so the identity hash is
+    # consistent with equality, and C-fast: every transition tests scopes (sets of states)
+    __hash__ = object.__hash__
+
 
 class FinishReason(enum.Enum):
     """Why a request finished. A health check is a request kind, not a reason."""
@@ -46,6 +50,8 @@ class FinishReason(enum.Enum):
 
     def __repr__(self) -> str:
         return f"FinishReason.{self.name}"
+
+    __hash__ = object.__hash__  # NOTE: as RequestState's
 
 
 S = RequestState

@@ -74,9 +74,11 @@ class TestRollback:
 
 
 class TestFences:
-    def _setup(self, *, timeout=5.0):
+    def _setup(self, *, timeout=5.0, kv_scope=None):
         clock = Clock(100.0)
         hooks = make_hooks()
+        if kv_scope is not None:  # declarations are fixed when the machine is built
+            hooks["kv"].scope = kv_scope
         machine = make_machine(hooks, clock=clock)
         req = drive(machine, PATHS[S.DECODING])
         fence = ManualFence("kv_transfer", {"kv"}, timeout=timeout, clock=clock)
@@ -139,8 +141,7 @@ class TestFences:
 
     def test_finish_is_never_refused_and_keeps_fenced_memory(self):
         """Finishing always succeeds; a fenced handle outside FINISHED's scope stays held until RELEASED."""
-        _, hooks, machine, req, fence = self._setup()
-        hooks["kv"].scope = KV_SCOPE - {S.FINISHED}
+        _, hooks, machine, req, fence = self._setup(kv_scope=KV_SCOPE - {S.FINISHED})
         assert machine.finish(req, FinishReason.ABORT, error=RuntimeError("x"))
         assert req.state is S.FINISHED and "kv" in req.handles and hooks["kv"].held == 1
         assert machine.try_release(req) is False
