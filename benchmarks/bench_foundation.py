@@ -33,8 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.machine import fmt, header, loadavg, machine_info, median_range  # noqa: E402
 
-ALLOCATOR_ROWS = ["kvlife PageAllocator", "kvlife page-table rows (hook as it should)", "kvlife KVHook today",
-                  "kvlife machine + KVHook", "sglang PagedTokenToKVPoolAllocator (page 16)",
+ALLOCATOR_ROWS = ["kvlife PageAllocator", "kvlife page-table rows (hook as it should)", "kvlife machine + KVHook", "sglang PagedTokenToKVPoolAllocator (page 16)",
                   "sglang TokenToKVPoolAllocator (page 1)", "vllm v1 BlockPool (page 16)", "python list"]
 PREFIX_ROWS = ["kvlife radix (hook arrays)", "kvlife machine + KVHook", "sglang RadixCache (page 16)"]
 ANCHOR_ALLOC = {"sglang PagedTokenToKVPoolAllocator (page 16)": 11_740,

@@ -8,9 +8,6 @@ Allocator rows:
 - ``kvlife page-table rows (hook as it should)``: each request's pages kept
   in its row of a host numpy page table, filled by `alloc_into` at admission
   and `alloc_one` per decode page, freed as one view at release.
-- ``kvlife KVHook today``: the allocator calls as `resources.kv_hook.KVHook`
-  makes them now: `KVPool.alloc_pages` (a tensor), its page ids appended to a
-  Python list, `free(torch.tensor(list))` at release.
 - ``kvlife machine + KVHook``: the whole path: `RequestMachine` admission
   (request slot, pages, request -> token table, ledger), `KVHook.grow` per
   decode page, FINISHED -> RELEASED.
@@ -22,7 +19,7 @@ Prefix rows:
   with `evict_pages` first when short), one table write per admission and per
   new page, `insert_pages` / `free_chunks` / `unlock` at finish.
 - ``kvlife machine + KVHook``: the engine's own pattern through the machine,
-  the KV hook and the pool, as it is now.
+  the KV hook (page-table rows) and the pool.
 """
 
 from __future__ import annotations
@@ -117,24 +114,6 @@ class PageTableAllocator:
 
     def rejects_double_free(self) -> bool:
         return _rejects_double_free(self.allocator)
-
-
-class HookTodayAllocator(BareAllocator):
-    """KVHook's calls: KVPool.alloc_pages -> tensor -> list; free(torch.tensor(list))."""
-
-    def __init__(self) -> None:
-        self.kv = KVPool(num_pages=ALLOC_POOL_TOKENS // PAGE + 1, page_size=PAGE, max_running=32,
-                         max_context=MAX_CONTEXT, device="cpu", prefix_cache=False)
-        self.allocator = self.kv.allocator
-
-    def admit(self, prompt: int) -> list:
-        return self.kv.alloc_pages(-(-prompt // PAGE)).tolist()
-
-    def grow(self, pages: list) -> None:
-        pages.extend(self.kv.alloc_pages(1).tolist())
-
-    def finish(self, pages: list) -> None:
-        self.allocator.free(torch.tensor(pages, dtype=torch.int64))
 
 
 class _Machine:
@@ -289,7 +268,6 @@ class RadixMachine:
 ADAPTERS = {
     "allocator": {"kvlife PageAllocator": BareAllocator,
                   "kvlife page-table rows (hook as it should)": PageTableAllocator,
-                  "kvlife KVHook today": HookTodayAllocator,
                   "kvlife machine + KVHook": MachineAllocator},
     "prefix": {"kvlife radix (hook arrays)": RadixArrays, "kvlife machine + KVHook": RadixMachine},
 }

@@ -91,20 +91,20 @@ class KVHook(ResourceHook):
     # ------------------------------------------------------------- acquire
     def acquire(self, request: Request, into: RequestState) -> Handle:
         kv = self.kv
-        tokens = request.all_token_ids
         slot = RequestSlotHook.slot(request)
+        num_tokens = request.num_tokens
         row = kv.page_table[slot]
         num_prefix, node = 0, None
         if self._caches(request) and into is S.PREFILLING:
             # leave at least one token to compute: its logits give the next token
-            prefix, node = kv.radix.match_pages(tokens[: len(tokens) - 1])
+            prefix, node = kv.radix.match_pages(request.first_tokens(num_tokens - 1))
             num_prefix = prefix.shape[0]
             if num_prefix:
                 kv.radix.lock(node)
                 row[:num_prefix] = prefix
             else:
                 node = None
-        num_pages = kv.pages_for(len(tokens))
+        num_pages = kv.pages_for(num_tokens)
         if not kv.alloc_into(row[num_prefix:num_pages]):
             if node is not None:
                 kv.radix.unlock(node)
@@ -165,8 +165,7 @@ class KVHook(ResourceHook):
             if block.num_dropped:  # only the pages before the freed ones still form a prefix
                 full = min(full, block.drop_from)
             if full > block.num_prefix_pages:
-                tokens = request.all_token_ids[: full * kv.page_size]
-                duplicates = kv.radix.insert_pages(tokens, block.row[:full])
+                duplicates = kv.radix.insert_pages(request.first_tokens(full * kv.page_size), block.row[:full])
                 rest = block.row[full : block.num_pages]
                 if block.num_dropped:
                     rest = np.concatenate((block.row[full : block.drop_from],

@@ -15,6 +15,7 @@ from typing import Any
 import structlog
 
 DEBUG = logging.DEBUG
+_CONFIG = getattr(getattr(structlog, "_config", None), "_CONFIG", None)
 
 
 class LiveLogger:
@@ -27,8 +28,14 @@ class LiveLogger:
 
     def get(self) -> Any:
         """The bound logger for structlog's current configuration."""
-        config = structlog.get_config()
-        key = (config["wrapper_class"], id(config["processors"]), config["logger_factory"], config["context_class"])
+        config = _CONFIG
+        if config is None:
+            public = structlog.get_config()
+            key = (public["wrapper_class"], id(public["processors"]), public["logger_factory"],
+                   public["context_class"])
+        else:  # NOTE: the same four values as get_config() gives, read without building its dict
+            key = (config.default_wrapper_class, id(config.default_processors), config.logger_factory,
+                   config.default_context_class)
         if key != self._key:
             self._bound = structlog.get_logger(self._name).bind()
             self._key = key

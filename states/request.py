@@ -75,6 +75,13 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def first_tokens(self, n: int) -> list[int]:
+        """The first `n` of prompt + output (one copy, however long the prompt)."""
+        p = len(self.prompt_token_ids)
+        if n <= p:
+            return self.prompt_token_ids[:n]
+        return self.prompt_token_ids + self.output_token_ids[: n - p]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
