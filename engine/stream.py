@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 
 from engine.errors import EngineDead
 from engine.outputs import RequestOutput
@@ -55,7 +56,13 @@ class OutputChannel:
         self._items.clear()
 
     async def receive(self) -> Any:
-        """The next item; raises `anyio.EndOfStream` once closed and drained."""
+        """The next item; raises `anyio.EndOfStream` once closed and drained. A
+        cancellation point even when an item is ready (as any anyio receive).
+
+        NOTE: checked first, unconditionally: a consumer whose wake-up is always set
+        before it is looked at (the loop sends, then yields) would otherwise never be
+        seen waiting, and anyio would never deliver its cancellation."""
+        await anyio.lowlevel.checkpoint_if_cancelled()
         while not self._items:
             if self.closed or self.reader_gone:
                 raise anyio.EndOfStream

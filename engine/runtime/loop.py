@@ -57,6 +57,8 @@ class DecodeLoop:
         self.leak_check = config.leak_check
         self.max_queued = config.max_queued
         self.admission_window = config.admission_window
+        # NOTE: an injected stall must block the worker thread, never the event loop
+        self.inline_step_tokens = config.inline_step_tokens if parts.runner.faults is None else 0
         self._kv_slots = parts.kv_pool.slots
         self.tokenizer = tokenizer
         self._check_memory = check_memory
@@ -183,7 +185,10 @@ class DecodeLoop:
         self.step_running = True
         finished = self.stats.finished_total
         try:
-            output = await anyio.to_thread.run_sync(self.runner.step, batch)
+            if sum(s.num_tokens for s in batch) <= self.inline_step_tokens:
+                output = self.runner.step(batch)  # NOTE: a small step costs less than a thread hop
+            else:
+                output = await anyio.to_thread.run_sync(self.runner.step, batch)
         except Exception as exc:  # the batch fails, the engine keeps serving
             self.finisher.fail_step(batch, exc)
         else:
