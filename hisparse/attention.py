@@ -53,7 +53,8 @@ class _Row:
         self.position = position
         self.context_pages = self.host.pages_dev[: -(-position // page_size)]
         # host rows [start, end) holding tokens 0..position-1, when they are a few runs
-        ranges, left = [], position
+        ranges: list[tuple[int, int]] = []
+        left = position
         for first, count in self.host.runs:
             if left <= 0 or len(ranges) > _MAX_RANGES:
                 break

@@ -34,6 +34,8 @@ import torch
 from hisparse.attention import make_factory
 from hisparse.hooks import DEVICE_HOOK, DeviceBufferHook, HostPagesHook, SlotMapHook, StagingHook
 from hisparse.state import HiSparseState
+from resources.contract import ResourceHookProtocol
+from resources.ledger import Pool
 from states import Request, RequestState
 
 S = RequestState
@@ -46,8 +48,8 @@ class HiSparseInstall:
     """The parts of HiSparse that the engine wires in (see the module docstring)."""
 
     state: HiSparseState
-    hooks: list[Any]
-    pools: list[Any]
+    hooks: list[ResourceHookProtocol]
+    pools: list[Pool]
     kv_scope: frozenset[RequestState]
 
     def attention_factory(self, dense_factory: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
@@ -65,5 +67,6 @@ def install_hisparse(*, config: Any, max_context: int, model_config: Any, device
     config.hisparse.validate_against(config, max_context)
     state = HiSparseState(config=config.hisparse, engine_config=config, model_config=model_config, device=device,
                           max_context=max_context, kv_pool=kv_pool, kv_buffers=kv_buffers, faults=faults)
-    hooks = [DeviceBufferHook(state), HostPagesHook(state), SlotMapHook(state), StagingHook(state)]
+    hooks: list[ResourceHookProtocol] = [DeviceBufferHook(state), HostPagesHook(state), SlotMapHook(state),
+                                         StagingHook(state)]
     return HiSparseInstall(state=state, hooks=hooks, pools=state.pools, kv_scope=KV_SCOPE)

@@ -44,23 +44,39 @@ class HookOrderError(ValueError):
 
 @runtime_checkable
 class ResourceHookProtocol(Protocol):
-    """What every resource hook declares and does."""
+    """What every resource hook declares and does.
 
-    #: Unique among the engine's hooks; the key of the request's handle.
-    name: str
-    #: States whose entry acquires the handle if the request holds none yet; a subset of
-    #: `scope`. Never FINISHED or RELEASED: finishing is never refused for lack of memory.
-    acquire_on: frozenset[RequestState]
-    #: States in which the handle is held. On every transition the machine releases each
-    #: handle whose scope does not contain the destination (RELEASED is in no scope).
-    scope: frozenset[RequestState]
-    #: Hooks this one is released before / after. The one release order is derived at
-    #: registration (`order_hooks`); acquisition runs in reverse.
-    before: tuple[str, ...]
-    after: tuple[str, ...]
-    #: The ledger pool the handle's `amount` counts in, or None for a hook that holds no
-    #: pool memory (the timing hook). One hook, one pool.
-    pool: str | None
+    The declared members are read, never written, by the engine; plain class
+    attributes (``pool = "lora_slots"``, ``before = ("kv",)``) implement them.
+    """
+
+    @property
+    def name(self) -> str:
+        """Unique among the engine's hooks; the key of the request's handle."""
+
+    @property
+    def acquire_on(self) -> frozenset[RequestState]:
+        """States whose entry acquires the handle if the request holds none yet; a subset of
+        `scope`. Never FINISHED or RELEASED: finishing is never refused for lack of memory."""
+
+    @property
+    def scope(self) -> frozenset[RequestState]:
+        """States in which the handle is held. On every transition the machine releases each
+        handle whose scope does not contain the destination (RELEASED is in no scope)."""
+
+    @property
+    def before(self) -> tuple[str, ...]:
+        """Hooks this one is released before. The one release order is derived at
+        registration (`order_hooks`); acquisition runs in reverse."""
+
+    @property
+    def after(self) -> tuple[str, ...]:
+        """Hooks this one is released after (see `before`)."""
+
+    @property
+    def pool(self) -> str | None:
+        """The ledger pool the handle's `amount` counts in, or None for a hook that holds no
+        pool memory (the timing hook). One hook, one pool."""
 
     def acquire(self, request: Request, into: RequestState) -> Handle | None:
         """Take what the request needs on entering `into` (the request is still in its

@@ -250,13 +250,13 @@ def _enum_name(_inst: Any, _field: Any, value: Any) -> Any:
     return getattr(value, "name", value)
 
 
-def _own_ledger(pool: Any, ledger: Ledger) -> tuple[Ledger, str]:
+def _own_ledger(pool: Pool, ledger: Ledger) -> tuple[Ledger, str]:
     """The ledger and pool name that account `pool` (a view of another engine's pool,
     such as a prefill worker's, carries its own)."""
     return getattr(pool, "ledger", None) or ledger, getattr(pool, "ledger_name", pool.name)
 
 
-def _pool_stats(pool: Any, ledger: Ledger) -> PoolStats:
+def _pool_stats(pool: Pool, ledger: Ledger) -> PoolStats:
     name = pool.name
     ledger, accounted = _own_ledger(pool, ledger)
     try:
@@ -271,7 +271,7 @@ def _pool_stats(pool: Any, ledger: Ledger) -> PoolStats:
                      quarantined=ledger.quarantined(accounted), suspect=accounted in ledger.suspect, unit=unit)
 
 
-def _pool_owners(pool: Any, ledger: Ledger) -> list[Owner]:
+def _pool_owners(pool: Pool, ledger: Ledger) -> list[Owner]:
     ledger, accounted = _own_ledger(pool, ledger)
     owners = ledger.owners(accounted)
     shared = getattr(pool, "shared_owners", None)

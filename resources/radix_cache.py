@@ -97,26 +97,28 @@ class RadixCache:
         return pages.tolist(), node
 
     def lock(self, node: _Node) -> None:
-        while node is not None:
-            if node.lock_ref == 0:
-                n = node.pages.shape[0]
+        cur: _Node | None = node
+        while cur is not None:
+            if cur.lock_ref == 0:
+                n = cur.pages.shape[0]
                 self.evictable_pages -= n
                 self.protected_pages += n
-            node.lock_ref += 1
-            node = node.parent
+            cur.lock_ref += 1
+            cur = cur.parent
 
     def unlock(self, node: _Node) -> None:
-        while node is not None:
-            if node.lock_ref <= 0:
+        cur: _Node | None = node
+        while cur is not None:
+            if cur.lock_ref <= 0:
                 raise ValueError("radix node unlocked more times than locked")
-            node.lock_ref -= 1
-            if node.lock_ref == 0:
-                n = node.pages.shape[0]
+            cur.lock_ref -= 1
+            if cur.lock_ref == 0:
+                n = cur.pages.shape[0]
                 self.evictable_pages += n
                 self.protected_pages -= n
-                if not node.children:
-                    self._push_leaf(node)
-            node = node.parent
+                if not cur.children:
+                    self._push_leaf(cur)
+            cur = cur.parent
 
     # ---------------------------------------------------------------- update
     def insert_pages(self, tokens: Sequence[int], pages: np.ndarray | Sequence[int]) -> np.ndarray:
@@ -217,9 +219,11 @@ class RadixCache:
     def _split(self, child: _Node, n: int) -> _Node:
         """Cut `child` after `n` pages; returns the new upper node."""
         ps = self.page_size
-        upper = _Node(child.parent, child.key[: n * ps], child.pages[:n], child.last_access)
+        parent = child.parent
+        assert parent is not None, "the root is never split (a match starts below it)"
+        upper = _Node(parent, child.key[: n * ps], child.pages[:n], child.last_access)
         upper.lock_ref = child.lock_ref
-        child.parent.children[tuple(upper.key[:ps])] = upper
+        parent.children[tuple(upper.key[:ps])] = upper
         child.key, child.pages, child.parent = child.key[n * ps :], child.pages[n:], upper
         upper.children[tuple(child.key[:ps])] = child
         return upper

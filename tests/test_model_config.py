@@ -196,6 +196,7 @@ class TestHFConfig:
             ({"model_type": "gemma2"}, "config.json model_type"),
             ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "config.json rope_scaling.rope_type"),
             ({"rope_scaling": {"rope_type": "llama3", "factor": 4.0}}, "config.json rope_scaling"),
+            ({"rope_scaling": {"rope_type": "linear"}}, "config.json rope_scaling.factor"),
             ({"partial_rotary_factor": 0.5}, "config.json partial_rotary_factor"),
             ({"rope_parameters": {"full_attention": {"rope_type": "default"}}}, "config.json rope_parameters"),
             ({"hidden_act": "gelu"}, "config.json hidden_act"),

@@ -180,3 +180,12 @@ class TestVision:
         model = LlamaModel.from_seed(ModelConfig.tiny(vision=None), seed=0)
         with pytest.raises(ValueError, match="vision"):
             model.num_image_tokens(_image(8, 8))
+
+    def test_text_model_embeds_without_an_image_token(self):
+        """A model with no image_token_id embeds text as is and raises ValueError (not AttributeError) for images."""
+        model = LlamaModel.from_seed(ModelConfig.tiny(vision=None, image_token_id=None), seed=0)
+        ids = torch.tensor([65, 66, 67])
+        with torch.inference_mode():
+            torch.testing.assert_close(model.embed_with_images(ids, []), model.model.embed_tokens(ids))
+        with pytest.raises(ValueError, match="vision"):
+            model.embed_with_images(ids, [_image(8, 8)])

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 from importlib.metadata import PackageNotFoundError, version
+from typing import NoReturn
 
 from engine.cli.generate_command import add_generate_parser
 from engine.cli.options import CLIError
@@ -35,7 +36,7 @@ if sys.version_info < (3, 11):  # pragma: no cover
 class _Parser(argparse.ArgumentParser):
     """argparse with its errors as one `kvlife: ...` line (no usage block), exit code 2."""
 
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         command = self.prog.removeprefix("kvlife").strip()
         self.exit(2, f"kvlife: {command + ': ' if command else ''}{message}\n")
 
@@ -62,7 +63,7 @@ def _log_options(parser: argparse.ArgumentParser, *, suppress: bool) -> None:
     # command is not overwritten by the subparser's default; given after, it wins.
     default = argparse.SUPPRESS if suppress else None
     group = parser.add_argument_group("logging (before or after the command)")
-    group.add_argument("--log-level", choices=sorted(LEVELS, key=LEVELS.get), default=default,
+    group.add_argument("--log-level", choices=sorted(LEVELS, key=LEVELS.__getitem__), default=default,
                        help="debug, info, warning or error (default: warning; serve: info)")
     group.add_argument("--log-json", action=argparse.BooleanOptionalAction, default=default,
                        help="JSON-lines logs (default: off; serve: on)")

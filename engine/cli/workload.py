@@ -120,6 +120,7 @@ async def _run_client(engine: Engine, plan: dict[str, Any]) -> str:
     async with stream:
         async for output in stream:
             if output.finished:
+                assert output.finish_reason is not None  # a final output names why it finished
                 return output.finish_reason.name.lower()
             if len(output.token_ids) >= plan["cut_after"]:
                 if plan["kind"] == "abort":

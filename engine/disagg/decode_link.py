@@ -62,7 +62,7 @@ class LinkJob:
     done: bool = False  # resolved: outcome set, fence completed
     cancel_sent: bool = False
     #: how it ends, decided once: (first_token, cause, message)
-    decision: tuple | None = None
+    decision: tuple[int | None, str | None, str] | None = None
     lock: threading.Lock = attrs.field(factory=threading.Lock)  # held by the writing thread while it writes
     _deciding: threading.Lock = attrs.field(factory=threading.Lock)
 
@@ -107,6 +107,7 @@ class LinkJob:
         if self.done:
             return
         self.done = True
+        assert self.decision is not None  # `end` decides before anything resolves
         first_token, cause, message = self.decision
         if cause is None:
             self.job.resolve("ok", first_token)

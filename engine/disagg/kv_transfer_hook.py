@@ -21,6 +21,7 @@ import attrs
 import torch
 
 from resources import ManualFence, ResourceHook
+from resources.ledger import Pool
 from resources.request_slots import RequestSlotHook
 from states import Handle, Request, RequestState
 
@@ -79,7 +80,7 @@ class PrefillClient(Protocol):
     """Where a decode engine's prefills run: in process (`PrefillWorker`) or remote."""
 
     #: extra pools for the decode engine's memory report (may be empty)
-    pools: list[Any]
+    pools: list[Pool]
 
     def submit(self, job: TransferJob) -> None:
         """Take a job; it must eventually be resolved (outcome set, fence completed

@@ -184,19 +184,21 @@ class PrefillLink:
             if status == FAILED:
                 stats.job_failed("prefill_failed")
             return
+        spec = sj.spec
+        assert spec is not None  # only a malformed job has none, and it is answered FAILED above
         nbytes = sum(chunk.nbytes for chunk, _ in sj.staged)
         points = self.server.test_points
         index = 0
         while sj.staged:
             chunk, buf = sj.staged[0]
             if points is not None:
-                points("sending", sj.spec.request_id, index)
+                points("sending", spec.request_id, index)
             self.pair.wait(self.pair.post_send_data(buf), s.chunk_timeout(chunk.nbytes))
             self.server.staging.give(sj.worker_id, buf)
             sj.staged.pop(0)
             index += 1
         stats.job_ok(nbytes, None, time.monotonic() - sj.received)
-        log.debug("transfer.sent", request_id=sj.spec.request_id, peer=self.name, epoch=self.epoch, bytes=nbytes)
+        log.debug("transfer.sent", request_id=spec.request_id, peer=self.name, epoch=self.epoch, bytes=nbytes)
 
     # ------------------------------------------------------------- down
     def down(self, error: LinkError) -> None:

@@ -76,7 +76,7 @@ class LinkTransfer:
 
     def __init__(self, server: PrefillServer) -> None:
         self.server = server
-        self.stream = None
+        self.stream: torch.cuda.Stream | None = None
 
     def send(self, src: Any, src_locs: torch.Tensor, dst_locs: torch.Tensor, request_id: str,
              destination: Any = None) -> None:
@@ -85,14 +85,16 @@ class LinkTransfer:
         sj = server.by_worker_id.get(request_id)
         if sj is None:
             raise TransferFailed(f"no link job {request_id!r}")
-        if server.faults is not None and server.faults.transfer_fails(sj.spec.request_id):
-            raise TransferFailed(f"injected transfer failure for {sj.spec.request_id!r}")
+        spec = sj.spec
+        assert spec is not None  # a job reaches the worker only once it parsed
+        if server.faults is not None and server.faults.transfer_fails(spec.request_id):
+            raise TransferFailed(f"injected transfer failure for {spec.request_id!r}")
         if not sj.link.up:
             raise TransferFailed("the decode's link is down")
         layout, staged = server.layout, []
         to_device = sj.link.pair.data_device
         try:
-            for chunk in chunk_plan(layout, int(src_locs.numel()), sj.spec.max_chunk_bytes):
+            for chunk in chunk_plan(layout, int(src_locs.numel()), spec.max_chunk_bytes):
                 wait = max(sj.deadline - time.monotonic(), server.settings.chunk_slack)
                 buf = server.staging.take(sj.worker_id, chunk.nbytes, timeout=wait, device=to_device)
                 staged.append((chunk, buf))
@@ -170,7 +172,7 @@ class PrefillServer:
         await self._task_group.__aenter__()
         await self._task_group.start(self.worker.run)
         self._task_group.start_soon(self._housekeeping)
-        threading.Thread(target=self._accept_loop, name="kvlife-bootstrap", daemon=True).start()
+        threading.Thread(target=self._accept_loop, args=(self.bootstrap,), name="kvlife-bootstrap", daemon=True).start()
         log.info("transfer.prefill_started", host=self.settings.host, bootstrap_port=self.bootstrap_port,
                  boot=self.bootstrap.boot, model=self.record["model"])
         return self
@@ -213,6 +215,7 @@ class PrefillServer:
 
     def submit_job(self, sj: ServerJob) -> None:
         spec = sj.spec
+        assert spec is not None  # the link submits only the jobs that parsed
         sj.worker_id = f"{spec.request_id}@{sj.link.name}.{sj.tag}"
         try:
             params = SamplingParams(**spec.params)
@@ -269,15 +272,16 @@ class PrefillServer:
             link.down(LinkError("shutdown", "the prefill is shutting down"))
             return
         self.links.append(link)
+        assert self.bootstrap is not None  # links are built only after __aenter__ started it
         self.stats.link_up(link.name, link.epoch, self.bootstrap.boot)
         log.info("transfer.link_up", peer=link.name, epoch=link.epoch)
         link.start()
 
     # ------------------------------------------------------------ threads
-    def _accept_loop(self) -> None:
+    def _accept_loop(self, bootstrap: BootstrapServer) -> None:
         while not self._closing.is_set():
             try:
-                done = self.bootstrap.poll()
+                done = bootstrap.poll()
             except Exception as exc:  # noqa: BLE001 - a broken client must not stop the acceptor
                 log.warning("transfer.bootstrap_error", error=repr(exc))
                 done = []

@@ -13,7 +13,7 @@ like a locally prefilled one.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import structlog
@@ -22,7 +22,11 @@ from engine.disagg.kv_transfer_hook import TRANSFER_FENCE, TransferCancelled, Tr
 from engine.disagg.transfer import TransferBackend
 from engine.runtime.scheduler import ScheduledSeq
 from resources.request_slots import RequestSlotHook
+from resources.ledger import Pool
 from states import FinishReason, Request, RequestState, ResourceExhausted
+
+if TYPE_CHECKING:
+    from engine.runtime.assembly import EngineParts
 
 S = RequestState
 log = structlog.get_logger("kvlife.disaggregation")
@@ -31,14 +35,14 @@ log = structlog.get_logger("kvlife.disaggregation")
 class PrefillWorker:
     """Runs prefill jobs through its own machine and pools, then sends the KV."""
 
-    def __init__(self, parts: Any, transfer: TransferBackend, *, faults: Any = None) -> None:
+    def __init__(self, parts: EngineParts, transfer: TransferBackend, *, faults: Any = None) -> None:
         self.parts = parts
         self.machine = parts.machine
         self.transfer = transfer
         self.faults = faults
         self.jobs: deque[TransferJob] = deque()
         self.requests: list[Request] = []  # worker-side requests not yet RELEASED
-        self.pools = [PrefixedPool("prefill.", pool, parts.ledger) for pool in parts.pools]
+        self.pools: list[Pool] = [PrefixedPool("prefill.", pool, parts.ledger) for pool in parts.pools]
         self._closing = False
         self._wake = anyio.Event()
 

@@ -35,7 +35,7 @@ from engine.disagg.staging import StagingPool
 from engine.disagg.transport import LinkError, Pair
 from engine.disagg.wire import JobSpec, KVLayout, chunk_plan, compatibility_record, model_identity, params_to_dict
 from engine.errors import InvalidConfig
-from resources.ledger import Owner, PoolUsage
+from resources.ledger import Owner, Pool, PoolUsage
 from states import RequestState
 
 log = structlog.get_logger("kvlife.transfer")
@@ -79,7 +79,7 @@ class RemotePrefillClient:
         self._closing = False
         self._limiter = anyio.CapacityLimiter(len(self.peers))
         capacity = config.max_running
-        self.pools = [self.staging, *(_JobsPool(self, p.name, capacity) for p in self.peers),
+        self.pools: list[Pool] = [self.staging, *(_JobsPool(self, p.name, capacity) for p in self.peers),
                       _JobsPool(self, "pending", capacity)]
 
     # ----------------------------------------------------------- the seam
@@ -240,7 +240,7 @@ class RemotePrefillClient:
             interval = self.settings.reconnect_interval  # doubling while it fails, up to 8x
             await anyio.sleep(interval * min(2 ** max(failures - 1, 0), 8))
 
-    def _connect(self, peer: _Peer) -> DecodeLink | None:
+    def _connect(self, peer: _Peer) -> DecodeLink:
         """Handshake and build the pair (in a worker thread)."""
         s = self.settings
         handshake = bootstrap.connect(peer.host, peer.port, s, self.record)

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import datetime
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -58,33 +59,45 @@ def _delta(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=max(seconds, 0.001))
 
 
-def _gloo_device(host: str) -> Any:
+def _gloo_device(host: str) -> dist.ProcessGroupGloo.Device:
     if host in ("0.0.0.0", "::", ""):
         return dist.ProcessGroupGloo.create_default_device()
     return dist.ProcessGroupGloo.create_device(hostname=host)
 
 
+class _PeerGroup(Protocol):
+    """The point-to-point half of a c10d backend that a pair uses."""
+
+    def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int) -> dist.Work: ...
+
+    def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int) -> dist.Work: ...
+
+
 class Pair:
     """The two process groups of one link (built by both sides at once; blocks until both have)."""
 
-    def __init__(self, store: Any, prefix: str, *, rank: int, host: str, backend: str, device: torch.device,
+    def __init__(self, store: dist.Store, prefix: str, *, rank: int, host: str, backend: str, device: torch.device,
                  timeout: float) -> None:
         self.rank = rank
         self.peer = 1 - rank
         self.device = device
         self._keep = store  # the store must outlive the groups
-        options = dist.ProcessGroupGloo._Options()
+        # torch's stubs name only the public Options; Gloo's constructor takes the pybind _Options
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         options._timeout = _delta(timeout)
         options._devices = [_gloo_device(host)]
+        # NOTE: cast, as torch's stubs leave send/recv off Backend though every backend has them
         try:
-            self.ctl = dist.ProcessGroupGloo(dist.PrefixStore(prefix + "gloo/", store), rank, 2, options)
+            self.ctl = cast(_PeerGroup, dist.ProcessGroupGloo(dist.PrefixStore(prefix + "gloo/", store), rank, 2,
+                                                              options))
             self.data = self.ctl
             if backend == "nccl":
                 # NOTE: abort the communicator on a timeout instead of tearing the process down
                 os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
                 nccl_options = dist.ProcessGroupNCCL.Options()
                 nccl_options._timeout = _delta(timeout)
-                self.data = dist.ProcessGroupNCCL(dist.PrefixStore(prefix + "nccl/", store), rank, 2, nccl_options)
+                self.data = cast(_PeerGroup, dist.ProcessGroupNCCL(dist.PrefixStore(prefix + "nccl/", store), rank,
+                                                                   2, nccl_options))
         except Exception as exc:  # noqa: BLE001 - rendezvous failures are link failures
             raise classify(exc) from exc
         #: chunks travel in host memory (gloo) or device memory (nccl)
@@ -98,13 +111,13 @@ class Pair:
         self._wait(self._post(self.ctl.recv, tensor, self._in_tag), timeout)
 
     # -------------------------------------------------------------- chunks
-    def post_send_data(self, tensor: torch.Tensor) -> Any:
+    def post_send_data(self, tensor: torch.Tensor) -> dist.Work:
         return self._post(self.data.send, tensor, DATA)
 
-    def post_recv_data(self, tensor: torch.Tensor) -> Any:
+    def post_recv_data(self, tensor: torch.Tensor) -> dist.Work:
         return self._post(self.data.recv, tensor, DATA)
 
-    def wait(self, work: Any, timeout: float) -> None:
+    def wait(self, work: dist.Work, timeout: float) -> None:
         self._wait(work, timeout)
 
     # ------------------------------------------------------------ internals
@@ -116,14 +129,15 @@ class Pair:
     def _in_tag(self) -> int:
         return DATA if self.rank == 1 else CTL
 
-    def _post(self, op: Any, tensor: torch.Tensor, tag: int) -> Any:
+    def _post(self, op: Callable[[list[torch.Tensor], int, int], dist.Work], tensor: torch.Tensor,
+              tag: int) -> dist.Work:
         try:
             return op([tensor], self.peer, tag)
         except Exception as exc:  # noqa: BLE001 - posting on a closed pair raises at once
             raise classify(exc) from exc
 
     @staticmethod
-    def _wait(work: Any, timeout: float) -> None:
+    def _wait(work: dist.Work, timeout: float) -> None:
         try:
             work.wait(_delta(timeout))
         except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError for every failure

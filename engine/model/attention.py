@@ -33,7 +33,7 @@ sees ``[batch, kv_heads, group * q_len, head_dim]`` against
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import attrs
@@ -59,6 +59,10 @@ class AttentionBackend(Protocol):
     def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor: ...
 
 
+def _int_tuple(values: Iterable[int]) -> tuple[int, ...]:
+    return tuple(values)
+
+
 @attrs.frozen(eq=False)
 class AttentionMetadata:
     """Where a step's tokens live in the KV buffers.
@@ -78,8 +82,8 @@ class AttentionMetadata:
     """
 
     out_locs: Tensor
-    q_lens: tuple[int, ...] = attrs.field(converter=tuple)
-    kv_lens: tuple[int, ...] = attrs.field(converter=tuple)
+    q_lens: tuple[int, ...] = attrs.field(converter=_int_tuple)
+    kv_lens: tuple[int, ...] = attrs.field(converter=_int_tuple)
     kv_locs: Tensor | None = None
     kv_pages: Tensor | None = None
     page_size: int = 1
@@ -87,7 +91,7 @@ class AttentionMetadata:
     def __attrs_post_init__(self) -> None:
         batch = len(self.q_lens)
         context = self.kv_locs if self.kv_pages is None else self.kv_pages
-        if (self.kv_locs is None) == (self.kv_pages is None):
+        if context is None or (self.kv_locs is not None and self.kv_pages is not None):
             raise ValueError("give the context as exactly one of kv_locs and kv_pages")
         if len(self.kv_lens) != batch or context.shape[0] != batch:
             raise ValueError(
@@ -184,8 +188,8 @@ class PagedAttention:
             gather = _Gather.of(kv, meta, [b], device)
             query_pos = torch.arange(kv_len - q_len, kv_len, device=device)
             keys = torch.arange(gather.width, device=device)[None, :]
-            masks = {None: (keys <= query_pos[:, None])[None, None]}
-            for window in set(self._windows) - {None}:
+            masks: dict[int | None, Tensor] = {None: (keys <= query_pos[:, None])[None, None]}
+            for window in {w for w in self._windows if w is not None}:
                 masks[window] = masks[None] & (keys > query_pos[:, None] - window)[None, None]
             self._prefills.append((slice(starts[b], starts[b + 1]), gather, masks))
 
@@ -304,6 +308,7 @@ class _Gather:
             pages = meta.kv_pages[:, : -(-max(lens) // ps)]
             return cls(pages if rows is None else pages.index_select(0, rows), ps, kv_lens)
         locs = meta.kv_locs if meta.kv_pages is None else _token_locations(meta.kv_pages, meta.page_size)
+        assert locs is not None  # exactly one of kv_locs and kv_pages (checked at construction)
         locs = locs[:, : max(lens)]
         if rows is not None:
             locs = locs.index_select(0, rows)

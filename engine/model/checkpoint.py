@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import attrs
 import torch
@@ -118,6 +118,10 @@ def save_checkpoint(model: LlamaModel, config: ModelConfig, path: str | Path) ->
     return directory
 
 
+@overload
+def _read_json(path: Path, *, required: Literal[True]) -> dict[str, Any]: ...
+@overload
+def _read_json(path: Path, *, required: Literal[False]) -> dict[str, Any] | None: ...
 def _read_json(path: Path, *, required: bool) -> dict[str, Any] | None:
     if not path.is_file():
         if required:

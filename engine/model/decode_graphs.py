@@ -43,6 +43,9 @@ from engine.model.sampling import argmax_rows, sample
 
 log = structlog.get_logger("kvlife.decode_graphs")
 
+#: a captured step: the graph and its static outputs (logits, greedy tokens)
+_Captured = tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]
+
 
 def batch_buckets(max_batch: int) -> list[int]:
     sizes = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 16))
@@ -69,9 +72,9 @@ class DecodeGraphs:
         largest = self.batch_sizes[-1]
         self.static = torch.zeros(4, largest, dtype=torch.int64, device=device)
         self._host = torch.zeros(4, largest, dtype=torch.int64, pin_memory=device.type == "cuda")
-        #: (batch bucket, page bucket) -> (graph or None, logits, tokens)
-        self._graphs: dict[tuple[int, int], tuple[Any, torch.Tensor, torch.Tensor]] = {}
-        self._pool = None
+        #: (batch bucket, page bucket) -> (graph, logits, tokens), or None when not capturing
+        self._graphs: dict[tuple[int, int], _Captured | None] = {}
+        self._pool: torch.cuda._POOL_HANDLE | None = None
         #: set when a capture failed: every later step runs eagerly
         self.disabled = False
 
@@ -101,12 +104,13 @@ class DecodeGraphs:
         host[3, :n] = 1
         self.static[:, :bucket].copy_(host[:, :bucket], non_blocking=True)
         try:
-            graph, logits, tokens = self._graph(bucket, pages)
+            captured = self._graph(bucket, pages)
         except Exception as exc:  # NOTE: a capture that fails must not fail the step: run eagerly from now on
             self.disabled = True
             log.warning("decode_graphs.disabled", error=repr(exc), batch=bucket, pages=pages)
             return None
-        if graph is not None:
+        if captured is not None:
+            graph, logits, tokens = captured
             graph.replay()
         else:
             logits, tokens = self._forward(bucket, pages)
@@ -129,15 +133,13 @@ class DecodeGraphs:
         logits = self.model(ids, positions, attention)
         return logits, argmax_rows(logits)
 
-    def _graph(self, bucket: int, num_pages: int) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    def _graph(self, bucket: int, num_pages: int) -> _Captured | None:
         key = (bucket, num_pages)
-        entry = self._graphs.get(key)
-        if entry is None:
-            entry = self._capture(bucket, num_pages) if self.capture else (None, None, None)
-            self._graphs[key] = entry
-        return entry
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(bucket, num_pages) if self.capture else None
+        return self._graphs[key]
 
-    def _capture(self, bucket: int, num_pages: int) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    def _capture(self, bucket: int, num_pages: int) -> _Captured:
         # NOTE: the static inputs hold this step's rows; capture runs the step on them
         # (writing their K/V, as the replay after it will again: the same values).
         side = torch.cuda.Stream(self.device)

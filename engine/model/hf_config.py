@@ -116,7 +116,10 @@ def _rope(hf: dict[str, Any], max_positions: int, default_theta: float) -> tuple
         original = max_positions  # as transformers' standardize_rope_params does
     factor = params.get("factor")
     if factor is None and rope_type == "yarn":
+        assert original is not None  # set just above for yarn
         factor = max_positions / original
+    if factor is None:
+        raise CheckpointError(f"config.json {key}.factor", f"missing: {rope_type} RoPE scaling needs a factor", params)
     optional = {name: params[name] for name in ("low_freq_factor", "high_freq_factor", "attention_factor", "mscale",
                                                 "mscale_all_dim", "truncate") if params.get(name) is not None}
     for name in ("beta_fast", "beta_slow"):

@@ -37,6 +37,10 @@ class SelfAttention(nn.Module):
     """q/k/v/o projections (biases as the config says), optional per-head
     q/k RMSNorm before RoPE (Qwen3), attention through the backend."""
 
+    qkv_t: Tensor | None
+    qkv_bias: Tensor | None
+    o_t: Tensor | None
+
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.layer_id = layer_id
@@ -68,7 +72,9 @@ class SelfAttention(nn.Module):
     def _packed_forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: AttentionBackend) -> Tensor:
         """`forward` on the packed weights: one matmul for q/k/v, RoPE once for q and k."""
         tokens, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
-        qkv = torch.mm(x, self.qkv_t) if self.qkv_bias is None else torch.addmm(self.qkv_bias, x, self.qkv_t)
+        qkv_t, qkv_bias, o_t = self.qkv_t, self.qkv_bias, self.o_t
+        assert qkv_t is not None and o_t is not None  # `pack` sets both
+        qkv = torch.mm(x, qkv_t) if qkv_bias is None else torch.addmm(qkv_bias, x, qkv_t)
         qkv = qkv.view(tokens, heads + 2 * kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q = apply_rope(self.q_norm(qkv[:, :heads]), cos, sin)
@@ -78,10 +84,14 @@ class SelfAttention(nn.Module):
             q, k = qk[:, :heads], qk[:, heads:]
         out = attention.attend(self.layer_id, q, k, qkv[:, heads + kv_heads :]).reshape(tokens, heads * self.head_dim)
         bias = self.o_proj.bias
-        return torch.mm(out, self.o_t) if bias is None else torch.addmm(bias, out, self.o_t)
+        return torch.mm(out, o_t) if bias is None else torch.addmm(bias, out, o_t)
 
 
 class DecoderLayer(nn.Module):
+    gate_up_t: Tensor | None
+    gate_up_bias: Tensor | None
+    down_t: Tensor | None
+
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
         gemma, eps = config.gemma_norm, config.rms_norm_eps
@@ -110,13 +120,13 @@ class DecoderLayer(nn.Module):
 
     def _packed_mlp(self, x: Tensor) -> Tensor:
         """`GatedMLP.forward` on the packed weights: one matmul for gate and up."""
-        mlp = self.mlp
-        gate_up = torch.mm(x, self.gate_up_t) if self.gate_up_bias is None else torch.addmm(self.gate_up_bias, x,
-                                                                                           self.gate_up_t)
+        mlp, gate_up_t, gate_up_bias, down_t = self.mlp, self.gate_up_t, self.gate_up_bias, self.down_t
+        assert isinstance(mlp, GatedMLP) and gate_up_t is not None and down_t is not None  # `pack` sets them
+        gate_up = torch.mm(x, gate_up_t) if gate_up_bias is None else torch.addmm(gate_up_bias, x, gate_up_t)
         gate, up = gate_up.chunk(2, dim=-1)
         hidden = mlp.act(gate) * up
         bias = mlp.down_proj.bias
-        return torch.mm(hidden, self.down_t) if bias is None else torch.addmm(bias, hidden, self.down_t)
+        return torch.mm(hidden, down_t) if bias is None else torch.addmm(bias, hidden, down_t)
 
 
 class VisionProjector(nn.Module):
@@ -162,6 +172,8 @@ class DecoderStack(nn.Module):
 class LlamaModel(nn.Module):
     """A Llama-family causal LM whose attention is delegated per layer to an
     `AttentionBackend` (paged for the engine, dense for the oracle)."""
+
+    head_t: Tensor | None
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -227,8 +239,10 @@ class LlamaModel(nn.Module):
         image placeholder positions replaced, in order, by the patches of
         `images`. ValueError if the placeholder count differs from the total
         patch count."""
-        placeholders = (input_ids == self.config.image_token_id).nonzero(as_tuple=True)[0]
         num_patches = sum(self.num_image_tokens(image) for image in images)
+        image_token_id = self.config.image_token_id  # None only without a vision projector (and so images)
+        placeholders = (input_ids[:0] if image_token_id is None
+                        else (input_ids == image_token_id).nonzero(as_tuple=True)[0])
         if placeholders.numel() != num_patches:
             raise ValueError(f"{placeholders.numel()} image placeholder tokens for {num_patches} image patches")
         embeds = self.model.embed_tokens(input_ids)
@@ -284,6 +298,7 @@ class LlamaModel(nn.Module):
         and no weight is held twice. Call it with the model on its final device.
         """
         for layer in self.model.layers:
+            assert isinstance(layer, DecoderLayer)
             attn = layer.self_attn
             if attn.qkv_t is None:
                 attn.qkv_t, attn.qkv_bias = _pack([attn.q_proj, attn.k_proj, attn.v_proj])

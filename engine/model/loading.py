@@ -17,15 +17,16 @@ from engine.config import EngineConfig
 from engine.errors import InvalidConfig
 from engine.model.llama import LlamaModel
 from engine.model.model_config import ModelConfig
-from engine.model.tokenizer import ByteTokenizer
+from engine.model.tokenizer import ByteTokenizer, Tokenizer
 
 BUILTIN_MODELS = {"tiny": ModelConfig.tiny, "tiny-moe": ModelConfig.tiny_moe, "null": ModelConfig.tiny}
 
 
-def load_model(config: EngineConfig, device: torch.device):
+def load_model(config: EngineConfig, device: torch.device) -> tuple[ModelConfig, LlamaModel, Tokenizer]:
     """(model config, model, tokenizer) for `config.model`; a checkpoint that
     cannot be loaded raises `CheckpointError` (an `InvalidConfig`) naming why."""
     dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
+    bundle: tuple[ModelConfig, LlamaModel, Tokenizer]
     if config.model in BUILTIN_MODELS:
         model_config = BUILTIN_MODELS[config.model]()
         model_config = attrs.evolve(model_config, dtype="float32" if dtype is None else config.dtype)

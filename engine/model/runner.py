@@ -210,6 +210,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         decode_only = all(s.num_tokens == 1 for s in seqs)
+        assert self.timings is not None  # called only for timed steps
         self.timings.append(StepTiming(len(seqs), decode_only, t1 - t0, time.perf_counter() - t1))
 
     def _inject_faults(self, seqs: Sequence[ScheduledSeq]) -> None:

@@ -39,9 +39,9 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], params: list[Samplin
     rows = torch.tensor(wanted, device=logits.device)
     logprobs = torch.log_softmax(logits.index_select(0, rows).float(), dim=-1)
     chosen = logprobs.gather(1, torch.tensor([[tokens[r]] for r in wanted], device=logits.device))[:, 0].tolist()
-    most = max(params[r].logprobs for r in wanted)  # type: ignore[type-var]
-    top_values, top_ids = (torch.topk(logprobs, most, dim=-1) if most else (logprobs[:, :0], logprobs[:, :0].long()))
-    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    most = max(params[r].logprobs or 0 for r in wanted)
+    values, ids = (torch.topk(logprobs, most, dim=-1) if most else (logprobs[:, :0], logprobs[:, :0].long()))
+    top_values, top_ids = values.tolist(), ids.tolist()
     for i, row in enumerate(wanted):
         k = params[row].logprobs or 0
         out[row] = TokenLogprob(tokens[row], chosen[i], tuple(zip(top_ids[i][:k], top_values[i][:k])))

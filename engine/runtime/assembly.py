@@ -15,8 +15,8 @@ Built-in registration order is the built-in release order::
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -24,20 +24,31 @@ import torch
 from engine.config import EngineConfig
 from engine.errors import InvalidConfig
 from engine.model.attention import PagedAttention
+from engine.model.llama import LlamaModel
 from engine.model.loading import load_model
 from engine.model.model_config import ModelConfig
-from engine.model.runner import ModelRunner, NoComputeRunner
+from engine.model.runner import AttentionFactory, ModelRunner, NoComputeRunner, StepOutput
+from engine.model.tokenizer import Tokenizer
 from engine.runtime.scheduler import Scheduler
 from engine.testing import FaultInjector
 from resources.kv_buffers import KVBuffers
 from resources.kv_hook import KVHook
 from resources.kv_pool import KVPool
-from resources.ledger import Ledger
+from resources.contract import ResourceHookProtocol
+from resources.ledger import Ledger, Pool
 from resources.plugins import PluginContext, build_plugin_hooks, is_hook_instance
 from resources.contract import order_hooks
+from engine.runtime.scheduler import ScheduledSeq
 from resources.request_slots import RequestSlotHook
 from resources.timing_hook import TimingHook
 from states import Request, RequestMachine, RequestState
+
+if TYPE_CHECKING:
+    from engine.disagg.kv_transfer_hook import PrefillClient, TransferJob
+    from resources.moe_records import ExpertDistribution
+
+#: called after every step with the batch and its output (the MoE record)
+StepObserver = Callable[[Sequence[ScheduledSeq], StepOutput], None]
 
 
 @attrs.define
@@ -45,25 +56,25 @@ class EngineParts:
     config: EngineConfig
     device: torch.device
     model_config: ModelConfig
-    model: Any
-    tokenizer: Any
+    model: LlamaModel
+    tokenizer: Tokenizer
     #: the effective limit on prompt + output tokens (see EngineConfig.max_context)
     max_context: int
     ledger: Ledger
     kv_buffers: KVBuffers
     kv_pool: KVPool
-    hooks: list
-    pools: list
+    hooks: list[ResourceHookProtocol]
+    pools: list[Pool]
     machine: RequestMachine
     scheduler: Scheduler
     runner: ModelRunner
     after_prefill: RequestState = RequestState.DECODING
     admit_into: RequestState = RequestState.PREFILLING
-    step_observers: list = attrs.field(factory=list)
-    expert_distribution: Any = None
+    step_observers: list[StepObserver] = attrs.field(factory=list)
+    expert_distribution: ExpertDistribution | None = None
     #: the decode role's prefill client, and the accessor of a TRANSFERRING request's job
-    prefill_client: Any = None
-    transfer_job: Any = None
+    prefill_client: PrefillClient | None = None
+    transfer_job: Callable[[Request], TransferJob] | None = None
     mm_cache_bytes: int | None = None
 
 
@@ -89,8 +100,8 @@ def effective_max_context(config: EngineConfig, model_config: ModelConfig) -> in
     return min(config.context_bound, limit)
 
 
-def build_parts(config: EngineConfig, *, faults: FaultInjector | None = None, model_bundle: tuple | None = None,
-                expert_distribution: Any = None) -> EngineParts:
+def build_parts(config: EngineConfig, *, faults: FaultInjector | None = None, model_bundle: tuple[ModelConfig, LlamaModel, Tokenizer] | None = None,
+                expert_distribution: ExpertDistribution | None = None) -> EngineParts:
     """Every part of an engine for `config`; `faults` (tests only) injects failures."""
     device = _device(config)
     model_config, model, tokenizer = model_bundle or load_model(config, device)
@@ -103,14 +114,14 @@ def build_parts(config: EngineConfig, *, faults: FaultInjector | None = None, mo
                      max_context=max_context, device=device, prefix_cache=config.prefix_cache)
     kv_scope = None
     slot_of: Callable[[Request], int | None] = RequestSlotHook.slot
-    attention_factory = PagedAttention.factory(kv_buffers, model_config.layer_windows)
+    attention_factory: AttentionFactory = PagedAttention.factory(kv_buffers, model_config.layer_windows)
     embedder = None
-    before_kv: list = []  # the MoE record
-    transfer_hooks: list = []  # kv_transfer: acquired after HiSparse's host pages (its landing)
-    hisparse_hooks: list = []
-    after_kv: list = []
-    pools: list = [kv_pool, kv_pool.slots]
-    step_observers: list = []
+    before_kv: list[ResourceHookProtocol] = []  # the MoE record
+    transfer_hooks: list[ResourceHookProtocol] = []  # kv_transfer: acquired after HiSparse's host pages (its landing)
+    hisparse_hooks: list[ResourceHookProtocol] = []
+    after_kv: list[ResourceHookProtocol] = []
+    pools: list[Pool] = [kv_pool, kv_pool.slots]
+    step_observers: list[StepObserver] = []
     parts_extra: dict[str, Any] = {}
 
     if model_config.is_moe:
@@ -140,6 +151,7 @@ def build_parts(config: EngineConfig, *, faults: FaultInjector | None = None, mo
         from engine.disagg.prefill_worker import PrefillWorker
         from engine.disagg.transfer import LoopbackTransfer
 
+        client: PrefillClient
         if config.remote_prefill is not None:  # prefill servers in other processes (engine.disagg.remote_client)
             from engine.disagg.remote_client import RemotePrefillClient
 
@@ -176,9 +188,9 @@ def build_parts(config: EngineConfig, *, faults: FaultInjector | None = None, mo
     runner_cls = NoComputeRunner if config.model == "null" else ModelRunner
     runner = runner_cls(model, kv_buffers, kv_pool.slots, device, slot_of=slot_of,
                         attention_factory=attention_factory, embedder=embedder, faults=faults)
-    windows = model_config.layer_windows
+    windows = [w for w in model_config.layer_windows if w is not None]  # every layer windowed: the widest
     kv_hook = KVHook(kv_pool, scope=kv_scope,
-                     window=max(windows) if windows and None not in windows else None)  # type: ignore[type-var]
+                     window=max(windows) if windows and len(windows) == len(model_config.layer_windows) else None)
     slot_hook = RequestSlotHook(kv_pool.slots, scope=kv_scope)
     plugins = build_plugin_hooks(config.resources, PluginContext(device, config),
                                  use_entry_points=config.use_entry_points)

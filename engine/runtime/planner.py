@@ -46,7 +46,10 @@ class Planner:
         #: request -> what it was reported starving for (reported once per request), until it
         #: is admitted or released
         self.starved: dict[Request, dict[str, Any]] = {}
-        finisher.release_observers.append(lambda request: self.starved.pop(request, None))
+        finisher.release_observers.append(self._forget_starved)
+
+    def _forget_starved(self, request: Request) -> None:
+        self.starved.pop(request, None)
 
     def prepare(self) -> None:
         if self.transfer_job is not None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import anyio
@@ -172,7 +172,7 @@ async def run_to_end(generation: Generation, receive: Callable) -> bool:
 class EventStream:
     """An ASGI response of server-sent events that aborts its request when the client leaves."""
 
-    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+    def __init__(self, events: AsyncGenerator[bytes, None], on_close: Callable[[], None]) -> None:
         self.events = events
         self.on_close = on_close
 
@@ -192,14 +192,14 @@ class EventStream:
         finally:
             self.on_close()
             with anyio.CancelScope(shield=True):
-                await self.events.aclose()  # type: ignore[attr-defined]
+                await self.events.aclose()
 
 
 def sse_event(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def generate_events(generation: Generation) -> AsyncIterator[bytes]:
+async def generate_events(generation: Generation) -> AsyncGenerator[bytes, None]:
     """`/generate` stream: one event per output chunk, the last with meta_info, then [DONE]."""
     while (chunk := await generation.next()) is not None:
         event: dict[str, Any] = {"rid": generation.request_id, "text": chunk.delta,

@@ -14,6 +14,7 @@ router raises, `error_response` everything the routes answer themselves.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import structlog
@@ -52,7 +53,7 @@ def error_body(status: int, message: str, *, param: str | None = None, limit: st
 
 
 def error_response(status: int, message: str, *, param: str | None = None, limit: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
+                   headers: Mapping[str, str] | None = None) -> JSONResponse:
     return JSONResponse(error_body(status, message, param=param, limit=limit), status_code=status, headers=headers)
 
 

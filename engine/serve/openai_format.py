@@ -21,7 +21,7 @@ legacy shape (``tokens``, ``token_logprobs``, ``top_logprobs`` as
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
 
 from engine.outputs import TokenLogprob
@@ -77,7 +77,7 @@ def _head(generation: Generation, model: str, kind: str) -> dict[str, Any]:
 
 
 async def _events(generation: Generation, head: dict[str, Any], choice: Callable[[Chunk], dict],
-                  first: Callable[[int], dict] | None) -> AsyncIterator[bytes]:
+                  first: Callable[[int], dict] | None) -> AsyncGenerator[bytes, None]:
     usage_field = {"usage": None} if generation.body.include_usage else {}
     if first is not None:
         for index in range(len(generation.choices)):
@@ -91,7 +91,7 @@ async def _events(generation: Generation, head: dict[str, Any], choice: Callable
     yield DONE
 
 
-def completion_events(generation: Generation, model: str) -> AsyncIterator[bytes]:
+def completion_events(generation: Generation, model: str) -> AsyncGenerator[bytes, None]:
     """`/v1/completions` as server-sent events."""
     logprobs = _CompletionLogprobs(generation.tokenizer) if _wants_logprobs(generation) else None
 
@@ -111,7 +111,7 @@ def completion_json(generation: Generation, model: str) -> dict[str, Any]:
     return _head(generation, model, "text_completion") | {"choices": choices, "usage": generation.usage()}
 
 
-def chat_events(generation: Generation, model: str) -> AsyncIterator[bytes]:
+def chat_events(generation: Generation, model: str) -> AsyncGenerator[bytes, None]:
     """`/v1/chat/completions` as server-sent events."""
     tokenizer, wanted = generation.tokenizer, _wants_logprobs(generation)
 

@@ -9,7 +9,7 @@ the body is parsed and how the answer is written.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import attrs
@@ -31,7 +31,7 @@ class API:
     """How one route parses its body and writes its answer."""
 
     parse: Callable[[ServerContext, dict[str, Any]], tuple[GenerateBody, str | None]]
-    events: Callable[[Generation, str], AsyncIterator[bytes]]
+    events: Callable[[Generation, str], AsyncGenerator[bytes, None]]
     json: Callable[[Generation, str], dict[str, Any]]
     id_prefix: str = ""
 
@@ -75,7 +75,7 @@ def _start(ctx: ServerContext, request: Request, api: API, raw: dict[str, Any]) 
     return generation, model or ctx.limits.model_name
 
 
-async def _serve(ctx: ServerContext, request: Request, api: API) -> Response:
+async def _serve(ctx: ServerContext, request: Request, api: API) -> Response | EventStream:
     try:
         if ctx.draining:
             raise ctx.unavailable("the server is shutting down")
@@ -101,7 +101,7 @@ async def _serve(ctx: ServerContext, request: Request, api: API) -> Response:
 
 def generation_routes(ctx: ServerContext) -> list[Route]:
     def endpoint(api: API) -> Callable[[Request], Any]:
-        async def handle(request: Request) -> Response:
+        async def handle(request: Request) -> Response | EventStream:
             return await _serve(ctx, request, api)
 
         return handle
