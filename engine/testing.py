@@ -31,9 +31,12 @@ every injected fault with every pool whole.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
+
+if TYPE_CHECKING:
+    from resources.contract import ResourceHookProtocol
 
 
 class InjectedFault(RuntimeError):
@@ -62,7 +65,7 @@ class FaultInjector:
             self.steps_failed += 1
             raise InjectedFault(f"injected model-step failure for {list(request_ids)}")
 
-    def wrap_hooks(self, hooks: list) -> list:
+    def wrap_hooks(self, hooks: list[ResourceHookProtocol]) -> list[ResourceHookProtocol]:
         """Hooks whose release may fail (`fail_release`, `fail_release_when`), wrapped."""
         every = self.fail_release_when is not None
         return [_FailingRelease(h, self) if every or h.name in self.fail_release else h for h in hooks]
@@ -96,7 +99,7 @@ class FaultInjector:
 class _FailingRelease:
     """Delegates everything to the wrapped hook; its release raises."""
 
-    def __init__(self, hook, faults: FaultInjector) -> None:
+    def __init__(self, hook: ResourceHookProtocol, faults: FaultInjector) -> None:
         self._hook = hook
         self._faults = faults
 

@@ -35,6 +35,8 @@ from hisparse.attention import make_factory
 from hisparse.hooks import DEVICE_HOOK, DeviceBufferHook, HostPagesHook, SlotMapHook, StagingHook
 from hisparse.state import HiSparseState
 from resources.contract import ResourceHookProtocol
+from resources.kv_buffers import KVBuffers
+from resources.kv_pool import KVPool
 from resources.ledger import Pool
 from states import Request, RequestState
 
@@ -61,8 +63,8 @@ class HiSparseInstall:
         return lambda request: None if DEVICE_HOOK in request.handles else paged_slot_of(request)
 
 
-def install_hisparse(*, config: Any, max_context: int, model_config: Any, device: torch.device, kv_pool: Any,
-                     kv_buffers: Any, faults: Any = None) -> HiSparseInstall:
+def install_hisparse(*, config: Any, max_context: int, model_config: Any, device: torch.device, kv_pool: KVPool,
+                     kv_buffers: KVBuffers, faults: Any = None) -> HiSparseInstall:
     """Build HiSparse for an engine whose `config.hisparse` is a HiSparseConfig."""
     config.hisparse.validate_against(config, max_context)
     state = HiSparseState(config=config.hisparse, engine_config=config, model_config=model_config, device=device,

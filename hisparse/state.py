@@ -27,6 +27,8 @@ from hisparse.copies import HostCopier
 from hisparse.hooks import DEVICE_HOOK, HOST_HOOK, DeviceBuffer, HostPagesHook, HostRecord
 from hisparse.pools import DeviceBufferPool, HostKVPool, SlotMapPool
 from hisparse.selection import IndexProjection
+from resources.kv_buffers import KVBuffers
+from resources.kv_pool import KVPool
 from resources.request_slots import RequestSlotHook
 from states import Request, RequestState
 
@@ -37,7 +39,7 @@ class HiSparseState:
     """Shared by the hooks, the sparse attention and the loop's callbacks."""
 
     def __init__(self, *, config: HiSparseConfig, engine_config: Any, model_config: Any, device: torch.device,
-                 max_context: int, kv_pool: Any, kv_buffers: Any, faults: Any = None) -> None:
+                 max_context: int, kv_pool: KVPool, kv_buffers: KVBuffers, faults: Any = None) -> None:
         self.config = config
         self.device = device
         self.kv_pool = kv_pool

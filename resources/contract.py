@@ -23,7 +23,7 @@ Who does what:
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from states import HELD_STATES, Handle, Request, RequestState, ResourceExhausted
 
@@ -168,7 +168,10 @@ def validate_hook(hook: Any) -> None:
         raise HookOrderError(f"hook {hook.name!r}: acquire_on must be a subset of scope")
 
 
-def order_hooks(hooks: Iterable[Any]) -> list[Any]:
+_Hook = TypeVar("_Hook", bound=ResourceHookProtocol)
+
+
+def order_hooks(hooks: Iterable[_Hook]) -> list[_Hook]:
     """The one release order: a topological sort of before/after, ties by registration."""
     hooks = list(hooks)
     index: dict[str, int] = {}

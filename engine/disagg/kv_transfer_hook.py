@@ -21,6 +21,7 @@ import attrs
 import torch
 
 from resources import ManualFence, ResourceHook
+from resources.kv_pool import KVPool
 from resources.ledger import Pool
 from resources.request_slots import RequestSlotHook
 from states import Handle, Request, RequestState
@@ -117,7 +118,7 @@ class KVTransferHook(ResourceHook):
     scope = frozenset({S.TRANSFERRING})
     before = ("kv",)
 
-    def __init__(self, client: PrefillClient, kv_pool: Any, fence_timeout: float,
+    def __init__(self, client: PrefillClient, kv_pool: KVPool, fence_timeout: float,
                  landing: Callable[[Request, int], Any] | None = None) -> None:
         self.client = client
         self.kv_pool = kv_pool

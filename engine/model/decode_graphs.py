@@ -31,14 +31,19 @@ it against the eager runner.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import structlog
 import torch
 
+from engine.config import SamplingParams
 from engine.model.attention import PagedAttention
+from engine.model.llama import LlamaModel
 from engine.model.sampling import argmax_rows, sample
+from engine.runtime.scheduler import ScheduledSeq
+from resources.kv_buffers import KVBuffers
+from resources.request_slots import RequestSlots
+from states import Request
 
 
 log = structlog.get_logger("kvlife.decode_graphs")
@@ -61,8 +66,9 @@ def page_buckets(max_pages: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: Any, kv: Any, slots: Any, device: torch.device, *, slot_of: Any,
-                 max_batch: int, layer_windows: tuple = (), capture: bool = True) -> None:
+    def __init__(self, model: LlamaModel, kv: KVBuffers, slots: RequestSlots, device: torch.device, *,
+                 slot_of: Callable[[Request], int | None], max_batch: int,
+                 layer_windows: tuple[int | None, ...] = (), capture: bool = True) -> None:
         self.model, self.kv, self.table, self.device = model, kv, slots.req_to_token, device
         self.layer_windows = layer_windows
         self.slot_of = slot_of
@@ -78,7 +84,7 @@ class DecodeGraphs:
         #: set when a capture failed: every later step runs eagerly
         self.disabled = False
 
-    def step(self, seqs: Sequence[Any], params: list, out_pos: list[int]) -> list[int] | None:
+    def step(self, seqs: Sequence[ScheduledSeq], params: list[SamplingParams], out_pos: list[int]) -> list[int] | None:
         """The sampled tokens of a decode-only batch, or None when the batch
         does not fit (a prefill chunk, images, too many rows): run it eagerly."""
         n = len(seqs)

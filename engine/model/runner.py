@@ -27,20 +27,27 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
 
-from engine.model.attention import AttentionMetadata, PagedAttention, PagedFactory
+from engine.model.attention import AttentionBackend, AttentionMetadata, PagedAttention, PagedFactory
+from engine.model.llama import LlamaModel
 from engine.model.sampling import sample, token_logprobs
+from engine.outputs import TokenLogprob
 from engine.runtime.scheduler import ScheduledSeq
 from resources.kv_buffers import KVBuffers
 from resources.request_slots import RequestSlots
 from states import Request
 
+if TYPE_CHECKING:
+    from engine.model.decode_graphs import DecodeGraphs
+    from engine.testing import FaultInjector
 
-AttentionFactory = Callable[[Sequence[ScheduledSeq], AttentionMetadata], Any]
+
+#: (seqs, metadata) -> the attention backend of one step
+AttentionFactory = Callable[[Sequence[ScheduledSeq], AttentionMetadata], AttentionBackend]
 
 
 @attrs.define
@@ -51,7 +58,7 @@ class StepOutput:
     #: per MoE layer, the routed expert ids [T, top_k] of the step's tokens
     routing: list[torch.Tensor] = attrs.field(factory=list)
     #: aligned with `tokens`: the token's `TokenLogprob` where its request asked, else None
-    logprobs: list[Any] = attrs.field(factory=list)
+    logprobs: list[TokenLogprob | None] = attrs.field(factory=list)
 
 
 @attrs.frozen
@@ -90,7 +97,7 @@ def token_range(request: Request, start: int, end: int) -> list[int]:
 class ModelRunner:
     def __init__(
         self,
-        model: Any,
+        model: LlamaModel,
         kv: KVBuffers,
         slots: RequestSlots,
         device: torch.device,
@@ -98,7 +105,7 @@ class ModelRunner:
         slot_of: Callable[[Request], int | None],
         attention_factory: AttentionFactory | None = None,
         embedder: Callable[[Sequence[ScheduledSeq], torch.Tensor], torch.Tensor | None] | None = None,
-        faults: Any = None,
+        faults: FaultInjector | None = None,
     ) -> None:
         self.faults = faults
         self.model = model
@@ -116,7 +123,7 @@ class ModelRunner:
         if pack is not None:
             pack()
         #: CUDA graphs of decode steps (`engine.model.decode_graphs`); None: every step eager
-        self.graphs = None
+        self.graphs: DecodeGraphs | None = None
         factory = self.attention_factory
         if device.type == "cuda" and isinstance(factory, PagedFactory) and not getattr(model.config, "is_moe", True):
             from engine.model.decode_graphs import DecodeGraphs

@@ -100,7 +100,8 @@ def effective_max_context(config: EngineConfig, model_config: ModelConfig) -> in
     return min(config.context_bound, limit)
 
 
-def build_parts(config: EngineConfig, *, faults: FaultInjector | None = None, model_bundle: tuple[ModelConfig, LlamaModel, Tokenizer] | None = None,
+def build_parts(config: EngineConfig, *, faults: FaultInjector | None = None,
+                model_bundle: tuple[ModelConfig, LlamaModel, Tokenizer] | None = None,
                 expert_distribution: ExpertDistribution | None = None) -> EngineParts:
     """Every part of an engine for `config`; `faults` (tests only) injects failures."""
     device = _device(config)
@@ -195,7 +196,8 @@ def build_parts(config: EngineConfig, *, faults: FaultInjector | None = None, mo
     plugins = build_plugin_hooks(config.resources, PluginContext(device, config),
                                  use_entry_points=config.use_entry_points)
     timing = TimingHook()
-    hooks = [*before_kv, *transfer_hooks, *hisparse_hooks, kv_hook, slot_hook, *after_kv, *plugins, timing]
+    hooks: list[ResourceHookProtocol] = [*before_kv, *transfer_hooks, *hisparse_hooks, kv_hook, slot_hook, *after_kv,
+                                         *plugins, timing]
     timing.after = tuple(h.name for h in hooks if h is not timing)
     ordered = order_hooks(hooks)
     if faults is not None:

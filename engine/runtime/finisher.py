@@ -13,14 +13,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from engine.outputs import TokenLogprob
+from engine.outputs import RequestOutput, TokenLogprob
 from engine.runtime.stats import EngineStats
 from engine.runtime.table import RequestTable, Submission, close_stream
 from states import FencePending, FinishReason, Request, RequestMachine, RequestState, ResourceExhausted
+
+if TYPE_CHECKING:
+    from engine.model.runner import StepOutput
+    from engine.runtime.scheduler import ScheduledSeq
 
 S = RequestState
 log = structlog.get_logger("kvlife.loop")
@@ -35,7 +39,7 @@ class Finisher:
         self.stop_ids = stop_ids
         self.max_context = max_context
         self.after_prefill = after_prefill
-        self.step_observers: list[Callable[[Sequence[Any], Any], None]] = []
+        self.step_observers: list[Callable[[Sequence[ScheduledSeq], StepOutput], None]] = []
         self.release_observers: list[Callable[[Request], None]] = []
 
     # ------------------------------------------------------------- moves
@@ -83,7 +87,7 @@ class Finisher:
                 self.finish(request, reason)
 
     # ------------------------------------------------------------ the step
-    def apply_step(self, batch: Sequence[Any], output: Any) -> None:
+    def apply_step(self, batch: Sequence[ScheduledSeq], output: StepOutput) -> None:
         for observer in self.step_observers:
             try:
                 observer(batch, output)
@@ -149,7 +153,7 @@ class Finisher:
         return None
 
     # ------------------------------------------------------------ outputs
-    def _send(self, submission: Submission, output: Any) -> None:
+    def _send(self, submission: Submission, output: RequestOutput) -> None:
         send = submission.send
         if send is None:
             return

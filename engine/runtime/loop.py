@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.lowlevel
@@ -40,16 +40,20 @@ from engine.runtime.planner import Planner
 from engine.runtime.stats import EngineStats
 from engine.runtime.table import RequestTable, Submission, close_stream
 from engine.stream import OutputChannel, RequestStream
-from resources.ledger import LeakError
+from resources.ledger import LeakError, MemoryReport
 from states import FinishReason, Request, RequestState, ResourceExhausted
+
+if TYPE_CHECKING:
+    from engine.model.tokenizer import Tokenizer
+    from engine.runtime.assembly import EngineParts
 
 S = RequestState
 log = structlog.get_logger("kvlife.loop")
 
 
 class DecodeLoop:
-    def __init__(self, parts: Any, *, tokenizer: Any, max_context: int, check_memory: Any,
-                 memory_report: Any) -> None:
+    def __init__(self, parts: EngineParts, *, tokenizer: Tokenizer, max_context: int,
+                 check_memory: Callable[[], MemoryReport], memory_report: Callable[[], MemoryReport]) -> None:
         config = parts.config
         self.machine = parts.machine
         self.runner = parts.runner

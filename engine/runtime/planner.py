@@ -13,14 +13,20 @@ while pools stay held is reported once (`memory.starved`).
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from engine.runtime.finisher import Finisher
 from engine.runtime.scheduler import ScheduledSeq, Scheduler
 from engine.runtime.table import RequestTable
+from resources.kv_pool import KVPool
+from resources.ledger import MemoryReport
 from states import FinishReason, Request, RequestMachine, RequestState, ResourceExhausted
+
+if TYPE_CHECKING:
+    from engine.disagg.kv_transfer_hook import TransferJob
 
 S = RequestState
 log = structlog.get_logger("kvlife.loop")
@@ -28,8 +34,9 @@ log = structlog.get_logger("kvlife.loop")
 
 class Planner:
     def __init__(self, *, machine: RequestMachine, table: RequestTable, finisher: Finisher, scheduler: Scheduler,
-                 kv_pool: Any, admit_into: RequestState, after_prefill: RequestState, transfer_job: Any,
-                 starvation_timeout: float, report: Any) -> None:
+                 kv_pool: KVPool, admit_into: RequestState, after_prefill: RequestState,
+                 transfer_job: Callable[[Request], TransferJob] | None, starvation_timeout: float,
+                 report: Callable[[], MemoryReport]) -> None:
         self.machine = machine
         self.table = table
         self.finisher = finisher
@@ -53,15 +60,15 @@ class Planner:
 
     def prepare(self) -> None:
         if self.transfer_job is not None:
-            self._land_transfers()
+            self._land_transfers(self.transfer_job)
         self._retry_moves()
         self._admit()
 
     # ---------------------------------------------------------- transfers
-    def _land_transfers(self) -> None:
+    def _land_transfers(self, transfer_job: Callable[[Request], TransferJob]) -> None:
         """TRANSFERRING requests whose KV has landed: PREBUILT with the first token."""
         for request in self.table.in_state(S.TRANSFERRING):
-            job = self.transfer_job(request)
+            job = transfer_job(request)
             if job.outcome is None or not job.fence.done():
                 missed = self._missed_fence(request)
                 if missed is not None:  # presumed lost: fail it; its pages quarantine
