@@ -199,7 +199,8 @@ class DecodeLoop:
         await anyio.lowlevel.checkpoint()
         if (self.admission_window and self.stats.finished_total > finished and not self.table.unstarted
                 and self._kv_slots.num_free):
-            await self._wait(self.admission_window)  # a new submission ends the wait at once
+            self._wake = anyio.Event()  # NOTE: only a submission from now on ends the window
+            await self._wait(self.admission_window)
 
     async def _wait(self, timeout: float | None) -> None:
         with anyio.move_on_after(timeout):
