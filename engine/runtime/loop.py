@@ -60,6 +60,7 @@ class DecodeLoop:
         # NOTE: an injected stall must block the worker thread, never the event loop
         self.inline_step_tokens = config.inline_step_tokens if parts.runner.faults is None else 0
         self._kv_slots = parts.kv_pool.slots
+        self._prefix_locks = parts.kv_pool.prefix_locks
         self.tokenizer = tokenizer
         self._check_memory = check_memory
         self.stats = EngineStats()
@@ -135,6 +136,15 @@ class DecodeLoop:
     def requests(self) -> list[Request]:
         """Every request not yet RELEASED (a snapshot)."""
         return list(self.table.requests())
+
+    def table_sizes(self) -> dict[str, int]:
+        """How much every per-request table keeps: all 0 once the engine is idle (but
+        `quarantined`, which empties when late copies land)."""
+        table = self.table
+        return {"submissions": len(table.submissions), "owner": len(table.owner), "waiting": len(table.waiting),
+                "unstarted": len(table.unstarted), "aborts": len(table.aborts),
+                "starved": len(self.planner.starved), "prefix_locks": len(self._prefix_locks),
+                "quarantined": len(self.machine.quarantined)}
 
     @property
     def idle(self) -> bool:
