@@ -137,6 +137,20 @@ class DecodeLoop:
         """Every request not yet RELEASED (a snapshot)."""
         return list(self.table.requests())
 
+    @property
+    def num_live(self) -> int:
+        """Requests not yet RELEASED."""
+        return len(self.table)
+
+    @property
+    def num_running(self) -> int:
+        """Admitted requests that have not finished."""
+        return len(self.table.running())
+
+    def starved(self) -> tuple[dict[str, Any], ...]:
+        """The reports of requests now waiting past the starvation bound."""
+        return tuple(self.planner.starved.values())
+
     def table_sizes(self) -> dict[str, int]:
         """How much every per-request table keeps: all 0 once the engine is idle (but
         `quarantined`, which empties when late copies land)."""
