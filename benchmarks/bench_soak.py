@@ -58,23 +58,15 @@ def rss_mib() -> float:
 
 def internal_tables(engine: Engine) -> dict[str, int]:
     """Every per-request table the engine keeps; all must be empty when idle."""
-    loop, parts = engine.loop, engine.parts
-    tables = {
-        "loop.requests": len(loop.requests),
-        "loop.outputs": len(loop.outputs),
-        "loop.waiting": len(loop.waiting),
-        "loop.running": len(loop.running),
-        "loop.finished": len(loop.finished),
-        "loop.pending_aborts": len(loop.pending_aborts),
-        "loop.inbox": loop.inbox.statistics().current_buffer_used,
+    parts = engine.parts
+    tables = {f"loop.{name}": size for name, size in engine.loop.table_sizes().items()}
+    tables.update({
         "ledger.requests": parts.ledger.num_tracked_requests,
         "ledger.held": sum(parts.ledger.held(p.name) for p in parts.pools),
-        "kv.prefix_locks": len(parts.kv_pool.prefix_locks),
         "kv.slots_in_use": parts.kv_pool.slots.capacity - parts.kv_pool.slots.num_free,
-        "kv.protected_prefix_pages": parts.kv_pool.radix.protected_pages if parts.kv_pool.radix else 0,
-        "hooks.quarantined": sum(len(getattr(h, "quarantined", ())) for h in parts.machine.hooks),
-    }
-    worker = getattr(parts, "prefill_client", None)
+        "kv.protected_prefix_pages": parts.kv_pool.radix.protected_pages,
+    })
+    worker = parts.prefill_client
     if worker is not None:
         tables["prefill_worker.requests"] = len(worker.requests)
         tables["prefill_worker.jobs"] = len(worker.jobs)

@@ -98,8 +98,10 @@ class EngineConfig:
     request that could fit may wait for memory before the engine reports it
     (`memory.starved`, `Engine.health()`). `admission_window` (seconds, 0 = off) is
     how long the loop waits, after a step that finished requests and left slots free,
-    for new submissions to join the next step: a client over the network resubmits a
-    moment after its answer, and would otherwise wait a whole step.
+    for new submissions to join the next step (a client over the network resubmits a
+    moment after its answer, and would otherwise wait a whole step; like vLLM's
+    scheduler delay). Off by default: on the 2-core development VM a 2 ms window
+    caught no resubmission of the HTTP benchmark's clients (docs/http.md).
     `inline_step_tokens`: a step of at most this many tokens runs on the event loop's
     thread instead of a worker thread (the hop costs 0.1-0.15 ms, about 10% of a
     small decode step); larger steps, and every step under fault injection, run in
@@ -127,7 +129,7 @@ class EngineConfig:
     use_entry_points: bool = attrs.field(default=True, validator=is_bool())
     fence_timeout: float = attrs.field(default=30.0, validator=number_above(0))
     starvation_timeout: float = attrs.field(default=30.0, validator=number_above(0))
-    admission_window: float = attrs.field(default=0.002, validator=number_at_least(0))
+    admission_window: float = attrs.field(default=0.0, validator=number_at_least(0))
     inline_step_tokens: int = attrs.field(default=8, validator=int_at_least(0))
     mm_cache_bytes: int = attrs.field(default=64 << 20, validator=int_at_least(1))
 

@@ -174,24 +174,25 @@ class Engine:
     def health(self, *, stuck_after: float = 30.0) -> HealthReport:
         """Whether the engine is serving, without running a request (see `HealthReport`)."""
         stats = self.loop.stats
-        live = len(self.loop.table)
+        live = self.loop.num_live
         age = None if stats.last_progress is None else time.monotonic() - stats.last_progress
         common: dict[str, Any] = dict(last_progress_age_s=age, live_requests=live, leaks_found=stats.leak_check_failures)
         if self.loop.errored is not None:
             return HealthReport(False, "dead", repr(self.loop.errored), **common)
         if self.loop.last_leak:
             return HealthReport(False, "leaking", "; ".join(self.loop.last_leak), **common)
-        if self.loop.planner.starved:
-            waiting = ", ".join(r.request_id for r in self.loop.planner.starved)
+        starved = self.loop.starved()
+        if starved:
+            waiting = ", ".join(record["request_id"] for record in starved)
             return HealthReport(False, "starved", f"waiting for memory: {waiting}", **common)
-        if live and self.loop.table.running() and (age is None or age > stuck_after):
+        if live and self.loop.num_running and (age is None or age > stuck_after):
             return HealthReport(False, "stuck", f"no step or token for {stuck_after}s", **common)
         return HealthReport(True, "ok", **common)
 
     # --------------------------------------------------------------- memory
     def _report_extra(self) -> dict[str, Any]:
-        return dict(live_requests=len(self.loop.table), leaks_found=self.loop.stats.leak_check_failures,
-                    last_leak=self.loop.last_leak, starved=tuple(self.loop.planner.starved.values()))
+        return dict(live_requests=self.loop.num_live, leaks_found=self.loop.stats.leak_check_failures,
+                    last_leak=self.loop.last_leak, starved=self.loop.starved())
 
     def memory_report(self) -> MemoryReport:
         return memory_report(self.parts.pools, self.parts.ledger, idle=self.idle, **self._report_extra())

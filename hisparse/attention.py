@@ -31,6 +31,7 @@ from torch import Tensor
 from hisparse import lru
 from hisparse.hooks import DEVICE_HOOK, HOST_HOOK, MAP_HOOK, DeviceBuffer, HostRecord, SlotMap
 from hisparse.selection import top_positions
+from resources.paging import pages_for
 
 if TYPE_CHECKING:
     from hisparse.state import HiSparseState
@@ -51,7 +52,7 @@ class _Row:
         self.buffer: DeviceBuffer = request.handles[DEVICE_HOOK].payload
         self.slot_map: SlotMap = request.handles[MAP_HOOK].payload
         self.position = position
-        self.context_pages = self.host.pages_dev[: -(-position // page_size)]
+        self.context_pages = self.host.pages_dev[: pages_for(position, page_size)]
         # host rows [start, end) holding tokens 0..position-1, when they are a few runs
         ranges: list[tuple[int, int]] = []
         left = position

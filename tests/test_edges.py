@@ -275,3 +275,14 @@ class TestStarvationEnds:
             await collect(first)
             await engine.wait_idle(DEADLINE)
             assert engine.memory_report().starved == () and engine.health().healthy
+
+
+class TestAdmissionWindow:
+    @pytest.mark.asyncio
+    async def test_an_admission_window_serves_like_no_window(self):
+        """With a window after finishing steps, requests one after another and at once still all complete alike."""
+        async with Engine(small_config(model="null", admission_window=0.02)) as engine:
+            alone = [await engine.complete(PROMPT, SamplingParams(max_new_tokens=3, ignore_eos=True)) for _ in range(3)]
+            streams = [engine.generate(PROMPT, SamplingParams(max_new_tokens=3, ignore_eos=True)) for _ in range(4)]
+            together = [(await collect(s))[-1] for s in streams]
+        assert {tuple(f.token_ids) for f in alone + together} == {tuple(alone[0].token_ids)}

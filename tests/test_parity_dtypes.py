@@ -17,7 +17,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
 
 import parity_models as pm  # noqa: E402
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402

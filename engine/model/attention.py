@@ -40,6 +40,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from resources.paging import pages_for, round_up
 
 if TYPE_CHECKING:
     from resources.kv_buffers import KVBuffers
@@ -305,7 +306,7 @@ class _Gather:
         kv_lens = torch.tensor(lens, device=device)
         ps = kv.page_size
         if meta.kv_pages is not None and meta.page_size == ps:
-            pages = meta.kv_pages[:, : -(-max(lens) // ps)]
+            pages = meta.kv_pages[:, : pages_for(max(lens), ps)]
             return cls(pages if rows is None else pages.index_select(0, rows), ps, kv_lens)
         locs = meta.kv_locs if meta.kv_pages is None else _token_locations(meta.kv_pages, meta.page_size)
         assert locs is not None  # exactly one of kv_locs and kv_pages (checked at construction)
@@ -313,7 +314,7 @@ class _Gather:
         if rows is not None:
             locs = locs.index_select(0, rows)
         if ps > 1:  # page-aligned after all? (one check per step, not per layer)
-            width = -(-locs.shape[1] // ps) * ps
+            width = round_up(locs.shape[1], ps)
             padded = F.pad(locs, (0, width - locs.shape[1]))
             pages = padded[:, ::ps] // ps
             if bool((_token_locations(pages, ps)[:, : locs.shape[1]] == locs).all()):

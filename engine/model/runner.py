@@ -40,6 +40,7 @@ from engine.runtime.scheduler import ScheduledSeq
 from resources.kv_buffers import KVBuffers
 from resources.request_slots import RequestSlots
 from states import Request
+from resources.paging import round_up
 
 if TYPE_CHECKING:
     from engine.model.decode_graphs import DecodeGraphs
@@ -174,7 +175,7 @@ class ModelRunner:
         # page * page_size + offset); columns past a row's context may name any page
         # (stale entries), which attention masks out and only ever reads.
         ps = self.kv.page_size
-        pages = table[slots_t, : -(-max(kv_lens) // ps) * ps : ps]
+        pages = table[slots_t, : round_up(max(kv_lens), ps) : ps]
         if ps > 1:
             pages = pages // ps
         if no_slot is not None:

@@ -64,6 +64,7 @@ class DecodeLoop:
         # NOTE: an injected stall must block the worker thread, never the event loop
         self.inline_step_tokens = config.inline_step_tokens if parts.runner.faults is None else 0
         self._kv_slots = parts.kv_pool.slots
+        self._prefix_locks = parts.kv_pool.prefix_locks
         self.tokenizer = tokenizer
         self._check_memory = check_memory
         self.stats = EngineStats()
@@ -141,6 +142,29 @@ class DecodeLoop:
         return list(self.table.requests())
 
     @property
+    def num_live(self) -> int:
+        """Requests not yet RELEASED."""
+        return len(self.table)
+
+    @property
+    def num_running(self) -> int:
+        """Admitted requests that have not finished."""
+        return len(self.table.running())
+
+    def starved(self) -> tuple[dict[str, Any], ...]:
+        """The reports of requests now waiting past the starvation bound."""
+        return tuple(self.planner.starved.values())
+
+    def table_sizes(self) -> dict[str, int]:
+        """How much every per-request table keeps: all 0 once the engine is idle (but
+        `quarantined`, which empties when late copies land)."""
+        table = self.table
+        return {"submissions": len(table.submissions), "owner": len(table.owner), "waiting": len(table.waiting),
+                "unstarted": len(table.unstarted), "aborts": len(table.aborts),
+                "starved": len(self.planner.starved), "prefix_locks": len(self._prefix_locks),
+                "quarantined": len(self.machine.quarantined)}
+
+    @property
     def idle(self) -> bool:
         client = self.prefill_client
         return not self.table and (client is None or client.idle)
@@ -203,7 +227,8 @@ class DecodeLoop:
         await anyio.lowlevel.checkpoint()
         if (self.admission_window and self.stats.finished_total > finished and not self.table.unstarted
                 and self._kv_slots.num_free):
-            await self._wait(self.admission_window)  # a new submission ends the wait at once
+            self._wake = anyio.Event()  # NOTE: only a submission from now on ends the window
+            await self._wait(self.admission_window)
 
     async def _wait(self, timeout: float | None) -> None:
         with anyio.move_on_after(timeout):
