@@ -29,16 +29,14 @@ from engine.model.loading import load_model
 from engine.model.model_config import ModelConfig
 from engine.model.runner import AttentionFactory, ModelRunner, NoComputeRunner, StepOutput
 from engine.model.tokenizer import Tokenizer
-from engine.runtime.scheduler import Scheduler
+from engine.runtime.scheduler import ScheduledSeq, Scheduler
 from engine.testing import FaultInjector
 from resources.kv_buffers import KVBuffers
 from resources.kv_hook import KVHook
 from resources.kv_pool import KVPool
-from resources.contract import ResourceHookProtocol
 from resources.ledger import Ledger, Pool
 from resources.plugins import PluginContext, build_plugin_hooks, is_hook_instance
-from resources.contract import order_hooks
-from engine.runtime.scheduler import ScheduledSeq
+from resources.contract import ResourceHookProtocol, order_hooks
 from resources.request_slots import RequestSlotHook
 from resources.timing_hook import TimingHook
 from states import Request, RequestMachine, RequestState
