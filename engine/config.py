@@ -142,6 +142,9 @@ class EngineConfig:
         require(self.max_context is None or self.max_context <= self.pool_tokens, InvalidConfig, f"{p}.max_context",
                 f"None or <= (num_kv_pages - 1) * page_size = {self.pool_tokens}", self.max_context)
         require(self.seed < 2**63, InvalidConfig, f"{p}.seed", "an integer < 2**63", self.seed)
+        # NOTE: the window holds every running request back: a long one would stall them all
+        require(self.admission_window <= 0.1, InvalidConfig, f"{p}.admission_window",
+                "a finite number in [0, 0.1] (seconds)", self.admission_window)
         require(isinstance(self.resources, tuple) and all(callable(r) or hasattr(r, "release")
                                                           for r in self.resources),
                 InvalidConfig, f"{p}.resources", "a list of resource hooks or hook factories", self.resources)

@@ -68,6 +68,10 @@ ENGINE_CONFIG = [
     ({"fence_timeout": NAN}, E + "fence_timeout", "finite"),
     ({"fence_timeout": INF}, E + "fence_timeout", "finite"),
     ({"fence_timeout": "1"}, E + "fence_timeout", "number"),
+    ({"admission_window": -0.001}, E + "admission_window", ">= 0"),
+    ({"admission_window": 5.0}, E + "admission_window", "[0, 0.1]"),
+    ({"inline_step_tokens": -1}, E + "inline_step_tokens", ">= 0"),
+    ({"starvation_timeout": 0}, E + "starvation_timeout", "> 0"),
 ]
 
 # Valid EngineConfig, rejected when the engine is built (nothing to allocate into yet).
