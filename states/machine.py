@@ -238,6 +238,9 @@ class RequestMachine:
             for hook in self._acquirers[dst]:
                 if hook.name not in request.handles:
                     handle = hook.acquire(request, dst)
+                    if handle is not None and not isinstance(handle, Handle):
+                        raise TypeError(f"hook {hook.name!r}: acquire returned {type(handle).__name__}, "
+                                        "not a Handle or None")
                     if handle is not None:
                         request.handles[hook.name] = handle
                         acquired.append(hook)

@@ -191,3 +191,15 @@ class TestBaseException:
             req = drive(machine, PATHS[S.RELEASED])
         assert req.state is S.RELEASED
         assert {e["event"] for e in logs if e["log_level"] == "error"} == {"machine.observer_failed"}
+
+
+def test_an_acquire_that_returns_no_handle_is_refused_cleanly():
+    """A hook returning something other than a Handle raises a TypeError naming it; the move rolls back."""
+    hooks = make_hooks()
+    machine = make_machine(hooks)
+    req = drive(machine, PATHS[S.QUEUED])
+    hooks["kv"].acquire = lambda request, into: {"pages": [1]}
+    with pytest.raises(TypeError, match="hook 'kv': acquire returned dict"):
+        machine.advance(req, S.PREFILLING)
+    assert req.state is S.QUEUED and "kv" not in req.handles and hooks["mm"].held == 1
+    finish_all(machine, req)
