@@ -36,7 +36,7 @@ import anyio
 import torch
 
 from engine import Engine, EngineConfig, SamplingParams
-from engine.disagg.settings import RemotePrefill
+from engine.disagg.link.settings import RemotePrefill
 from engine.logging import configure_logging
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")

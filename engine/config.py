@@ -11,7 +11,7 @@ from typing import Any
 
 import attrs
 
-from engine.disagg.settings import RemotePrefill
+from engine.disagg.link.settings import RemotePrefill
 from engine.errors import InvalidConfig, InvalidRequest
 from hisparse.config import HiSparseConfig
 from states.validation import (

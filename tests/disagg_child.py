@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.serve.prefill_http import serve_prefill  # noqa: E402
-from engine.disagg.settings import PrefillServerConfig  # noqa: E402
+from engine.disagg.link.settings import PrefillServerConfig  # noqa: E402
 from engine.testing import FaultInjector  # noqa: E402
 
 WAIT = datetime.timedelta(seconds=120)

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import torch.distributed as dist
 
-from engine.disagg.settings import RemotePrefill
+from engine.disagg.link.settings import RemotePrefill
 from helpers import small_config
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")

@@ -19,7 +19,7 @@ from disagg_helpers import started_event
 from engine import Engine, SamplingParams
 from engine.cli.main import build_parser
 from engine.cli.serve_command import engine_config_from_serve_args, prefill_settings_from_args
-from engine.disagg.settings import SECRET_ENV
+from engine.disagg.link.settings import SECRET_ENV
 from engine.errors import InvalidConfig
 from helpers import small_config
 

@@ -1,5 +1,5 @@
 """The transport and protocol in one process: a real gloo pair between a decode
-link (engine.disagg.decode_link) and a scripted prefill driven by the test,
+link (engine.disagg.decode.decode_link) and a scripted prefill driven by the test,
 and the bootstrap handshake (secret, compatibility record)."""
 
 from __future__ import annotations
@@ -13,16 +13,16 @@ import torch
 import torch.distributed as dist
 
 import disagg_helpers  # noqa: F401 - GLOO_SOCKET_IFNAME=lo
-from engine.disagg import bootstrap
+from engine.disagg.link import bootstrap
 from engine import SamplingParams
-from engine.disagg.decode_link import DecodeLink, LinkJob
-from engine.disagg.kv_transfer_hook import TransferCancelled, TransferJob
-from engine.disagg.destination import PagedDestination
-from engine.disagg.observability import TransferStats
-from engine.disagg.settings import LinkSettings
-from engine.disagg.staging import StagingPool
-from engine.disagg.transport import LinkError, Pair
-from engine.disagg.wire import (BYE, CANCEL, FAILED, HEADER_LEN, JOB, OK, PING, RESULT, JobSpec, KVLayout, chunk_plan,
+from engine.disagg.decode.decode_link import DecodeLink, LinkJob
+from engine.disagg.decode.kv_transfer_hook import TransferCancelled, TransferJob
+from engine.disagg.decode.destination import PagedDestination
+from engine.disagg.link.observability import TransferStats
+from engine.disagg.link.settings import LinkSettings
+from engine.disagg.link.staging import StagingPool
+from engine.disagg.link.transport import LinkError, Pair
+from engine.disagg.link.wire import (BYE, CANCEL, FAILED, HEADER_LEN, JOB, OK, PING, RESULT, JobSpec, KVLayout, chunk_plan,
                                 decode_job, empty_header, header)
 from resources import ManualFence
 from resources.kv_buffers import KVBuffers

@@ -11,11 +11,11 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from disagg_helpers import remote_config
 from engine import Engine, EngineConfig, SamplingParams
-from engine.disagg.observability import TransferStats
+from engine.disagg.link.observability import TransferStats
 from engine.serve.transfer_metrics import TransferCollector
-from engine.disagg.settings import SECRET_ENV, PrefillServerConfig, RemotePrefill
-from engine.disagg.staging import StagingFull, StagingPool
-from engine.disagg.wire import (JobSpec, KVLayout, ProtocolError, chunk_plan, decode_job, encode_job, params_to_dict,
+from engine.disagg.link.settings import SECRET_ENV, PrefillServerConfig, RemotePrefill
+from engine.disagg.link.staging import StagingFull, StagingPool
+from engine.disagg.link.wire import (JobSpec, KVLayout, ProtocolError, chunk_plan, decode_job, encode_job, params_to_dict,
                                 proof, proof_ok, record_mismatch)
 from engine.errors import InvalidConfig
 
@@ -157,7 +157,7 @@ class TestMetrics:
 class TestDestinations:
     def test_host_rows_land_as_staging_would_put_them(self):
         """HiSparse host rows get (K, V) side by side and index keys from K, exactly as `stage` writes them."""
-        from engine.disagg.destination import HostRowsDestination
+        from engine.disagg.decode.destination import HostRowsDestination
         from hisparse.pools import HostKVPool
         from hisparse.selection import IndexProjection
 

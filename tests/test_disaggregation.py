@@ -10,7 +10,7 @@ import torch
 
 from engine import Engine, SamplingParams
 from engine.testing import FaultInjector
-from engine.disagg.kv_transfer_hook import KVTransferHook
+from engine.disagg.decode.kv_transfer_hook import KVTransferHook
 from helpers import DEADLINE, collect, live_request, run_all, small_config
 from hisparse import HiSparseConfig
 from states import FinishReason, RequestState

@@ -15,7 +15,7 @@ Disaggregation options (docs/disaggregation.md): `--disaggregation prefill`
 runs a prefill server (engine.serve.prefill_http) instead of an engine;
 `--prefill` gives a decode server its prefill servers (without it,
 `--disaggregation decode` keeps the in-process prefill worker). The
-`--transfer-*` options are the link's bounds (engine.disagg.settings).
+`--transfer-*` options are the link's bounds (engine.disagg.link.settings).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ _TRANSFER_OPTIONS: list[tuple[str, type, str]] = [
 
 
 def _add_disaggregation_options(serve: argparse.ArgumentParser) -> None:
-    group = serve.add_argument_group("disaggregation options (engine.disagg.settings)")
+    group = serve.add_argument_group("disaggregation options (engine.disagg.link.settings)")
     group.add_argument("--prefill", dest="prefill_peers", action="append", default=None, metavar="HOST:PORT",
                        help="decode role: a prefill server's bootstrap address (repeat for several)")
     group.add_argument("--disaggregation-bootstrap-port", type=int, default=None,
@@ -105,7 +105,7 @@ def _link_fields(args: argparse.Namespace) -> dict[str, Any]:
 
 def prefill_settings_from_args(args: argparse.Namespace) -> Any:
     """The PrefillServerConfig of `kvlife serve --disaggregation prefill`."""
-    from engine.disagg.settings import PrefillServerConfig
+    from engine.disagg.link.settings import PrefillServerConfig
 
     port = args.disaggregation_bootstrap_port
     return PrefillServerConfig(bootstrap_port=31001 if port is None else port, **_link_fields(args))
@@ -121,7 +121,7 @@ def engine_config_from_serve_args(args: argparse.Namespace) -> Any:
         raise InvalidConfig("--disaggregation-bootstrap-port", "given only with --disaggregation prefill",
                             args.disaggregation_bootstrap_port)
     if getattr(args, "prefill_peers", None):
-        from engine.disagg.settings import RemotePrefill
+        from engine.disagg.link.settings import RemotePrefill
 
         overrides["remote_prefill"] = RemotePrefill(peers=tuple(args.prefill_peers), **_link_fields(args))
     return engine_config_from_args(args, **overrides)

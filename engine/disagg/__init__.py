@@ -17,7 +17,8 @@ from typing import Any
 
 __all__ = ["PrefillServer", "PrefillServerConfig", "RemotePrefill"]
 
-_WHERE = {"PrefillServer": "prefill_server", "PrefillServerConfig": "settings", "RemotePrefill": "settings"}
+_WHERE = {"PrefillServer": "prefill.prefill_server", "PrefillServerConfig": "link.settings",
+          "RemotePrefill": "link.settings"}
 
 
 def __getattr__(name: str) -> Any:

@@ -42,7 +42,7 @@ from resources.timing_hook import TimingHook
 from states import Request, RequestMachine, RequestState
 
 if TYPE_CHECKING:
-    from engine.disagg.kv_transfer_hook import PrefillClient, TransferJob
+    from engine.disagg.decode.kv_transfer_hook import PrefillClient, TransferJob
     from resources.moe_records import ExpertDistribution
 
 #: called after every step with the batch and its output (the MoE record)
@@ -146,13 +146,13 @@ def build_parts(config: EngineConfig, *, faults: FaultInjector | None = None,
         parts_extra["after_prefill"] = RequestState.STAGING
 
     if config.disaggregation == "decode":
-        from engine.disagg.kv_transfer_hook import KVTransferHook
-        from engine.disagg.prefill_worker import PrefillWorker
-        from engine.disagg.transfer import LoopbackTransfer
+        from engine.disagg.decode.kv_transfer_hook import KVTransferHook
+        from engine.disagg.prefill.prefill_worker import PrefillWorker
+        from engine.disagg.decode.transfer import LoopbackTransfer
 
         client: PrefillClient
-        if config.remote_prefill is not None:  # prefill servers in other processes (engine.disagg.remote_client)
-            from engine.disagg.remote_client import RemotePrefillClient
+        if config.remote_prefill is not None:  # prefill servers in other processes (engine.disagg.decode.remote_client)
+            from engine.disagg.decode.remote_client import RemotePrefillClient
 
             client = RemotePrefillClient(config, model_config, kv_buffers, device=device, max_context=max_context)
         else:
@@ -165,7 +165,7 @@ def build_parts(config: EngineConfig, *, faults: FaultInjector | None = None,
             client = PrefillWorker(prefill_parts, LoopbackTransfer(kv_buffers, faults), faults=faults)
         landing = None
         if config.hisparse is not None:  # the KV lands straight in the host pages, never in device pages
-            from engine.disagg.destination import host_landing
+            from engine.disagg.decode.destination import host_landing
 
             landing = lambda request, n: host_landing(hisparse.state, request, n)  # noqa: E731
         transfer_hooks.append(KVTransferHook(client, kv_pool, config.fence_timeout, landing=landing))

@@ -26,7 +26,7 @@ from resources.ledger import MemoryReport
 from states import FinishReason, Request, RequestMachine, RequestState, ResourceExhausted
 
 if TYPE_CHECKING:
-    from engine.disagg.kv_transfer_hook import TransferJob
+    from engine.disagg.decode.kv_transfer_hook import TransferJob
 
 S = RequestState
 log = structlog.get_logger("kvlife.loop")

@@ -34,8 +34,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from engine.config import EngineConfig
-from engine.disagg.prefill_server import PrefillServer
-from engine.disagg.settings import PrefillServerConfig
+from engine.disagg.prefill.prefill_server import PrefillServer
+from engine.disagg.link.settings import PrefillServerConfig
 from engine.logging import configure_logging
 from engine.serve.server import bind_socket
 from engine.serve.transfer_metrics import TransferCollector

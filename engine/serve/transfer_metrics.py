@@ -3,7 +3,7 @@
     registry.register(TransferCollector(engine.prefill_client.stats))   # decode, remote prefill
     registry.register(TransferCollector(server.stats))                  # the prefill server
 
-Names are in `engine.disagg.observability` (``kvlife:transfer_*``).
+Names are in `engine.disagg.link.observability` (``kvlife:transfer_*``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from engine.disagg.observability import Histogram, TransferStats
+from engine.disagg.link.observability import Histogram, TransferStats
 
 
 class TransferCollector:

@@ -24,8 +24,8 @@ import attrs
 import structlog
 import torch
 
-from engine.disagg.transport import LinkError, Pair, classify
-from engine.disagg.wire import (BYE, CANCEL, CANCELLED, FAILED, JOB, OK, PING, RESULT, JobSpec, ProtocolError,
+from engine.disagg.link.transport import LinkError, Pair, classify
+from engine.disagg.link.wire import (BYE, CANCEL, CANCELLED, FAILED, JOB, OK, PING, RESULT, JobSpec, ProtocolError,
                                 decode_job, empty_header, header)
 
 log = structlog.get_logger("kvlife.transfer")

@@ -6,7 +6,7 @@ Prometheus (``kvlife:transfer_*``; labels lower case):
 
     bytes_total                     KV bytes received (decode) or sent (prefill)
     jobs_total{outcome}             jobs ended: ok, failed, cancelled
-    failures_total{cause}           failed jobs by cause (engine.disagg.transport.CAUSES)
+    failures_total{cause}           failed jobs by cause (engine.disagg.link.transport.CAUSES)
     seconds                         histogram: first KV byte expected -> landed (the wire)
     wait_seconds                    histogram: submitted -> landed (compute and queueing too)
     link_up{peer}, link_epoch{peer} gauges; link_changes_total{peer, change}

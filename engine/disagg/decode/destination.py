@@ -1,7 +1,7 @@
 """Where a received job's KV lands on the decode side.
 
 A destination is written only by the link's receiving thread, one chunk at
-a time, always under the job's lock (`engine.disagg.decode_link`), so once
+a time, always under the job's lock (`engine.disagg.decode.decode_link`), so once
 the job is done (landed, failed or given up) nothing writes it again.
 
 - `PagedDestination`: the request's KV pages (`KVBuffers`, at the token
@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
-from engine.disagg.wire import Chunk
+from engine.disagg.link.wire import Chunk
 
 
 class KVDestination(Protocol):

@@ -23,7 +23,7 @@ from typing import Protocol, cast
 import torch
 import torch.distributed as dist
 
-from engine.disagg.wire import CTL, DATA, ProtocolError
+from engine.disagg.link.wire import CTL, DATA, ProtocolError
 
 
 class LinkError(RuntimeError):

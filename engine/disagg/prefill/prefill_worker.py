@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import structlog
 
-from engine.disagg.kv_transfer_hook import TRANSFER_FENCE, TransferCancelled, TransferJob, cancel_unstarted
-from engine.disagg.transfer import TransferBackend
+from engine.disagg.decode.kv_transfer_hook import TRANSFER_FENCE, TransferCancelled, TransferJob, cancel_unstarted
+from engine.disagg.decode.transfer import TransferBackend
 from engine.runtime.scheduler import ScheduledSeq
 from resources.request_slots import RequestSlotHook
 from resources.ledger import Pool

@@ -17,7 +17,7 @@ never lets a process that lacks the secret write into its pages. Then
 each side compares the other's compatibility record field by field, and
 only if they agree do both build the pair's groups. Without a secret,
 proofs are empty and both sides only bind or dial loopback addresses
-(`engine.disagg.settings`).
+(`engine.disagg.link.settings`).
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from typing import Any
 import attrs
 import torch.distributed as dist
 
-from engine.disagg.settings import LinkSettings
-from engine.disagg.transport import LinkError
-from engine.disagg.wire import PROTOCOL_VERSION, proof, proof_ok, record_mismatch
+from engine.disagg.link.settings import LinkSettings
+from engine.disagg.link.transport import LinkError
+from engine.disagg.link.wire import PROTOCOL_VERSION, proof, proof_ok, record_mismatch
 
 ROOT = "kvlife/"
 

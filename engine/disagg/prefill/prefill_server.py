@@ -6,7 +6,7 @@
 It runs the same `PrefillWorker` as the in-process decode role, over its own
 pools and machine, with a transfer backend that stages the KV for a link
 instead of copying it into local buffers. Decodes connect through the
-bootstrap store (`engine.disagg.bootstrap`); each gets a `PrefillLink`.
+bootstrap store (`engine.disagg.link.bootstrap`); each gets a `PrefillLink`.
 
 A job's path: the link's control thread receives it -> `submit_job` (on
 this event loop) gives the worker a TransferJob -> the worker prefills and
@@ -37,16 +37,16 @@ import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig, SamplingParams
-from engine.disagg.bootstrap import BootstrapServer
-from engine.disagg.kv_transfer_hook import TransferJob
-from engine.disagg.observability import TransferStats
-from engine.disagg.prefill_link import PrefillLink, ServerJob
-from engine.disagg.prefill_worker import PrefillWorker
-from engine.disagg.settings import PrefillServerConfig, SECRET_ENV
-from engine.disagg.staging import StagingFull, StagingPool
-from engine.disagg.transfer import TransferFailed
-from engine.disagg.transport import LinkError, Pair
-from engine.disagg.wire import KVLayout, chunk_plan, compatibility_record, model_identity
+from engine.disagg.link.bootstrap import BootstrapServer
+from engine.disagg.decode.kv_transfer_hook import TransferJob
+from engine.disagg.link.observability import TransferStats
+from engine.disagg.prefill.prefill_link import PrefillLink, ServerJob
+from engine.disagg.prefill.prefill_worker import PrefillWorker
+from engine.disagg.link.settings import PrefillServerConfig, SECRET_ENV
+from engine.disagg.link.staging import StagingFull, StagingPool
+from engine.disagg.decode.transfer import TransferFailed
+from engine.disagg.link.transport import LinkError, Pair
+from engine.disagg.link.wire import KVLayout, chunk_plan, compatibility_record, model_identity
 from resources import ManualFence
 from resources.ledger import LeakError, check_memory, memory_report
 

@@ -28,17 +28,17 @@ import attrs
 import structlog
 import torch
 
-from engine.disagg.kv_transfer_hook import TransferCancelled
-from engine.disagg.transfer import TransferFailed
-from engine.disagg.transport import LinkError, Pair, classify
-from engine.disagg.wire import (BYE, CANCEL, CANCELLED, JOB, OK, PING, RESULT, STATUS_NAMES, JobSpec, KVLayout,
+from engine.disagg.decode.kv_transfer_hook import TransferCancelled
+from engine.disagg.decode.transfer import TransferFailed
+from engine.disagg.link.transport import LinkError, Pair, classify
+from engine.disagg.link.wire import (BYE, CANCEL, CANCELLED, JOB, OK, PING, RESULT, STATUS_NAMES, JobSpec, KVLayout,
                                 ProtocolError, empty_header, encode_job, header)
 
 log = structlog.get_logger("kvlife.transfer")
 
 
 class RemoteTransferFailed(TransferFailed):
-    """A remote transfer failed; `cause` is one of engine.disagg.transport.CAUSES."""
+    """A remote transfer failed; `cause` is one of engine.disagg.link.transport.CAUSES."""
 
     def __init__(self, cause: str, message: str) -> None:
         super().__init__(message)

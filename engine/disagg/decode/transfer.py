@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
-from engine.disagg.wire import Chunk
+from engine.disagg.link.wire import Chunk
 from resources.kv_buffers import KVBuffers
 
 
@@ -25,7 +25,7 @@ class TransferBackend(Protocol):
     def send(self, src: KVBuffers, src_locs: torch.Tensor, dst_locs: torch.Tensor, request_id: str,
              destination: Any = None) -> None:
         """Copy the K/V at `src_locs` of every layer to `dst_locs` on the receiving side (or
-        into `destination`, a `engine.disagg.destination.KVDestination`); return when the
+        into `destination`, a `engine.disagg.decode.destination.KVDestination`); return when the
         copy has landed, raise TransferFailed if it cannot."""
 
 

@@ -26,14 +26,14 @@ import anyio
 import structlog
 import torch
 
-from engine.disagg import bootstrap
-from engine.disagg.decode_link import DecodeLink, LinkJob
-from engine.disagg.destination import PagedDestination
-from engine.disagg.kv_transfer_hook import TransferJob, cancel_unstarted
-from engine.disagg.observability import TransferStats
-from engine.disagg.staging import StagingPool
-from engine.disagg.transport import LinkError, Pair
-from engine.disagg.wire import JobSpec, KVLayout, chunk_plan, compatibility_record, model_identity, params_to_dict
+from engine.disagg.link import bootstrap
+from engine.disagg.decode.decode_link import DecodeLink, LinkJob
+from engine.disagg.decode.destination import PagedDestination
+from engine.disagg.decode.kv_transfer_hook import TransferJob, cancel_unstarted
+from engine.disagg.link.observability import TransferStats
+from engine.disagg.link.staging import StagingPool
+from engine.disagg.link.transport import LinkError, Pair
+from engine.disagg.link.wire import JobSpec, KVLayout, chunk_plan, compatibility_record, model_identity, params_to_dict
 from engine.errors import InvalidConfig
 from resources.ledger import Owner, Pool, PoolUsage
 from states import RequestState
