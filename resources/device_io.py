@@ -1,0 +1,106 @@
+"""Host <-> device traffic, written once: the step's read-back, pinned host
+memory, and the stream every step and copy is ordered on.
+
+`read_back` is the only way code on a step's path reads device memory on
+the host: the model runner calls it once per step (tokens, MoE routing and
+logprobs together), HiSparse once per layer (the selected positions). On
+CUDA each call is one device-to-host copy and one wait; on the host it
+returns its inputs. The meta-device test (tests/test_meta_device.py)
+replaces it to count the calls, which is how CI proves that a step reads
+nothing else: every other host read of a `meta` tensor raises.
+
+Pinned memory: torch's caching host allocator rounds every block up to a
+power of two, so a large pool pinned through it can take twice its size.
+`pinned_empty` pins an ordinary host tensor in place (`cudaHostRegister`,
+exactly its bytes) for long-lived pools, and unregisters it when the tensor
+is freed; small per-step buffers use the caching allocator, whose events
+also keep a block from reuse while an asynchronous copy still reads it.
+
+`compute_stream(device)` names the stream the engine's work runs on: the
+device's default stream, for every thread (the event loop's, the step
+worker's, the link threads'), so that side streams know what to wait for.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+
+#: dtypes `read_back` carries (as int64 words: integers widened, floats as float64 bits)
+_INTEGER = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+_FLOAT = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def read_back(parts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """`parts` on the host, as tensors of the same shapes and dtypes, with one
+    device-to-host copy and one wait when they are on an accelerator.
+
+    NOTE: the only host read on a step's path; see the module docstring.
+    """
+    if all(p.device.type == "cpu" for p in parts):
+        return list(parts)
+    words = [_as_words(p) for p in parts]
+    host = torch.cat(words).to("cpu") if len(words) > 1 else words[0].to("cpu")
+    out, start = [], 0
+    for part in parts:
+        n = part.numel()
+        out.append(_from_words(host[start : start + n], part))
+        start += n
+    return out
+
+
+def _as_words(t: torch.Tensor) -> torch.Tensor:
+    flat = t.reshape(-1)
+    if t.dtype in _INTEGER:
+        return flat.to(torch.int64)
+    if t.dtype in _FLOAT:
+        return flat.to(torch.float64).view(torch.int64)
+    raise TypeError(f"read_back carries integer, bool and float tensors, not {t.dtype}")
+
+
+def _from_words(words: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    if like.dtype in _FLOAT:
+        words = words.view(torch.float64)
+    return words.to(like.dtype).view(like.shape)
+
+
+def pinned_empty(shape: Sequence[int], dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
+    """A zeroed host tensor, pinned exactly (no power-of-two rounding) when `pin`."""
+    t = torch.zeros(tuple(shape), dtype=dtype)
+    if pin and t.numel():
+        pin_in_place(t)
+    return t
+
+
+def pin_in_place(t: torch.Tensor, register: Any = None) -> None:
+    """Page-lock `t`'s memory where it is (`cudaHostRegister`), for as long as `t` lives
+    (views that outlive `t` stay valid, only no longer pinned).
+
+    `register` (tests) replaces the CUDA runtime: an object with
+    ``cudaHostRegister(ptr, nbytes, flags)`` and ``cudaHostUnregister(ptr)``.
+    """
+    cudart = register if register is not None else torch.cuda.cudart()
+    ptr, nbytes = t.data_ptr(), t.untyped_storage().nbytes()
+    err = cudart.cudaHostRegister(ptr, nbytes, 0)
+    if int(getattr(err, "value", err)) != 0:
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: {err}")
+    weakref.finalize(t, cudart.cudaHostUnregister, ptr)
+
+
+def compute_stream(device: torch.device) -> Any:
+    """The stream the engine's work on `device` runs on (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.default_stream(device)
+
+
+def on_device(device: torch.device) -> AbstractContextManager[Any]:
+    """Make `device` current in this thread (CUDA; a no-op elsewhere): a step or copy
+    issued from any thread lands on the engine's device, not on device 0."""
+    if device.type != "cuda":
+        return nullcontext()
+    return torch.cuda.device(device)
