@@ -1,7 +1,9 @@
 """Host <-> device traffic, written once: the step's read-back, pinned host
 memory, and the stream every step and copy is ordered on.
 
-`read_back` is the only way code on a step's path reads device memory on
+`upload` is how small host arrays reach the device on a step's path: from
+pinned memory, asynchronously (a copy from pageable memory waits for the
+stream first). `read_back` is the only way code on a step's path reads device memory on
 the host: the model runner calls it once per step (tokens, MoE routing and
 logprobs together), HiSparse once per layer (the selected positions). On
 CUDA each call is one device-to-host copy and one wait; on the host it
@@ -28,6 +30,7 @@ from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
+import numpy as np
 import torch
 
 #: dtypes `read_back` carries (as int64 words: integers widened, floats as float64 bits)
@@ -66,6 +69,37 @@ def _from_words(words: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     if like.dtype in _FLOAT:
         words = words.view(torch.float64)
     return words.to(like.dtype).view(like.shape)
+
+
+def copy_to_host(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` from the device into host memory: asynchronous on CUDA (into
+    pinned `dst`, ordered on the current stream; its event or fence says when it is done),
+    a plain copy elsewhere. NOTE: every device -> host copy that is not a read-back goes
+    through here (the meta-device test counts them)."""
+    dst.copy_(src, non_blocking=src.device.type == "cuda")
+
+
+def to_host(src: torch.Tensor) -> torch.Tensor:
+    """`src` in host memory (a new tensor; `src` itself when it is there already)."""
+    if src.device.type == "cpu":
+        return src
+    out = torch.empty(src.shape, dtype=src.dtype)
+    copy_to_host(out, src)
+    return out
+
+
+def upload(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """`values` on `device` without a host sync: on CUDA one asynchronous copy from a
+    pinned buffer of torch's host allocator (which keeps the buffer until the copy has
+    read it); on the host the array itself, as a tensor."""
+    host = torch.from_numpy(np.ascontiguousarray(values))
+    if device.type == "cpu":
+        return host
+    if device.type == "cuda":
+        staged = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
+        staged.copy_(host)
+        return staged.to(device, non_blocking=True)
+    return host.to(device)
 
 
 def pinned_empty(shape: Sequence[int], dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
