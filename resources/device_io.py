@@ -46,12 +46,21 @@ def read_back(parts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """
     if all(p.device.type == "cpu" for p in parts):
         return list(parts)
+    return unpack_words(pack_words(parts).to("cpu"), parts)
+
+
+def pack_words(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """`parts` flattened into one int64 tensor (on their device): integers widened, floats as float64 bits."""
     words = [_as_words(p) for p in parts]
-    host = torch.cat(words).to("cpu") if len(words) > 1 else words[0].to("cpu")
+    return torch.cat(words) if len(words) > 1 else words[0]
+
+
+def unpack_words(words: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """`pack_words`' inverse: tensors shaped and typed as `like`, from `words`."""
     out, start = [], 0
-    for part in parts:
+    for part in like:
         n = part.numel()
-        out.append(_from_words(host[start : start + n], part))
+        out.append(_from_words(words[start : start + n], part))
         start += n
     return out
 
@@ -80,11 +89,15 @@ def copy_to_host(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 def to_host(src: torch.Tensor) -> torch.Tensor:
-    """`src` in host memory (a new tensor; `src` itself when it is there already)."""
+    """`src` in host memory, readable at once (`src` itself when it is there already; from
+    CUDA a copy the caller waits for: off the step path only)."""
     if src.device.type == "cpu":
         return src
-    out = torch.empty(src.shape, dtype=src.dtype)
+    cuda = src.device.type == "cuda"
+    out = torch.empty(src.shape, dtype=src.dtype, pin_memory=cuda)
     copy_to_host(out, src)
+    if cuda:
+        torch.cuda.current_stream(src.device).synchronize()
     return out
 
 

@@ -85,7 +85,7 @@ class MoEFeedForward(nn.Module):
         """Stack the experts' weights (idempotent); each expert's weights become views."""
         if self.gate_up_w is not None or self._bias:
             return
-        experts = list(self.experts)
+        experts = [e for e in self.experts if isinstance(e, GatedMLP)]
         gate_up = torch.stack([torch.cat((e.gate_proj.weight, e.up_proj.weight)) for e in experts])
         down = torch.stack([e.down_proj.weight for e in experts])
         inter = gate_up.shape[1] // 2
@@ -146,8 +146,9 @@ class MoEFeedForward(nn.Module):
 
     def _act(self, gate_up: Tensor) -> Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
-        act = self.experts[0].act  # every expert has the model's activation
-        return act(gate) * up
+        first = self.experts[0]  # every expert has the model's activation
+        assert isinstance(first, GatedMLP)
+        return first.act(gate) * up
 
     def _grouped(self, x: Tensor, weights: Tensor, expert_ids: Tensor) -> Tensor:
         assert self.gate_up_w is not None and self.down_w is not None

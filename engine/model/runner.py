@@ -246,8 +246,8 @@ class ModelRunner:
         if self.graphs is not None and batch is not None and len(batch) == len(seqs):
             replayed = self._replay(seqs, batch)
             if replayed is not None:
-                logits, greedy, routing, fields = replayed
-                out = self._finish(logits, batch, fields, routing, greedy)
+                logits, greedy, stacked, fields = replayed
+                out = self._finish(logits, batch, fields, stacked, greedy)
                 if timed:
                     self._record(seqs, t0, t0)
                 return out
