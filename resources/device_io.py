@@ -46,7 +46,14 @@ def read_back(parts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """
     if all(p.device.type == "cpu" for p in parts):
         return list(parts)
-    return unpack_words(pack_words(parts).to("cpu"), parts)
+    words = pack_words(parts)
+    if words.device.type != "cuda":
+        return unpack_words(words.to("cpu"), parts)
+    # NOTE: into pinned memory, then one wait for the stream: no hidden staging through pageable memory
+    host = torch.empty(words.shape, dtype=words.dtype, pin_memory=True)
+    host.copy_(words, non_blocking=True)
+    torch.cuda.current_stream(words.device).synchronize()
+    return unpack_words(host, parts)
 
 
 def pack_words(parts: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -88,6 +88,8 @@ class DecodeGraphs:
         self._pool: Any = None
         #: set when a capture failed: every step runs eagerly
         self.disabled = False
+        #: steps run from the static buffers (replays, or eager static steps when not capturing)
+        self.replays = 0
 
     def bucket(self, rows: int) -> int | None:
         """The batch bucket of a decode step of `rows` rows (None: more than the largest)."""
@@ -141,6 +143,7 @@ class DecodeGraphs:
         bucket = self.bucket(rows)
         if self.disabled or bucket is None:
             return None
+        self.replays += 1
         if self.capture:
             captured = self._graphs.get(bucket)
             if captured is None:
