@@ -101,9 +101,12 @@ class TestLogprobs:
             finally:
                 await oa.close()
         logprobs = answer.choices[0].logprobs
-        assert logprobs.token_logprobs == [e.logprob for e in entries]
+        # NOTE: the HTTP request reuses the first one's cached prefix pages, so its prefill runs in another
+        # chunking: the same values up to float32 rounding
+        assert logprobs.token_logprobs == pytest.approx([e.logprob for e in entries], abs=1e-5)
         assert [len(top) for top in logprobs.top_logprobs] == [2] * 6
-        assert [max(top.values()) for top in logprobs.top_logprobs] == [e.top[0][1] for e in entries]
+        assert [max(top.values()) for top in logprobs.top_logprobs] == pytest.approx([e.top[0][1] for e in entries],
+                                                                                     abs=1e-5)
         assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(6)]
         assert all(lp <= 0 for lp in logprobs.token_logprobs)
 
