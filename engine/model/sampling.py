@@ -86,9 +86,10 @@ class SamplingBatch:
             raise ValueError(f"{len(params)} sampling params for {len(positions)} positions")
         self.params = tuple(params)
         self.positions = tuple(positions)
-        self.greedy = all(p.greedy for p in params)
-        self.any_top_k = any(not p.greedy and p.top_k > 0 for p in params)
-        self.any_top_p = any(not p.greedy and p.top_p < 1.0 for p in params)
+        # NOTE: once per step and row: plain attribute reads (the greedy common case stops here)
+        self.greedy = not any(p.temperature for p in params)
+        self.any_top_k = not self.greedy and any(p.temperature and p.top_k > 0 for p in params)
+        self.any_top_p = not self.greedy and any(p.temperature and p.top_p < 1.0 for p in params)
         #: rows that asked for logprobs, and the most alternatives any of them asked for
         self.logprob_rows = [row for row, p in enumerate(params) if p.logprobs is not None]
         self.most_logprobs = max((params[r].logprobs or 0 for r in self.logprob_rows), default=0)
