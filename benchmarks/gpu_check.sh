@@ -68,13 +68,14 @@ phase() {  # phase NAME LIMIT_SECONDS COMMAND...
 }
 
 phase machine 30 bash -c "nvidia-smi; $PY -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())'"
-phase check 150 $PY benchmarks/gpu_check.py --device "$DEVICE" --out "$OUT_DIR"
-phase gpu-tests 90 "${PYTEST[@]}" tests/test_runner.py tests/test_sampling_batch.py tests/test_cuda_paths.py \
+phase check 120 $PY benchmarks/gpu_check.py --device "$DEVICE" --out "$OUT_DIR"
+phase gpu-tests 80 "${PYTEST[@]}" tests/test_runner.py tests/test_sampling_batch.py tests/test_cuda_paths.py \
     tests/test_hisparse_batched.py tests/test_hisparse_attention.py tests/test_tiny_model.py tests/test_disaggregation.py \
     tests/test_meta_device.py
-phase suite 180 "${PYTEST[@]}" -x --maxfail=20 tests
-phase bench-engine 60 $PY benchmarks/bench_engine.py --device "$DEVICE" --quick --out "$OUT_DIR/engine.json"
-phase bench-hisparse 50 $PY benchmarks/bench_hisparse.py --device "$DEVICE" --quick --out "$OUT_DIR/hisparse.json"
+# NOTE: -v, so a suite stopped at its limit still shows each test's result in logs.txt
+phase suite 200 "${PYTEST[@]}" -v --tb=short --maxfail=20 tests
+phase bench-engine 50 $PY benchmarks/bench_engine.py --device "$DEVICE" --quick --out "$OUT_DIR/engine.json"
+phase bench-hisparse 40 $PY benchmarks/bench_hisparse.py --device "$DEVICE" --quick --out "$OUT_DIR/hisparse.json"
 
 {
     echo
@@ -82,14 +83,16 @@ phase bench-hisparse 50 $PY benchmarks/bench_hisparse.py --device "$DEVICE" --qu
     echo
     [ -f "$OUT_DIR/gpu_check.md" ] && cat "$OUT_DIR/gpu_check.md" && rm -f "$OUT_DIR/gpu_check.md"
     echo
-    echo '## Test results (last lines)'
+    echo '## Test results'
     echo '```'
-    grep -E '(passed|failed|error)' "$LOGS" | grep -E ' in [0-9.]+s' || true
+    grep -E '( passed| failed| error).* in [0-9.]+s' "$LOGS" || true
+    echo "suite: $(grep -c ' PASSED' "$LOGS") passed, $(grep -c ' FAILED' "$LOGS") failed, $(grep -c ' ERROR' "$LOGS") errors"
+    grep -E '^(FAILED|ERROR) ' "$LOGS" | head -30 || true
     echo '```'
     echo
-    echo '## Benchmarks (tables as printed)'
+    echo '## Benchmarks (as printed)'
     echo '```'
-    awk '/^== bench-engine \(/,/^== bench-hisparse:/' "$LOGS" | grep -E '^\||batch|context|load' | head -40
+    awk '/^== bench-engine \(/,/^== bench-hisparse:/' "$LOGS" | grep -v '^==' | head -60
     echo '```'
 } >> "$SUMMARY"
 cat "$SUMMARY"

@@ -46,16 +46,15 @@ import torch
 
 from engine.model.attention import PagedAttention
 from engine.model.llama import LlamaModel
-from engine.model.sampling import argmax_rows
+from engine.model.sampling import FIELD_ROWS, argmax_rows
 from resources.device_io import compute_stream, on_device
 from resources.kv_buffers import KVBuffers
 from resources.request_slots import RequestSlots
 
 log = structlog.get_logger("kvlife.decode_graphs")
 
-#: rows of the static inputs, and how many words the sampler's fields take per row
+#: rows of the static inputs (the sampler's `FIELD_ROWS` rows of fields follow them)
 IDS, POSITIONS, SLOTS, REAL = range(4)
-FIELD_ROWS = 6
 
 
 def batch_buckets(max_batch: int) -> list[int]:

@@ -40,6 +40,7 @@ import torch
 
 from engine.model.attention import AttentionBackend, AttentionMetadata, PagedAttention, PagedFactory
 from engine.model.llama import LlamaModel
+from engine.model.decode_graphs import FIELD_ROWS, DecodeGraphs
 from engine.model.sampling import SamplingBatch, format_logprobs, logprob_tensors, sample_tokens
 from engine.model.step_upload import Sections, StepUpload
 from engine.outputs import TokenLogprob
@@ -51,7 +52,6 @@ from states import Request
 from resources.paging import round_up
 
 if TYPE_CHECKING:
-    from engine.model.decode_graphs import DecodeGraphs
     from engine.testing import FaultInjector
 
 
@@ -142,8 +142,6 @@ class ModelRunner:
         factory = self.attention_factory
         if cuda_graphs and device.type == "cuda" and isinstance(factory, PagedFactory) \
                 and _graph_safe(model, slots.capacity):
-            from engine.model.decode_graphs import DecodeGraphs
-
             self.graphs = DecodeGraphs(model, kv, slots, device, max_batch=slots.capacity,
                                        layer_windows=factory.layer_windows)
             with torch.inference_mode():
@@ -281,14 +279,12 @@ class ModelRunner:
         largest = graphs.largest
         if graphs.disabled or len(seqs) > largest:
             return None
-        words = 4 * largest + (batch.fields.size if batch.fields is not None else 0)
+        words = (4 + FIELD_ROWS) * largest if batch.fields is not None else 4 * largest
         host = self.upload.start(words)
         graphs.write_inputs(host, largest, ids, positions, slots)
         if batch.fields is not None:
             # the fields region is [6, largest]; this step's rows are its first columns
-            fields_view = host[4 * largest : 4 * largest + 6 * largest].reshape(6, largest)
-            fields_view[:, : len(seqs)] = batch.fields
-            words = 10 * largest
+            host[4 * largest : words].reshape(FIELD_ROWS, largest)[:, : len(seqs)] = batch.fields
         self.upload.send(words, into=graphs.buffer)
         ran = graphs.run(len(seqs))
         if ran is None:

@@ -48,8 +48,9 @@ from engine.config import SamplingParams
 from engine.outputs import TokenLogprob
 from resources.device_io import read_back
 
-#: rows of `SamplingBatch.fields`
+#: rows of `SamplingBatch.fields`, and how many there are
 TEMPERATURE, TOP_P, TOP_K, KEY, GREEDY, LOGPROB_ROW = range(6)
+FIELD_ROWS = 6
 _MASK64 = (1 << 64) - 1
 
 
@@ -103,7 +104,7 @@ class SamplingBatch:
 
     def _fields(self) -> np.ndarray:
         n = len(self.params)
-        fields = np.zeros((6, n), dtype=np.int64)
+        fields = np.zeros((FIELD_ROWS, n), dtype=np.int64)
         floats = fields[:2].view(np.float64)
         step_key = int(torch.randint(0, 2**62, ())) if not self.greedy else 0  # unseeded rows: one draw per step
         for row, (p, pos) in enumerate(zip(self.params, self.positions)):
