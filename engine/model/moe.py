@@ -45,6 +45,25 @@ def _grouped_mm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
     return fn(a, b, offs=offs)
 
 
+#: (device type, dtype) -> whether this torch build runs a grouped matmul there
+_GROUPED: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this torch build has a grouped matmul for `dtype` on `device` (probed once, on a tiny
+    problem, before any graph capture: older builds lack the host or float32 kernels)."""
+    key = (device.type, dtype)
+    if key not in _GROUPED:
+        try:
+            a = torch.zeros((4, 16), dtype=dtype, device=device)
+            b = torch.zeros((2, 16, 16), dtype=dtype, device=device).transpose(1, 2)
+            _grouped_mm(a, b, torch.tensor([1, 4], dtype=torch.int32, device=device))
+            _GROUPED[key] = True
+        except (AttributeError, RuntimeError, NotImplementedError):
+            _GROUPED[key] = False
+    return _GROUPED[key]
+
+
 class MoEFeedForward(nn.Module):
     """Top-k mixture of gated experts.
 
@@ -113,16 +132,15 @@ class MoEFeedForward(nn.Module):
 
     def _grouped_ok(self, device: torch.device, dtype: torch.dtype) -> bool:
         assert self.gate_up_w is not None and self.down_w is not None
-        if getattr(F, "grouped_mm", None) is None and not hasattr(torch, "_grouped_mm"):
-            return False
         size = torch.finfo(dtype).bits // 8
         if any(dim * size % 16 for dim in (self.gate_up_w.shape[1], self.gate_up_w.shape[2], self.down_w.shape[2])):
             return False  # the grouped matmul needs 16-byte aligned rows
-        if device.type == "cuda":
-            return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] in (9, 10)
+        if device.type == "cuda":  # NOTE: elsewhere CUDA's grouped matmul reads its offsets on the host
+            fast = dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] in (9, 10)
+            return fast and grouped_mm_works(device, dtype)
         if device.type == "meta":
-            return dtype == torch.bfloat16
-        return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+            return dtype == torch.bfloat16 and grouped_mm_works(device, dtype)
+        return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and grouped_mm_works(device, dtype)
 
     # ------------------------------------------------------------- forward
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
