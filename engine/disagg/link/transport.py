@@ -200,10 +200,11 @@ class Pair:
                 self._closed = True
                 return
             self._closed = True
-        abort = getattr(self.data, "abort", None)
-        if abort is not None:
+        # NOTE: `abort` where the build has it (older builds: `shutdown`)
+        end = getattr(self.data, "abort", None) or getattr(self.data, "shutdown", None)
+        if end is not None:
             try:
-                abort()
+                end()
             except Exception:  # noqa: BLE001 - a communicator that failed may refuse to abort: it is dropped anyway
                 pass
 
