@@ -106,12 +106,13 @@ class EngineConfig:
     thread instead of a worker thread (the hop costs 0.1-0.15 ms, about 10% of a
     small decode step); larger steps, and every step under fault injection, run in
     the worker thread so the loop keeps answering meanwhile. 0 = always the thread.
-    `cuda_graphs`: on CUDA, capture decode steps as CUDA graphs (one per batch bucket,
-    at startup; `engine.model.decode_graphs`); no effect on other devices.
     """
 
     model: str = attrs.field(default="tiny")
     device: str = attrs.field(default="cpu")
+    #: on CUDA, decode steps replay CUDA graphs, one per batch bucket, captured at startup
+    #: (`engine.model.decode_graphs`, docs/gpu.md); no effect on other devices
+    cuda_graphs: bool = attrs.field(default=True, validator=is_bool(), kw_only=True)
     #: "auto": float32 for the built-in models, a checkpoint's own torch_dtype
     dtype: str = attrs.field(default="auto", validator=one_of("auto", "float32", "float16", "bfloat16"))
     seed: int = attrs.field(default=0, validator=int_at_least(0))
@@ -134,7 +135,6 @@ class EngineConfig:
     admission_window: float = attrs.field(default=0.0, validator=number_at_least(0))
     inline_step_tokens: int = attrs.field(default=8, validator=int_at_least(0))
     mm_cache_bytes: int = attrs.field(default=64 << 20, validator=int_at_least(1))
-    cuda_graphs: bool = attrs.field(default=True, validator=is_bool())
 
     def __attrs_post_init__(self) -> None:
         p = "EngineConfig"
