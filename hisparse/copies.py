@@ -114,7 +114,8 @@ class HostCopier:
         if not self._pending:
             return
         if self._pending_done is not None:
-            self._pending_done.synchronize()
+            if not self._pending_done.query():  # usually done: the step's read-back waited for its stream
+                self._pending_done.synchronize()
         elif self.stream is not None:  # a step that failed before its fence: wait for what it queued
             self.stream.synchronize()
         for dst, rows, staged in self._pending:

@@ -49,7 +49,8 @@ class StepUpload:
     def start(self, words: int) -> np.ndarray:
         """The host buffer (numpy view, at least `words` long) to write this step's inputs into."""
         if self._event is not None:
-            self._event.synchronize()  # NOTE: see the module docstring; done already after a normal step
+            if not self._event.query():  # NOTE: see the module docstring; done already after a normal step
+                self._event.synchronize()
             self._event = None
         if words > self.capacity:
             self._host, self._np, self._dev = self._allocate(max(words, 2 * self.capacity))
