@@ -13,6 +13,7 @@ import attrs
 
 from engine.disagg.link.settings import RemotePrefill
 from engine.errors import InvalidConfig, InvalidRequest
+from engine.speculative.config import SpeculativeConfig
 from hisparse.config import HiSparseConfig
 from states.validation import (
     int_at_least,
@@ -48,6 +49,8 @@ class SamplingParams:
     - `n`: sequences to generate from one prompt (the prompt's KV is computed
       once and shared); a seeded request draws sequence i from seed + i.
     - `detokenize`: False skips text entirely (ids only; `stop` needs text).
+    - `speculative`: False opts this request out of the engine's speculative
+      decoding (a request that asks for `logprobs` never speculates).
     """
 
     max_new_tokens: int = attrs.field(default=16, validator=int_at_least(1, InvalidRequest))
@@ -62,6 +65,8 @@ class SamplingParams:
     logprobs: int | None = attrs.field(default=None)
     n: int = attrs.field(default=1)
     detokenize: bool = attrs.field(default=True, validator=is_bool(InvalidRequest))
+    #: when the engine speculates (`EngineConfig.speculative`), whether this request does
+    speculative: bool = attrs.field(default=True, validator=is_bool(InvalidRequest))
 
     def __attrs_post_init__(self) -> None:
         p = "SamplingParams"
@@ -135,6 +140,8 @@ class EngineConfig:
     admission_window: float = attrs.field(default=0.0, validator=number_at_least(0))
     inline_step_tokens: int = attrs.field(default=8, validator=int_at_least(0))
     mm_cache_bytes: int = attrs.field(default=64 << 20, validator=int_at_least(1))
+    #: speculative decoding (an engine.speculative.SpeculativeConfig; docs/speculative.md); None: off
+    speculative: Any = attrs.field(default=None, kw_only=True)
 
     def __attrs_post_init__(self) -> None:
         p = "EngineConfig"
@@ -155,6 +162,10 @@ class EngineConfig:
                 "None or a HiSparseConfig", self.hisparse)
         if self.hisparse is not None:
             self.hisparse.validate_against(self, self.context_bound)
+        require(self.speculative is None or isinstance(self.speculative, SpeculativeConfig), InvalidConfig,
+                f"{p}.speculative", "None or an engine.speculative.SpeculativeConfig", self.speculative)
+        require(self.speculative is None or self.hisparse is None, InvalidConfig, f"{p}.speculative",
+                "None when hisparse is set (sparse decode attends one query per request)", self.speculative)
         require(self.remote_prefill is None or isinstance(self.remote_prefill, RemotePrefill), InvalidConfig,
                 f"{p}.remote_prefill", "None or an engine.disagg.RemotePrefill", self.remote_prefill)
         if self.remote_prefill is not None:

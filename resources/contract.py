@@ -9,8 +9,9 @@ members the protocol declares (`REQUIRED_MEMBERS`) and fills in nothing.
 
 Who does what:
 
-- A hook allocates (in `acquire`, `grow`) and frees (in `release`), and
-  nothing else. The machine (`states.RequestMachine`) calls it, records
+- A hook allocates (in `acquire`, `grow`, `extend`) and frees (in `release`,
+  and in the declared shrink `rollback`: the slots of rejected draft tokens),
+  and nothing else. The machine (`states.RequestMachine`) calls it, records
   every amount in the ownership ledger, logs, and isolates every call: a hook
   that raises in `release` or `quarantine` is logged
   (``resource.release_failed``), its pool is marked suspect, and the rest of
@@ -106,6 +107,15 @@ REQUIRED_MEMBERS: tuple[str, ...] = ("name", "acquire_on", "scope", "before", "a
 #:     make the handle cover `num_tokens` tokens (decode growth), updating
 #:     `handle.amount`; return False (or raise `ResourceExhausted`) when the
 #:     pool is short, changing nothing that is not accounted in the amount.
+#: ``extend(request, handle, num_tokens) -> bool``
+#:     speculative decoding: cover `num_tokens` tokens for a step that verifies
+#:     draft tokens (the drafts' slots), like `grow`; False when the pool is
+#:     short (the step then speculates less: a draft never retracts anyone).
+#:     Called by `machine.extend`, never by the mandatory growth.
+#: ``rollback(request, handle, num_tokens)``, a declared shrink
+#:     give back what the handle holds past `num_tokens` tokens: the slots of
+#:     drafts the model rejected, lowering `handle.amount` by what it gave
+#:     back. Called by `machine.rollback` after a verify step.
 #: ``quarantine(request, handle)``
 #:     a fence protecting this handle missed its deadline: the memory stays
 #:     allocated (a copy may still write it) until `release` is called when
@@ -114,7 +124,7 @@ REQUIRED_MEMBERS: tuple[str, ...] = ("name", "acquire_on", "scope", "before", "a
 #: ``pools``
 #:     the hook's pools (each with `name` and `stats() -> PoolUsage`), so the
 #:     leak check covers them.
-OPTIONAL_MEMBERS: tuple[str, ...] = ("grow", "quarantine", "pools")
+OPTIONAL_MEMBERS: tuple[str, ...] = ("grow", "extend", "rollback", "quarantine", "pools")
 
 
 class ResourceHook:
@@ -157,7 +167,8 @@ def validate_hook(hook: Any) -> None:
             raise HookOrderError(f"hook {hook.name!r}: {attr} must be a tuple of hook names")
     if hook.pool is not None and (not isinstance(hook.pool, str) or not hook.pool):
         raise HookOrderError(f"hook {hook.name!r}: pool must be None or a non-empty string")
-    for attr in ("acquire", "release", *(m for m in ("grow", "quarantine") if hasattr(hook, m))):
+    for attr in ("acquire", "release", *(m for m in ("grow", "extend", "rollback", "quarantine")
+                                          if hasattr(hook, m))):
         if not callable(getattr(hook, attr)):
             raise HookOrderError(f"hook {hook.name!r}: {attr} must be callable")
     if RequestState.RELEASED in hook.scope:

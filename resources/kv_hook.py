@@ -137,6 +137,21 @@ class KVHook(ResourceHook):
         handle.amount += need
         return True
 
+    def extend(self, request: Request, handle: Handle, num_tokens: int) -> bool:
+        """Speculative decoding: pages for the draft tokens too (a growth like any other)."""
+        return self.grow(request, handle, num_tokens)
+
+    def rollback(self, request: Request, handle: Handle, num_tokens: int) -> None:
+        """Give back the pages wholly past `num_tokens` tokens: they hold only the KV of
+        draft tokens the model rejected (never the cache's prefix, never a page in use)."""
+        block: KVBlock = handle.payload
+        keep = max(self.kv.pages_for(num_tokens), block.num_prefix_pages, block.drop_from + block.num_dropped)
+        if keep >= block.num_pages:
+            return
+        self.kv.allocator.free(block.row[keep : block.num_pages])
+        handle.amount -= block.num_pages - keep
+        block.num_pages = keep
+
     def _drop_outside_window(self, request: Request, block: KVBlock, handle: Handle, num_tokens: int) -> None:
         """Free the own pages no query can attend any more: the step computes position
         num_tokens - 1, and later queries only go further, so a page whose last position

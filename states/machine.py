@@ -90,6 +90,8 @@ class RequestMachine:
         self._acquirers = {s: tuple(h for h in self._acquire_order if s in h.acquire_on) for s in S}
         self._leavers = {s: tuple(h for h in self.hooks if s not in h.scope) for s in S}
         self._growers = tuple(h for h in self._acquire_order if callable(getattr(h, "grow", None)))
+        self._extenders = tuple(h for h in self._acquire_order if callable(getattr(h, "extend", None)))
+        self._rollbacks = tuple(h for h in self.hooks if callable(getattr(h, "rollback", None)))
         self.ledger = ledger if ledger is not None else _NoLedger()
         self.clock = clock
         self.log = logger if logger is not None else LiveLogger("kvlife.machine")
@@ -163,6 +165,42 @@ class RequestMachine:
             if not ok:
                 return False
         return True
+
+    def extend(self, request: Request, num_tokens: int) -> bool:
+        """Speculative decoding: make every held handle that declares `extend` cover
+        `num_tokens` tokens (the draft tokens' slots), best effort. False when a pool is
+        short: what grew stays held and accounted (`rollback` gives it back), and the caller
+        speculates less; nothing is retracted for a draft."""
+        for hook in self._extenders:
+            handle = request.handles.get(hook.name)
+            if handle is None:
+                continue
+            before = handle.amount
+            try:
+                ok = hook.extend(request, handle, num_tokens)
+            except ResourceExhausted:
+                ok = False
+            finally:
+                self._reconcile(request, hook, handle, before)
+            if not ok:
+                return False
+        return True
+
+    def rollback(self, request: Request, num_tokens: int) -> None:
+        """Speculative decoding's declared shrink: every held handle that declares `rollback`
+        gives back what it holds past `num_tokens` tokens (the slots of rejected drafts).
+        Isolated like a release: a hook that raises is logged and its pool marked suspect."""
+        for hook in self._rollbacks:
+            handle = request.handles.get(hook.name)
+            if handle is None:
+                continue
+            before = handle.amount
+            try:
+                hook.rollback(request, handle, num_tokens)
+            except Exception as exc:
+                self._hook_failed(request, hook, "rollback", exc)
+            finally:
+                self._reconcile(request, hook, handle, before)
 
     def call(self, request: Request, hook_name: str, method: str, *args: Any) -> bool:
         """Run `hook.method(request, handle, *args)` on a held handle, isolated, and record in

@@ -57,6 +57,11 @@ class Request:
     #: one of several sequences sampled from one prompt: the KV hook shares the prompt's
     #: pages through the prefix cache even when the cache is off for other requests
     shares_prompt: bool = False
+    #: model steps that produced output tokens for it (a speculative step may produce several)
+    num_token_steps: int = 0
+    #: speculative decoding: draft tokens verified for it, and those the model accepted
+    num_draft_tokens: int = 0
+    num_accepted_drafts: int = 0
     #: free-form per-request scratch for plugins' hooks; the engine itself never reads or writes it
     extras: dict[str, Any] = attrs.field(factory=dict)
 

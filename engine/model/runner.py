@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 import torch
@@ -68,6 +68,28 @@ class StepOutput:
     routing: list[torch.Tensor] = attrs.field(factory=list)
     #: aligned with `tokens`: the token's `TokenLogprob` where its request asked, else None
     logprobs: list[TokenLogprob | None] = attrs.field(factory=list)
+    #: speculative steps: aligned with `tokens`, each row's drafts and the accepted ones, which
+    #: come before its token in the output (empty: no row speculated)
+    verified: list[Verified] = attrs.field(factory=list)
+    #: the rows as they ran when they differ from the batch given (drafts filled in), for
+    #: observers that count a row's tokens (MoE routing)
+    rows: list[ScheduledSeq] | None = None
+
+
+@attrs.frozen
+class Verified:
+    """One speculating row's result: how many drafts it verified, and those the model
+    accepted (emitted before the row's token)."""
+
+    proposed: int
+    accepted: tuple[int, ...] = ()
+
+
+class StepExtension(Protocol):
+    """A step that replaces the plain one for some batches (speculative decoding):
+    returns None to let the plain step run."""
+
+    def step(self, runner: ModelRunner, seqs: Sequence[ScheduledSeq]) -> StepOutput | None: ...
 
 
 @attrs.frozen
@@ -92,6 +114,16 @@ class StepInputs:
     meta: AttentionMetadata
     sample_rows: torch.Tensor | None
     fields: torch.Tensor | None = None
+    #: the extra int64 sections a caller asked `prepare` to upload, by name
+    extra: dict[str, torch.Tensor] = attrs.field(factory=dict)
+
+
+def row_tokens(s: ScheduledSeq) -> list[int]:
+    """The token ids of a batch row: the request's own, then the row's draft tokens."""
+    end = s.start + s.num_tokens
+    if not s.draft:
+        return token_range(s.request, s.start, end)
+    return token_range(s.request, s.start, end - len(s.draft)) + list(s.draft)
 
 
 def token_range(request: Request, start: int, end: int) -> list[int]:
@@ -118,8 +150,11 @@ class ModelRunner:
         embedder: Callable[[Sequence[ScheduledSeq], torch.Tensor], torch.Tensor | None] | None = None,
         faults: FaultInjector | None = None,
         cuda_graphs: bool = True,
+        extension: StepExtension | None = None,
     ) -> None:
         self.faults = faults
+        #: speculative decoding's verify step (`engine.speculative.step`), or None
+        self.extension = extension
         self.model = model
         self.kv = kv
         self.slots = slots
@@ -147,8 +182,10 @@ class ModelRunner:
             with torch.inference_mode():
                 self.graphs.capture_all()  # NOTE: now, before the engine starts any thread
 
-    def prepare(self, seqs: Sequence[ScheduledSeq], batch: SamplingBatch | None = None) -> StepInputs:
-        """The batch's tensors, from one pass over `seqs`, one upload and no host sync."""
+    def prepare(self, seqs: Sequence[ScheduledSeq], batch: SamplingBatch | None = None,
+                extra: Sequence[tuple[str, Sequence[int]]] = ()) -> StepInputs:
+        """The batch's tensors, from one pass over `seqs`, one upload and no host sync
+        (`extra`: named int sections uploaded with them, in `StepInputs.extra`)."""
         ids: list[int] = []
         positions: list[int] = []
         q_lens: list[int] = []
@@ -167,7 +204,7 @@ class ModelRunner:
                 positions.append(start)
             else:
                 decode_only = False
-                ids.extend(token_range(request, start, end))
+                ids.extend(row_tokens(s))
                 positions.extend(range(start, end))
             q_lens.append(n)
             kv_lens.append(end)
@@ -178,7 +215,10 @@ class ModelRunner:
             live.append(slot is not None)
             offset += n
             if s.samples:
-                samples.append(offset - 1)
+                if s.draft:  # a verify row: the logits after its last token and after each draft
+                    samples.extend(range(offset - 1 - len(s.draft), offset))
+                else:
+                    samples.append(offset - 1)
         every_row = len(samples) == offset
         all_live = all(live)
         layout = Sections()
@@ -195,6 +235,8 @@ class ModelRunner:
         fields = batch.fields if batch is not None else None
         if fields is not None:
             layout.add("fields", fields.size)
+        for name, values in extra:
+            layout.add(name, len(values))
         host = self.upload.start(layout.size)
         layout.write(host, "ids", ids)
         layout.write(host, "positions", positions)
@@ -209,6 +251,8 @@ class ModelRunner:
             layout.write(host, "samples", samples)
         if fields is not None:
             layout.write(host, "fields", fields.reshape(-1))
+        for name, values in extra:
+            layout.write(host, name, values)
         dev = self.upload.send(layout.size)
         ids_t, pos_t, slots_t = layout.view(dev, "ids"), layout.view(dev, "positions"), layout.view(dev, "slots")
         token_slots = slots_t if decode_only else layout.view(dev, "token_slots")
@@ -228,7 +272,7 @@ class ModelRunner:
         meta = AttentionMetadata(out_locs=out_locs, q_lens=q_lens, kv_lens=kv_lens, kv_pages=pages, page_size=ps)
         sample_rows = None if every_row else layout.view(dev, "samples")
         fields_t = None if fields is None else layout.view(dev, "fields").view(fields.shape)
-        return StepInputs(ids_t, pos_t, meta, sample_rows, fields_t)
+        return StepInputs(ids_t, pos_t, meta, sample_rows, fields_t, {name: layout.view(dev, name) for name, _ in extra})
 
     @torch.inference_mode()
     def step(self, seqs: Sequence[ScheduledSeq]) -> StepOutput:
@@ -237,6 +281,10 @@ class ModelRunner:
             return self._step(seqs)
 
     def _step(self, seqs: Sequence[ScheduledSeq]) -> StepOutput:
+        if self.extension is not None:
+            extended = self.extension.step(self, seqs)
+            if extended is not None:
+                return extended
         timed = self.timings is not None
         t0 = time.perf_counter() if timed else 0.0
         params = [s.request.params for s in seqs if s.samples]

@@ -184,10 +184,19 @@ def build_parts(config: EngineConfig, *, faults: FaultInjector | None = None,
         embedder = make_embedder(model, model_config.image_token_id, mm_hook.embeddings)
         parts_extra["mm_cache_bytes"] = config.mm_cache_bytes
 
+    extension = None
+    if config.speculative is not None:
+        from engine.speculative.install import install_speculation
+
+        speculation = install_speculation(config, model_config=model_config, device=device,
+                                          max_context=max_context)
+        extension = speculation.step
+        after_kv.extend(speculation.hooks)
+        pools.extend(speculation.pools)
     runner_cls = NoComputeRunner if config.model == "null" else ModelRunner
     runner = runner_cls(model, kv_buffers, kv_pool.slots, device, slot_of=slot_of,
                         attention_factory=attention_factory, embedder=embedder, faults=faults,
-                        cuda_graphs=config.cuda_graphs)
+                        cuda_graphs=config.cuda_graphs, extension=extension)
     windows = [w for w in model_config.layer_windows if w is not None]  # every layer windowed: the widest
     kv_hook = KVHook(kv_pool, scope=kv_scope,
                      window=max(windows) if windows and len(windows) == len(model_config.layer_windows) else None)

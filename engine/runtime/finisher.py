@@ -23,7 +23,7 @@ from engine.runtime.table import RequestTable, Submission, close_stream
 from states import FencePending, FinishReason, Request, RequestMachine, RequestState, ResourceExhausted
 
 if TYPE_CHECKING:
-    from engine.model.runner import StepOutput
+    from engine.model.runner import StepOutput, Verified
     from engine.runtime.scheduler import ScheduledSeq
 
 S = RequestState
@@ -88,13 +88,15 @@ class Finisher:
 
     # ------------------------------------------------------------ the step
     def apply_step(self, batch: Sequence[ScheduledSeq], output: StepOutput) -> None:
+        rows = output.rows if output.rows is not None else batch
         for observer in self.step_observers:
             try:
-                observer(batch, output)
+                observer(rows, output)
             except Exception as exc:
                 log.error("loop.step_observer_failed", observer=repr(observer), error=repr(exc))
         tokens = iter(output.tokens)
         logprobs = iter(getattr(output, "logprobs", None) or ())
+        verified = iter(output.verified)
         now = time.monotonic()
         for s in batch:
             request = s.request
@@ -102,8 +104,30 @@ class Finisher:
             if not s.samples:
                 continue
             token = next(tokens)
+            result = next(verified) if output.verified else None
             if request.state in (S.PREFILLING, S.DECODING):
-                self.accept_token(request, token, now, next(logprobs, None))
+                request.num_token_steps += 1
+                if s.draft_budget:
+                    self._accept_verified(request, result, token, now)
+                else:
+                    self.accept_token(request, token, now, next(logprobs, None))
+
+    def _accept_verified(self, request: Request, result: Verified | None, token: int, now: float) -> None:
+        """A speculating row: its accepted drafts (their KV is complete), then its token; the
+        slots of the rejected drafts go back through the machine."""
+        accepted = result.accepted if result is not None else ()
+        if result is not None and result.proposed:
+            request.num_draft_tokens += result.proposed
+            request.num_accepted_drafts += len(accepted)
+            self.stats.on_verified(result.proposed, len(accepted))
+        for draft in accepted:
+            self.accept_token(request, draft, now)
+            if request.state is not S.DECODING:
+                return
+            request.kv_len += 1
+        self.accept_token(request, token, now)
+        if request.state is S.DECODING:
+            self.machine.rollback(request, request.num_tokens)
 
     def fail_step(self, batch: Sequence[Any], error: BaseException) -> None:
         self.stats.step_errors += 1

@@ -28,6 +28,11 @@ class ScheduledSeq:
     num_tokens: int
     #: this step produces the request's next token (decode, or the last prefill chunk)
     samples: bool
+    #: speculative decoding: how many draft tokens this row may verify (its KV slots are held)
+    draft_budget: int = 0
+    #: the draft tokens the row verifies after its last token (the runner's proposer fills
+    #: them in; `num_tokens` then counts them: positions past the request's tokens are drafts)
+    draft: tuple[int, ...] = ()
 
 
 class Scheduler:

@@ -39,12 +39,14 @@ ACCEPT_SALT = 0xACCE97
 
 
 def verify(logits: torch.Tensor, batch: SamplingBatch, fields: torch.Tensor | None, drafts: torch.Tensor,
-           num_drafts: torch.Tensor, draft_probs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           num_drafts: torch.Tensor, draft_probs: torch.Tensor | None = None, *,
+           sampled: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(accepted drafts per row [S], the token emitted after them [S]), int64 on the device.
 
     `logits` [N, V] with N = sum(num_drafts + 1); `drafts` [S, K] int64 padded
     past each row's `num_drafts` (any value); `draft_probs` [S, K, V] the
-    draft's distributions q (None: point-mass drafts for every row)."""
+    draft's distributions q (None: point-mass drafts for every row); `sampled` [N] the
+    plain sampler's tokens of `logits` when the caller has them already."""
     device = logits.device
     rows, width = drafts.shape
     if fields is None and batch.fields is not None:
@@ -52,7 +54,9 @@ def verify(logits: torch.Tensor, batch: SamplingBatch, fields: torch.Tensor | No
     span = torch.arange(width + 1, device=device)
     starts = torch.cumsum(num_drafts + 1, 0) - (num_drafts + 1)
     index = starts[:, None] + torch.minimum(span[None, :], num_drafts[:, None])  # [S, K + 1]
-    sampled = sample_tokens(logits, batch, fields)[index]  # t at every position
+    if sampled is None:
+        sampled = sample_tokens(logits, batch, fields)
+    sampled = sampled[index]  # t at every position
     valid = span[None, :width] < num_drafts[:, None]
     accept = (sampled[:, :width] == drafts) & valid
     general = draft_probs is not None and not batch.greedy and width > 0
