@@ -198,7 +198,7 @@ class ModelRunner:
         for s in seqs:
             request, start, n = s.request, s.start, s.num_tokens
             end = start + n
-            if n == 1:
+            if n == 1 and not s.draft:
                 prompt = request.prompt_token_ids
                 ids.append(prompt[start] if start < len(prompt) else request.output_token_ids[start - len(prompt)])
                 positions.append(start)
