@@ -15,7 +15,8 @@ from engine.errors import (
     InvalidRequest,
 )
 from engine.logging import configure_logging
-from engine.outputs import RequestOutput, TokenLogprob
+from engine.outputs import RequestOutput, SpeculationStats, TokenLogprob
+from engine.speculative.config import SpeculativeConfig
 from engine.stream import RequestStream
 from hisparse.config import HiSparseConfig
 from resources.ledger import LeakError, MemoryReport
@@ -41,6 +42,8 @@ __all__ = [
     "RequestState",
     "RequestStream",
     "SamplingParams",
+    "SpeculationStats",
+    "SpeculativeConfig",
     "TokenLogprob",
     "configure_logging",
 ]

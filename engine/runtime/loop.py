@@ -60,6 +60,7 @@ class DecodeLoop:
         self.prefill_client = parts.prefill_client
         self.leak_check = config.leak_check
         self.max_queued = config.max_queued
+        self.speculative = config.speculative is not None
         self.admission_window = config.admission_window
         # NOTE: an injected stall must block the worker thread, never the event loop
         self.inline_step_tokens = config.inline_step_tokens if parts.runner.faults is None else 0
@@ -102,7 +103,8 @@ class DecodeLoop:
             raise EngineOverloaded(f"{queued} requests already queued (max_queued = {self.max_queued})")
         channel = OutputChannel()
         submission = Submission(request_id, list(requests), channel,
-                                {r: OutputBuilder(r, self.tokenizer, index=i, request_id=request_id)
+                                {r: OutputBuilder(r, self.tokenizer, index=i, request_id=request_id,
+                                                  speculative=self.speculative)
                                  for i, r in enumerate(requests)})
         self.table.add(submission)
         self.stats.submitted += 1
