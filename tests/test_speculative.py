@@ -33,17 +33,22 @@ async def _ids(config: EngineConfig, prompts, max_new: int = 24) -> tuple[list[l
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    """A 2-layer Llama checkpoint (the target) and its draft: the same weights plus noise, so
-    the draft agrees with the target often but not always (same tokenizer and vocabulary)."""
-    target, draft = tmp_path_factory.mktemp("target"), tmp_path_factory.mktemp("draft")
+    """A 2-layer Llama checkpoint (the target) and two drafts with its tokenizer: `noisy` (its
+    weights plus noise: agrees with it often, not always) and `sharp` (its LM head times 6:
+    the same ranking, a sharper distribution, so sampled drafts are rejected often)."""
+    target, noisy, sharp = (tmp_path_factory.mktemp(name) for name in ("target", "noisy", "sharp"))
     model = pm.write_checkpoint(target, "llama", seed=0)
-    noisy = pm.write_checkpoint(draft, "llama", seed=0)
+    draft = pm.write_checkpoint(noisy, "llama", seed=0)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
-        for param in noisy.parameters():
+        for param in draft.parameters():
             param.add_(0.08 * param.std() * torch.randn(param.shape, generator=generator))
-    noisy.save_pretrained(draft)
-    return target, draft, model
+    draft.save_pretrained(noisy)
+    draft = pm.write_checkpoint(sharp, "llama", seed=0)
+    with torch.no_grad():
+        draft.lm_head.weight.mul_(6.0)
+    draft.save_pretrained(sharp)
+    return target, noisy, sharp, model
 
 
 def _checkpoint_config(directory, **overrides) -> EngineConfig:
@@ -65,7 +70,7 @@ class TestGreedyIdentity:
     @pytest.mark.parametrize("method", ["ngram", "draft_model"])
     async def test_checkpoint(self, llama, method):
         """A checkpoint the test writes, its draft another checkpoint with the same vocabulary."""
-        target, draft, _ = llama
+        target, draft, _, _ = llama
         spec = SpeculativeConfig(method=method, num_tokens=3, draft_model=str(draft) if method != "ngram" else None)
         prompts = [p[0:1] + p for p in pm.ID_PROMPTS]
         plain, _ = await _ids(_checkpoint_config(target), prompts, pm.MAX_NEW)
@@ -93,10 +98,10 @@ class TestSampling:
 
     @pytest.mark.asyncio
     async def test_draft_model_sampling_follows_the_models_distribution(self, llama):
-        """N seeded 3-token samples (top-k 2, the draft a noisy copy of the target): every outcome's
+        """N seeded 3-token samples (top-k 2, the sharp draft): every outcome's
         frequency is within EPS of its exact probability under the target. Hoeffding: a correct sampler fails with probability at most
         2 * 8 * exp(-2 N EPS^2) < 1e-20 (the seeds are fixed: the run is deterministic)."""
-        target, draft, model = llama
+        target, _, draft, model = llama
         n, eps, per = 2500, 0.1, 50
         assert 16 * math.exp(-2 * n * eps * eps) < 1e-20
         prompt = [pm.BOS_ID, 40, 41, 42, 43, 50]
