@@ -162,3 +162,21 @@ class TestStats:
         assert plain.speculation is not None and plain.speculation.draft_tokens == 0
         assert plain.speculation.tokens_per_step == 1.0
         assert np.isclose(spec.tokens_per_step, 20 / spec.steps)
+
+    @pytest.mark.asyncio
+    async def test_metrics_count_drafts(self):
+        """/metrics shows the verify steps, draft tokens and accepted tokens the engine counted."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        from http_helpers import serving
+
+        async with serving(speculative=TINY_DRAFT) as (engine, client):
+            body = {"input_ids": REPEATING, "sampling_params": {"max_new_tokens": 12, "ignore_eos": True}}
+            assert (await client.post("/generate", json=body)).status_code == 200
+            text = (await client.get("/metrics")).text
+        samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+        stats = engine.stats
+        assert stats.spec_accepted_tokens > 0
+        assert samples["kvlife:spec_decode_num_drafts_total"] == stats.spec_verify_steps
+        assert samples["kvlife:spec_decode_num_draft_tokens_total"] == stats.spec_draft_tokens
+        assert samples["kvlife:spec_decode_num_accepted_tokens_total"] == stats.spec_accepted_tokens

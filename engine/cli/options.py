@@ -97,6 +97,13 @@ HISPARSE_OPTIONS: list[tuple[str, str]] = [
     ("device_buffer_size", "HiSparse device KV slots per request (>= top-k)"),
     ("recent_window", "HiSparse: the last tokens always attended (within top-k)"),
 ]
+#: SpeculativeConfig fields as --speculative-* options (any of them turns speculation on)
+SPECULATIVE_OPTIONS: list[tuple[str, Any, str]] = [
+    ("method", str, "'ngram' (prompt lookup, the default) or 'draft_model'"),
+    ("num_tokens", int, "draft tokens verified per step and request (default 4)"),
+    ("ngram_max", int, "prompt lookup: the longest n-gram matched (default 3)"),
+    ("draft_model", str, "the draft model: 'tiny' or a checkpoint directory with the target's tokenizer"),
+]
 _CONFIG_DEFAULTS = {f.name: f.default for f in attrs.fields(EngineConfig)}
 
 
@@ -117,6 +124,10 @@ def add_engine_options(parser: argparse.ArgumentParser, defaults: dict[str, Any]
     for name, help_text in HISPARSE_OPTIONS:
         hisparse.add_argument(f"--hisparse-{name.replace('_', '-')}", dest=f"hisparse_{name}", type=int,
                               default=None, help=help_text)
+    speculative = parser.add_argument_group("speculative decoding (any of them turns it on; docs/speculative.md)")
+    for name, kind, help_text in SPECULATIVE_OPTIONS:
+        speculative.add_argument(f"--speculative-{name.replace('_', '-')}", dest=f"speculative_{name}", type=kind,
+                                 default=None, help=help_text)
 
 
 def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
@@ -131,6 +142,14 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> Engin
         from hisparse import HiSparseConfig
 
         fields["hisparse"] = HiSparseConfig(**hisparse)
+    speculative = {name: getattr(args, f"speculative_{name}") for name, _, _ in SPECULATIVE_OPTIONS
+                   if getattr(args, f"speculative_{name}", None) is not None}
+    if speculative:
+        from engine.speculative import SpeculativeConfig
+
+        if "draft_model" in speculative:
+            speculative.setdefault("method", "draft_model")
+        fields["speculative"] = SpeculativeConfig(**speculative)
     fields.update(overrides)
     return EngineConfig(**fields)
 
