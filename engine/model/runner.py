@@ -34,6 +34,7 @@ import torch
 
 from engine.model.attention import AttentionBackend, AttentionMetadata, PagedAttention, PagedFactory
 from engine.model.llama import LlamaModel
+from engine.model.prompt_logprobs import PromptEntries, PromptLogprobPlan
 from engine.model.sampling import sample, token_logprobs
 from engine.outputs import TokenLogprob
 from engine.runtime.scheduler import ScheduledSeq
@@ -60,6 +61,8 @@ class StepOutput:
     routing: list[torch.Tensor] = attrs.field(factory=list)
     #: aligned with `tokens`: the token's `TokenLogprob` where its request asked, else None
     logprobs: list[TokenLogprob | None] = attrs.field(factory=list)
+    #: issue 21: prompt logprobs of the step's prefill chunks that asked (engine.model.prompt_logprobs)
+    prompt_logprobs: list[PromptEntries] = attrs.field(factory=list)
 
 
 @attrs.frozen
@@ -196,7 +199,8 @@ class ModelRunner:
         params = [s.request.params for s in seqs if s.samples]
         out_pos = [s.request.num_output_tokens for s in seqs if s.samples]
         wants_logprobs = any(p.logprobs is not None for p in params)
-        if (self.graphs is not None and not wants_logprobs
+        plan = PromptLogprobPlan.build(seqs)  # issue 21: None unless a prefill chunk asked
+        if (self.graphs is not None and not wants_logprobs and plan is None
                 and (tokens := self.graphs.step(seqs, params, out_pos)) is not None):
             if timed:
                 self._record(seqs, t0, t0)
@@ -206,13 +210,16 @@ class ModelRunner:
         attention = self.attention_factory(seqs, inputs.meta)
         t1 = time.perf_counter() if timed else 0.0
         routing: list[torch.Tensor] = []
-        logits = self.model(inputs.ids, inputs.positions, attention, embeds, output_rows=inputs.sample_rows,
-                            routing=routing)
+        rows = inputs.sample_rows if plan is None else plan.output_rows(inputs.sample_rows, self.device)
+        logits = self.model(inputs.ids, inputs.positions, attention, embeds, output_rows=rows, routing=routing)
+        prompt_logprobs: list[PromptEntries] = []
+        if plan is not None:
+            logits, prompt_logprobs = plan.split(logits, inputs.sample_rows, len(params))
         tokens = sample(logits, params, out_pos) if params else []
         logprobs = token_logprobs(logits, tokens, params) if wants_logprobs else []
         if timed:
             self._record(seqs, t0, t1)
-        return StepOutput(tokens, routing, logprobs)
+        return StepOutput(tokens, routing, logprobs, prompt_logprobs)
 
     def _record(self, seqs: Sequence[ScheduledSeq], t0: float, t1: float) -> None:
         if self.device.type == "cuda":
