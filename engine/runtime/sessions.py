@@ -126,7 +126,7 @@ class SessionManager:
         """The turn's whole prompt (the conversation so far, then `new_tokens`), or
         InvalidRequest: the session must be open, idle of turns, and the result fit."""
         session = self.sessions.get(session_id) if isinstance(session_id, str) else None
-        if session is None:
+        if session is None or any(sid == session_id for sid, _ in self._closing):
             raise InvalidRequest("session", "the id of an open session", session_id)
         if session.turn is not None:
             raise InvalidRequest("session", "a session with no turn in flight (one turn at a time)",
@@ -157,11 +157,13 @@ class SessionManager:
 
     # ------------------------------------------------------------ endings
     def close(self, session_id: Any) -> bool:
-        """Queue `session_id` to close at the loop's next iteration; False if it is not open."""
+        """Queue `session_id` to close at the loop's next iteration; False if it is not open
+        (or already closing). It takes no new turn from now on."""
         if not isinstance(session_id, str) or session_id not in self.sessions:
             return False
-        if all(sid != session_id for sid, _ in self._closing):
-            self._closing.append((session_id, FinishReason.STOP))
+        if any(sid == session_id for sid, _ in self._closing):
+            return False
+        self._closing.append((session_id, FinishReason.STOP))
         return True
 
     def expire(self, now: float) -> bool:
