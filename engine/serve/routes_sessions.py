@@ -5,7 +5,7 @@
     POST /close_session  {"session_id"} -> 200 {"session_id", "closed": true}; 404 if it is not open
 
 A turn is a ``POST /generate`` with ``session_params: {"id": ...}`` whose
-``text`` or ``input_ids`` are the turn's new tokens (docs/sessions.md).
+``text`` or ``input_ids`` are the turn's new tokens (docs/scheduling.md).
 """
 
 from __future__ import annotations
