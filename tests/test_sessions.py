@@ -219,6 +219,7 @@ class TestHazards:
                 assert_accounted(engine, {})
         assert final.finish_reason is FinishReason.LENGTH
         assert (f"session:{sid}", FinishReason.DEADLINE) in ended
+        assert all(kind != "session" for kind, _ in engine.stats.finishes)  # an anchor is not traffic
 
     @pytest.mark.anyio
     async def test_lease_expires_with_no_traffic(self):

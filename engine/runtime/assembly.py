@@ -161,7 +161,7 @@ def build_parts(config: EngineConfig, *, faults: FaultInjector | None = None,
         else:
             # NOTE: a configured hook *instance* has one pool, so it serves the decode engine only;
             # factories (and entry points) build the prefill worker a hook of its own.
-            prefill_config = attrs.evolve(config, disaggregation="none", hisparse=None,
+            prefill_config = attrs.evolve(config, disaggregation="none", hisparse=None, max_sessions=0,
                                           resources=tuple(r for r in config.resources if not is_hook_instance(r)))
             prefill_parts = build_parts(prefill_config, faults=faults, model_bundle=(model_config, model, tokenizer),
                                         expert_distribution=expert_distribution)
