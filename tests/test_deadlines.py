@@ -158,7 +158,7 @@ class TestEachState:
             async with Engine(config, faults=_slow(0.002)) as engine:
                 watch = Watch(engine)
                 stream = engine.generate([1, 2, 3], SamplingParams(max_new_tokens=200, ignore_eos=True),
-                                         request_id="late", priority=5, deadline=LIMIT)
+                                         request_id="late", priority=5, deadline=0.6)  # outlives the urgent one
                 await stream.__anext__()  # decoding
                 urgent = await engine.complete([4, 5, 6], SamplingParams(max_new_tokens=3), priority=0)
                 assert live_request(engine, "late").state is S.RETRACTED

@@ -226,7 +226,7 @@ class TestHazards:
         """An idle engine still expires a lease on time: the loop's wait is bounded by it."""
         with anyio.fail_after(DEADLINE):
             async with Engine(small_config()) as engine:
-                sid = await engine.open_session(idle_timeout=0.1)
+                sid = await engine.open_session(idle_timeout=1.0)  # the turn ends well within it, even under load
                 await _turn(engine, sid, P1)
                 await engine.wait_idle(DEADLINE)
                 assert engine.session_info(sid).kept_pages > 0
@@ -237,7 +237,7 @@ class TestHazards:
                 waited = time.monotonic() - start
                 await anyio.sleep(0.05)
                 assert_pools_whole(engine)
-        assert waited < 2.0 and engine.stats.leak_checks > checks  # the idle check ran again, clean
+        assert waited < 5.0 and engine.stats.leak_checks > checks  # the idle check ran again, clean
 
     @pytest.mark.anyio
     async def test_retracted_turn_keeps_the_session(self):
