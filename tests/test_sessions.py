@@ -10,9 +10,12 @@ import anyio
 import pytest
 
 from engine import Engine, EngineOverloaded, InvalidRequest, SamplingParams
+from engine.model.tokenizer import ByteTokenizer
+from engine.runtime.intake import RequestIntake
+from engine.runtime.submit_options import SubmitOptions
 from engine.testing import FaultInjector
 from helpers import DEADLINE, assert_pools_whole, collect, live_request, small_config
-from states import FinishReason, RequestState
+from states import FinishReason, RequestKind, RequestState
 
 S = RequestState
 P1, P2, P3 = [5, 6, 7, 8, 9, 10, 11], [40, 41, 42], [70, 71, 72, 73, 74]
@@ -101,6 +104,21 @@ class TestTurns:
                 await engine.wait_idle(DEADLINE)
                 assert_accounted(engine, {sid: engine.session_info(sid).kept_pages})
         assert computed.prompt_tokens["t2"] == len(P2) + context - 4 * ((context - 1) // 4)
+
+    @pytest.mark.anyio
+    async def test_text_turns_add_no_bos_mid_conversation(self):
+        """The first text turn is tokenized as any prompt (BOS first); later ones without special tokens."""
+        tokenizer = ByteTokenizer(add_bos=True)
+        async with Engine(small_config()) as engine:
+            intake = RequestIntake(tokenizer=tokenizer, model=engine.parts.model, model_config=engine.model_config,
+                                   max_context=engine.max_context, mm_cache_bytes=None, is_live=lambda rid: False,
+                                   sessions=engine.loop.sessions)
+            sid = await engine.open_session()
+            _, [first] = intake.build("Hi", TURN, None, None, RequestKind.NORMAL, SubmitOptions(session=sid))
+            out = await _turn(engine, sid, first.prompt_token_ids)
+            _, [second] = intake.build(" you", TURN, None, None, RequestKind.NORMAL, SubmitOptions(session=sid))
+        assert first.prompt_token_ids == [tokenizer.bos_token_id, *b"Hi"]
+        assert second.prompt_token_ids == first.prompt_token_ids + out.token_ids + list(b" you")
 
     @pytest.mark.anyio
     async def test_one_turn_at_a_time(self):

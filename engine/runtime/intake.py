@@ -46,7 +46,10 @@ class RequestIntake:
         if not isinstance(params, SamplingParams):
             raise InvalidRequest("params", "a SamplingParams", params)
         options = options if options is not None else SubmitOptions()
-        token_ids = self._token_ids(prompt)
+        # issue 21: a later turn's text continues the conversation: no BOS in its middle
+        continues = options.session is not None and self.sessions is not None and self.sessions.has_context(
+            options.session)
+        token_ids = self._token_ids(prompt, special=not continues)
         vocab = self.model_config.vocab_size
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
@@ -86,11 +89,12 @@ class RequestIntake:
         return request_id, requests
 
     # ------------------------------------------------------------ fields
-    def _token_ids(self, prompt: Any) -> list[int]:
+    def _token_ids(self, prompt: Any, *, special: bool = True) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequest("prompt", "a non-empty string or token list", prompt)
-            token_ids = list(self.tokenizer.encode(prompt))
+            token_ids = list(self.tokenizer.encode(prompt) if special else
+                             self.tokenizer.encode(prompt, add_special_tokens=False))
         elif isinstance(prompt, (list, tuple)):
             token_ids = list(prompt)
         else:

@@ -138,6 +138,11 @@ class SessionManager:
                                  total)
         return prompt
 
+    def has_context(self, session_id: str) -> bool:
+        """Whether the session already holds a conversation (a text turn then adds no BOS)."""
+        session = self.sessions.get(session_id)
+        return session is not None and bool(session.record.tokens)
+
     def bind(self, request: Request) -> None:
         """The loop took `request`, a turn: its session is busy until the turn is released."""
         session = self.sessions.get(request.session_id or "")

@@ -52,7 +52,7 @@ class SubmitOptions:
     def build(cls, *, priority: Any = 0, deadline: Any = None, session: Any = None,
               resume_output_ids: Any = None) -> SubmitOptions:
         if not _is_int(priority) or not -PRIORITY_BOUND <= priority < PRIORITY_BOUND:
-            raise InvalidRequest("priority", f"an integer in [-2**31, 2**31)", priority)
+            raise InvalidRequest("priority", "an integer in [-2**31, 2**31)", priority)
         if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, (int, float))
                                      or not (math.isfinite(deadline) and deadline > 0)):
             raise InvalidRequest("deadline", "None or a finite number of seconds > 0", deadline)
