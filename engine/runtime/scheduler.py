@@ -62,7 +62,10 @@ class Scheduler:
 
     def order(self, waiting: Iterable[Request]) -> list[Request]:
         """The waiting requests in admission order (a stable sort: ties keep queue order)."""
-        return sorted(waiting, key=self.order_key)
+        ready = list(waiting)
+        if len(ready) > 1:
+            ready.sort(key=self.order_key)
+        return ready
 
     def select_preemptions(self, head: Request, running: Sequence[Request], *, num_running: int, free_slots: int,
                            available_pages: int, retractable: Callable[[Request], bool],
