@@ -16,11 +16,12 @@ import anyio
 import pytest
 
 from engine import Engine, InvalidRequest, SamplingParams
+from engine.runtime.deadlines import DeadlineTimer
 from engine.testing import FaultInjector
 from helpers import DEADLINE, assert_pools_whole, collect, live_request, small_config
 from hisparse import HiSparseConfig
 from resources import ResourceExhausted, ResourceHook
-from states import HELD_STATES, FinishReason, Handle, RequestState
+from states import HELD_STATES, FinishReason, Handle, Request, RequestState
 
 S = RequestState
 LIMIT = 0.15  # the deadline, seconds from submission
@@ -208,3 +209,25 @@ class TestDeadlineContract:
             assert engine.idle and engine.stats.submitted == 0
         assert info.value.field == "deadline"
 
+
+
+class TestTimer:
+    def _request(self, rid: str, deadline: float | None) -> Request:
+        request = Request(rid, [1], SamplingParams())
+        request.deadline = deadline
+        return request
+
+    def test_due_in_order_and_forgets_released_requests(self):
+        """`due` returns requests past their deadline, earliest first; released ones are never returned,
+        and their entries do not accumulate."""
+        timer = DeadlineTimer()
+        requests = [self._request(f"r{i}", float(i)) for i in range(200)]
+        for request in requests + [self._request("none", None)]:
+            timer.add(request)
+        assert len(timer) == 200 and timer.next_due() == 0.0
+        for request in requests[:150]:
+            timer.discard(request)
+        assert len(timer) == 50 and len(timer._heap) <= 100
+        assert timer.next_due() == 150.0
+        assert [r.request_id for r in timer.due(152.0)] == ["r150", "r151", "r152"]
+        assert timer.next_due() == 153.0

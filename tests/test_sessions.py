@@ -121,6 +121,27 @@ class TestTurns:
         assert second.prompt_token_ids == first.prompt_token_ids + out.token_ids + list(b" you")
 
     @pytest.mark.anyio
+    async def test_sessions_sharing_a_prefix_are_counted_once(self):
+        """Two sessions over the same first prompt share its pages: kept counts them once, and closing
+        one leaves the other's whole path locked."""
+        with anyio.fail_after(DEADLINE):
+            async with Engine(small_config()) as engine:
+                a, b = await engine.open_session(), await engine.open_session()
+                shared = list(range(20, 36))  # four whole pages
+                await _turn(engine, a, shared + [1])
+                await _turn(engine, b, shared + [2])
+                await engine.wait_idle(DEADLINE)
+                both = engine.check_memory().pools["kv_pages"]
+                pages = {sid: engine.session_info(sid).kept_pages for sid in (a, b)}
+                assert_accounted(engine, pages)
+                await engine.close_session(a)
+                while engine.session_info(a) is not None:
+                    await anyio.sleep(0.005)
+                assert_accounted(engine, {b: pages[b]})
+                left = engine.check_memory().pools["kv_pages"]
+        assert both.kept == pages[a] + pages[b] - 4 and left.kept == pages[b]
+
+    @pytest.mark.anyio
     async def test_one_turn_at_a_time(self):
         """A second turn while one is in flight is refused with a clear error; after it, it runs."""
         with anyio.fail_after(DEADLINE):
