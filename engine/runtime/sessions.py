@@ -109,6 +109,8 @@ class SessionManager:
         if isinstance(pages, bool) or not isinstance(pages, int) or not 0 <= pages <= self.max_pages:
             raise InvalidRequest("max_pages", f"an integer in [0, {self.max_pages}]", max_pages)
         record = store.new_record(session_id, pages)
+        # NOTE: started here, on the caller's task, so a full engine says so at once: an anchor's start
+        # takes only its session slot (and the timing stamp), never pages or anything a step reads
         anchor = Request(anchor_id(session_id), [], None, kind=RequestKind.SESSION, session_id=session_id)
         try:
             self.machine.start(anchor)
