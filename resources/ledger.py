@@ -12,8 +12,9 @@ hold) is independent, which is what makes the check worth having::
     held == quarantined + kept                 (when the engine is idle)
 
 where held = what the ledger says requests hold + what the pool holds
-shared, and kept = what the pool keeps for live sessions (issue 21). `LeakError` names the pool, the amount and every owner with its
-state and finish reason, so a leak says who leaked.
+shared, and kept = what the pool keeps for live sessions (issue 21).
+`LeakError` names the pool, the amount and every owner with its state and
+finish reason, so a leak says who leaked.
 """
 
 from __future__ import annotations
