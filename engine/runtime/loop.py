@@ -244,8 +244,9 @@ class DecodeLoop:
             await self._wait(self.admission_window)
 
     async def _wait(self, timeout: float | None) -> None:
-        due = min((t for t in (self.deadlines.next_due(), self.sessions.next_due()) if t is not None), default=None)
-        if due is not None:  # issue 21: a deadline or a lease is seen without new traffic
+        due = None if self.closing else min(
+            (t for t in (self.deadlines.next_due(), self.sessions.next_due()) if t is not None), default=None)
+        if due is not None:  # issue 21: a deadline or a lease is seen without new traffic (shutdown owns both)
             left = max(0.0, due - self.machine.clock())
             timeout = left if timeout is None else min(timeout, left)
         with anyio.move_on_after(timeout):
