@@ -62,9 +62,16 @@ class TestDeadlineAndPriority:
                                                  max_tokens=2, extra_body={"priority": 7})
             finally:
                 await oa.close()
-            bad = await client.post("/generate", json={"input_ids": PROMPT, "priority": "high"})
+            bad = {field: await client.post(route, json=body) for field, route, body in (
+                ("priority", "/generate", {"input_ids": PROMPT, "priority": "high"}),
+                ("deadline", "/v1/completions", {"prompt": PROMPT, "deadline": -1}),
+                ("resume_output_ids", "/generate", {"input_ids": PROMPT, "resume_output_ids": [10**9]}),
+                ("session_params.id", "/generate", {"input_ids": PROMPT, "session_params": {"id": 3}}),
+            )}
+            assert engine.stats.submitted == 2
         assert sorted(seen.values()) == [-3, 7]
-        assert bad.status_code == 400 and bad.json()["error"]["param"] == "priority"
+        assert {field: (r.status_code, r.json()["error"]["param"]) for field, r in bad.items()} == {
+            field: (400, field) for field in bad}
 
 
 class TestSessions:

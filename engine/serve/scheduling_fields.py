@@ -24,7 +24,6 @@ from typing import Any
 import attrs
 
 from engine.errors import InvalidRequest
-from engine.runtime.submit_options import SubmitOptions
 
 #: the fields each route takes besides its own
 COMMON = frozenset({"priority", "deadline"})
@@ -35,29 +34,31 @@ CHAT = COMMON | {"prompt_logprobs"}
 
 @attrs.frozen
 class SubmitFields:
-    """What the route passes to `Engine.generate` besides the prompt and the sampling parameters."""
+    """What the route passes to `Engine.generate` besides the prompt and the sampling parameters
+    (`Engine.generate` validates priority, deadline and resume_output_ids, naming the same fields,
+    before anything is allocated)."""
 
-    priority: int = 0
-    deadline: float | None = None
+    priority: Any = 0
+    deadline: Any = None
     session: str | None = None
-    resume_output_ids: tuple[int, ...] | None = None
+    resume_output_ids: Any = None
 
     def kwargs(self, default_deadline: float | None = None) -> dict[str, Any]:
         """The `Engine.generate` keywords that differ from their defaults."""
         deadline = self.deadline if self.deadline is not None else default_deadline
         out: dict[str, Any] = {}
-        if self.priority:
+        if self.priority != 0 or isinstance(self.priority, bool):
             out["priority"] = self.priority
         if deadline is not None:
             out["deadline"] = deadline
         if self.session is not None:
             out["session"] = self.session
         if self.resume_output_ids is not None:
-            out["resume_output_ids"] = list(self.resume_output_ids)
+            out["resume_output_ids"] = self.resume_output_ids
         return out
 
 
-def parse_submit_fields(body: dict[str, Any], vocab_size: int) -> SubmitFields:
+def parse_submit_fields(body: dict[str, Any]) -> SubmitFields:
     """The fields above from a body whose keys were already checked; InvalidRequest names the field."""
     session = None
     params = body.get("session_params")
@@ -70,19 +71,8 @@ def parse_submit_fields(body: dict[str, Any], vocab_size: int) -> SubmitFields:
         session = params.get("id")
         if not (isinstance(session, str) and session):
             raise InvalidRequest("session_params.id", "the id of an open session", session)
-    resume = body.get("resume_output_ids")
-    options = SubmitOptions.build(priority=0 if body.get("priority") is None else body["priority"],
-                                  deadline=body.get("deadline"), session=session, resume_output_ids=resume)
-    bad = next((t for t in options.resume_output_ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise InvalidRequest("resume_output_ids", f"token ids in [0, {vocab_size})", bad)
-    return SubmitFields(options.priority, options.deadline, session,
-                        None if resume is None else options.resume_output_ids)
-
-
-def prompt_logprobs_field(body: dict[str, Any]) -> int | None:
-    """vLLM's ``prompt_logprobs`` (validated with the other sampling fields, by SamplingParams)."""
-    return body.get("prompt_logprobs")
+    return SubmitFields(0 if body.get("priority") is None else body["priority"], body.get("deadline"), session,
+                        body.get("resume_output_ids"))
 
 
 def engine_field(field: str) -> str:

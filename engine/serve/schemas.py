@@ -183,7 +183,7 @@ def parse_generate(body: dict[str, Any], limits: Limits, tokenizer: Any) -> Gene
         raise InvalidRequest("rid", f"a printable string of 1 to {MAX_RID_CHARS} characters", rid)
     stream = _bool(body.get("stream", False), "stream")
     return GenerateBody(prompt, token_ids, params, stream=stream, rid=rid,
-                        submit=parse_submit_fields(body, limits.vocab_size))
+                        submit=parse_submit_fields(body))
 
 
 _OPENAI_SAMPLING = frozenset({"model", "max_tokens", "temperature", "top_p", "stop", "seed", "stream",
@@ -238,7 +238,7 @@ def openai_body(body: dict[str, Any], token_ids: list[int], prompt: Any, limits:
     include_usage = _bool(options.get("include_usage", False), "stream_options.include_usage")
     stream = _bool(False if body.get("stream") is None else body["stream"], "stream")
     return GenerateBody(prompt, token_ids, params, stream=stream, include_usage=include_usage,
-                        submit=parse_submit_fields(body, limits.vocab_size))
+                        submit=parse_submit_fields(body))
 
 
 def parse_completion(body: dict[str, Any], limits: Limits, tokenizer: Any) -> tuple[GenerateBody, str]:
