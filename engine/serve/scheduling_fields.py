@@ -1,4 +1,4 @@
-"""Issue 21's request fields over HTTP, parsed before the engine is called (docs/http.md).
+"""Issue 21's request fields over HTTP (docs/http.md); `Engine.generate` validates their values.
 
 Every generation route (`/generate`, `/v1/completions`, `/v1/chat/completions`):
 
