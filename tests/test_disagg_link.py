@@ -274,6 +274,41 @@ class TestGivingUp:
         assert head.job.outcome[1].cause == "budget" and not link.up
 
 
+class TestFailover:
+    def test_a_link_that_goes_down_hands_its_jobs_over(self, link_pair):
+        """A link going down hands each unfinished job to its failover, open (no outcome, fence pending):
+        the old link never writes it again, `writing()` holds it back while a chunk of it is still being
+        written, and its successor carries the same destination; a job already ended is not handed over."""
+        link, prefill, buffers, stats, _ = link_pair
+        moved: list[tuple[LinkJob, LinkError]] = []
+        link.failover = lambda lj, error: moved.append((lj, error))
+        lj, gone = _submit(link, buffers, "moving"), _submit(link, buffers, "gone", start=8)
+        entered, release = threading.Event(), threading.Event()
+        write = lj.destination.write
+
+        def slow_write(chunk, kv):
+            entered.set()
+            release.wait(10)
+            write(chunk, kv)
+
+        lj.destination.write = slow_write
+        _, tag, _ = prefill.recv_frame()
+        prefill.recv_frame()
+        assert gone.end(None, "cancelled", "test")
+        prefill.answer(tag)
+        prefill.chunk(_kv(lj.plan)[0])
+        assert entered.wait(5)
+        link.down(LinkError("peer_closed", "test"), block=False)
+        assert [(m.job.request_id, e.cause) for m, e in moved] == [("moving", "peer_closed")]
+        assert lj.writing() and lj.job.outcome is None and not lj.job.fence.done() and not link.submit(lj)
+        release.set()
+        _wait(lambda: not lj.writing())
+        successor = lj.successor(time.monotonic() + 1)
+        assert successor.destination is lj.destination and successor.attempt == 2 and successor.decision is None
+        assert lj.job.outcome is None and not lj.done  # only the successor resolves it
+        assert buffers.k[1].abs().sum() == 0 and stats.snapshot()["failures"] == {}
+
+
 class TestBootstrap:
     RECORD = {"protocol": 1, "model": "tiny:x", "page_size": 4}
 

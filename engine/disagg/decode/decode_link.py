@@ -10,8 +10,11 @@ and dropped. So the fence means "no write can happen any more", and it
 is completed within a bounded time on every path.
 
 Waits: a header (or keepalive) within `liveness_timeout`; a chunk within
-`chunk_timeout(bytes)`. Any transport error or timeout ends the link: its
-jobs end failed at once, and the client builds a new pair (a new epoch).
+`chunk_timeout(bytes)`. Any transport error or timeout ends the link and it
+takes no new job: each of its jobs is either handed to the client's
+`failover` (decided "moved": this link never writes it again, and the
+client re-sends it to a live peer once no write of it is in progress) or
+ends failed at once; the client builds a new pair (a new epoch).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from engine.disagg.link.wire import (BYE, CANCEL, CANCELLED, JOB, OK, PING, RESU
                                 ProtocolError, empty_header, encode_job, header)
 
 log = structlog.get_logger("kvlife.transfer")
+MOVED = "moved"  # a LinkJob's decision when it left its link for another
 
 
 class RemoteTransferFailed(TransferFailed):
@@ -58,6 +62,7 @@ class LinkJob:
     peer: str = ""
     epoch: int = 0
     tag: int = 0
+    attempt: int = 1  # 1 + the links it was moved away from
     answered: float | None = None  # when its header arrived
     done: bool = False  # resolved: outcome set, fence completed
     cancel_sent: bool = False
@@ -97,6 +102,27 @@ class LinkJob:
                 self.lock.release()
         return decided
 
+    def detach(self) -> bool:
+        """Decide that this job leaves its link for another one (True if this call decided): nothing
+        writes it for this link any more, and its TransferJob stays open for the next link."""
+        with self._deciding:
+            if self.decision is not None:
+                return False
+            self.decision = (None, MOVED, "moved to another prefill")
+        return True
+
+    def writing(self) -> bool:
+        """Whether a chunk of it is being written right now (its lock is held)."""
+        if not self.lock.acquire(blocking=False):
+            return True
+        self.lock.release()
+        return False
+
+    def successor(self, deadline: float) -> LinkJob:
+        """The same TransferJob, destination and chunks as a new job for another link."""
+        return LinkJob(self.job, self.destination, self.plan, self.spec, self.submitted, deadline,
+                       attempt=self.attempt + 1)
+
     def apply_decision(self) -> None:
         """After a write (lock released): resolve an end decided during it."""
         if self.decision is not None and not self.done:
@@ -104,17 +130,16 @@ class LinkJob:
                 self._resolve()
 
     def _resolve(self) -> None:
-        if self.done:
+        assert self.decision is not None  # `end` decides before anything resolves
+        if self.done or self.decision[1] == MOVED:  # a moved job is resolved by its successor
             return
         self.done = True
-        assert self.decision is not None  # `end` decides before anything resolves
         first_token, cause, message = self.decision
         if cause is None:
             self.job.resolve("ok", first_token)
         else:
-            where = f"(peer {self.peer or '-'}, epoch {self.epoch})"
-            error = TransferCancelled(f"{message} {where}") if cause == "cancelled" else \
-                RemoteTransferFailed(cause, f"{message} {where}")
+            text = f"{message} (peer {self.peer}, epoch {self.epoch})" if self.peer else message
+            error = TransferCancelled(text) if cause == "cancelled" else RemoteTransferFailed(cause, text)
             self.job.resolve("failed", error)
 
 
@@ -122,7 +147,8 @@ class DecodeLink:
     """One epoch of the link to one prefill (see the module docstring)."""
 
     def __init__(self, *, peer: str, epoch: int, boot: str, pair: Pair, settings: Any, layout: KVLayout,
-                 stats: Any, staging: Any, on_down: Callable[[DecodeLink, LinkError], None] | None = None) -> None:
+                 stats: Any, staging: Any, on_down: Callable[[DecodeLink, LinkError], None] | None = None,
+                 failover: Callable[[LinkJob, LinkError], None] | None = None) -> None:
         self.peer, self.epoch, self.boot = peer, epoch, boot
         self.pair = pair
         self.settings = settings
@@ -130,6 +156,9 @@ class DecodeLink:
         self.stats = stats
         self.staging = staging
         self.on_down = on_down
+        #: takes each job of this link that it left unfinished when it went down (decided "moved"); the
+        #: client re-sends it to a live peer or fails it (None: they fail here)
+        self.failover = failover
         self.inflight: deque[LinkJob] = deque()  # in the order their JOB frames were queued
         self.lock = threading.Lock()
         self.up = True
@@ -347,8 +376,12 @@ class DecodeLink:
             self._farewell = self._farewell or error.cause in ("budget", "protocol")
             jobs = list(self.inflight)
             self.inflight.clear()
-        failed = 0
+        failed = moved = 0
         for lj in jobs:
+            if error.cause != "shutdown" and self.failover is not None and lj.detach():
+                moved += 1
+                self.failover(lj, error)
+                continue
             if lj.end(None, error.cause, str(error), block=block):
                 failed += 1
                 self.stats.job_failed(error.cause)
@@ -358,6 +391,6 @@ class DecodeLink:
         self.stats.link_down(self.peer, error.cause)
         level = log.info if error.cause == "shutdown" else log.warning
         level("transfer.link_down", peer=self.peer, epoch=self.epoch, cause=error.cause, error=str(error),
-              jobs_failed=failed)
+              jobs_failed=failed, jobs_moved=moved)
         if self.on_down is not None:
             self.on_down(self, error)
