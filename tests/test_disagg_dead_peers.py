@@ -31,6 +31,10 @@ PROMPTS = [[(7 * i + j) % 250 + 3 for j in range(120)] for i in range(16)]
 LOADED = dict(first_timeout=30.0, fence_timeout=45.0, max_running=16)
 HELD = 3  # the prefill holds the compute of this request: the ones before it land, the rest wait
 SLACK = 3.0  # the loop's iteration, a loaded 2-core machine
+#: the decode server of TestDecodeKilled: 8 KiB chunks (several per job); it waits for the held prefill
+#: (compute budget and chunk slack) so that it is killed, not timed out
+PATIENT = ["--transfer-max-chunk-bytes", "8192", "--transfer-chunk-slack", "5", "--transfer-first-timeout", "30",
+           "--fence-timeout", "900"]
 
 
 @pytest.fixture(scope="module")
@@ -127,9 +131,8 @@ class TestDecodeKilled:
         with tempfile.NamedTemporaryFile("w+", suffix=".log") as log:
             decode = subprocess.Popen([sys.executable, "-m", "engine.cli.main", "serve", "--disaggregation", "decode",
                                        "--prefill", prefill.address, "--port", "0", *SERVE_SMALL, *SERVE_FAST,
-                                       "--transfer-max-chunk-bytes", "8192", "--transfer-chunk-slack", "5", "--transfer-first-timeout", "30",
-                                       "--fence-timeout", "900"],
-                                      stderr=log, stdout=subprocess.DEVNULL, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                                       *PATIENT], stderr=log, stdout=subprocess.DEVNULL,
+                                      env=dict(os.environ, OMP_NUM_THREADS="1"))
             try:
                 url = f"http://127.0.0.1:{started_event(log.name, decode)['port']}"
                 posts = [threading.Thread(target=_post_ignoring_errors, args=(url, prompt, r), daemon=True)
