@@ -15,7 +15,8 @@ import torch.distributed as dist
 import disagg_helpers  # noqa: F401 - GLOO_SOCKET_IFNAME=lo
 from engine.disagg.link import bootstrap
 from engine import SamplingParams
-from engine.disagg.decode.decode_link import DecodeLink, LinkJob
+from engine.disagg.decode.decode_link import DecodeLink
+from engine.disagg.decode.link_job import LinkJob
 from engine.disagg.decode.kv_transfer_hook import TransferCancelled, TransferJob
 from engine.disagg.decode.destination import PagedDestination
 from engine.disagg.link.observability import TransferStats

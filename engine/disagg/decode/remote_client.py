@@ -35,7 +35,8 @@ import structlog
 import torch
 
 from engine.disagg.link import bootstrap
-from engine.disagg.decode.decode_link import DecodeLink, LinkJob
+from engine.disagg.decode.decode_link import DecodeLink
+from engine.disagg.decode.link_job import LinkJob
 from engine.disagg.decode.destination import PagedDestination
 from engine.disagg.decode.kv_transfer_hook import TransferJob, cancel_unstarted
 from engine.disagg.link.observability import TransferStats
