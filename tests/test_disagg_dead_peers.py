@@ -119,13 +119,22 @@ class TestPrefillKilledUnderLoad:
         assert_child_whole(await anyio.to_thread.run_sync(second.wait_idle))
 
 
+@pytest.fixture(scope="class")
+def shared_prefill(points):
+    child = PrefillChild(points)
+    try:
+        yield child.ready()
+    finally:
+        child.kill()  # by pid, whatever happened
+
+
 class TestDecodeKilled:
     @pytest.mark.parametrize("moment", ["computing", "sending"])
-    def test_prefill_whole_within_the_bound(self, spawn, points, moment):
+    def test_prefill_whole_within_the_bound(self, shared_prefill, points, moment):
         """A decode server SIGKILLed while the prefill computes its request (a second one queued behind it),
         or between two chunks of its KV: the prefill sees the link close, cancels or drops the decode's
         jobs, and is idle with every pool whole within the heartbeat bound."""
-        prefill = spawn()
+        prefill = shared_prefill
         rid = f"orphan-{moment}"
         points.set(f"hold-compute/{rid}" if moment == "computing" else f"hold-send/{rid}/1")
         with tempfile.NamedTemporaryFile("w+", suffix=".log") as log:
