@@ -17,8 +17,9 @@ import anyio
 import httpx
 import pytest
 
-from disagg_helpers import (SERVE_FAST, SERVE_SMALL, STARTUP, PointStore, PrefillChild, assert_child_whole, client,
-                            remote_config, started_event)
+from disagg_helpers import (SERVE_FAST, SERVE_SMALL, STARTUP, PrefillChild, assert_child_whole, client, remote_config,
+                            started_event)
+from disagg_helpers import points, spawn  # noqa: F401 - fixtures
 from engine import Engine, SamplingParams
 from engine.serve.server import running_server
 from helpers import run_all, small_config
@@ -35,25 +36,6 @@ SLACK = 3.0  # the loop's iteration, a loaded 2-core machine
 #: (compute budget and chunk slack) so that it is killed, not timed out
 PATIENT = ["--transfer-max-chunk-bytes", "8192", "--transfer-chunk-slack", "5", "--transfer-first-timeout", "30",
            "--fence-timeout", "900"]
-
-
-@pytest.fixture(scope="module")
-def points():
-    return PointStore()
-
-
-@pytest.fixture
-def spawn(points):
-    children: list[PrefillChild] = []
-
-    def start(**kwargs) -> PrefillChild:
-        child = PrefillChild(points, **kwargs)
-        children.append(child)
-        return child.ready()
-
-    yield start
-    for child in children:  # by pid, whatever happened
-        child.kill()
 
 
 class TestPrefillKilledUnderLoad:

@@ -129,6 +129,20 @@ def _submit(link: DecodeLink, buffers: KVBuffers, rid: str, *, deadline: float =
     return lj
 
 
+def _hold_writes(lj: LinkJob) -> tuple[threading.Event, threading.Event]:
+    """Make the job's writes wait: (entered: a write has begun, release: let it go on)."""
+    entered, release = threading.Event(), threading.Event()
+    write = lj.destination.write
+
+    def held_write(chunk, kv):
+        entered.set()
+        release.wait(10)
+        write(chunk, kv)
+
+    lj.destination.write = held_write
+    return entered, release
+
+
 def _kv(plan) -> list[torch.Tensor]:
     return [torch.randn(LAYOUT.chunk_shape(c)) for c in plan]
 
@@ -240,15 +254,7 @@ class TestGivingUp:
         waits on it) and leaves the fence open; the fence completes when that write returns, cancelled."""
         link, prefill, buffers, _, _ = link_pair
         lj = _submit(link, buffers, "wedged")
-        entered, release = threading.Event(), threading.Event()
-        write = lj.destination.write
-
-        def stuck_write(chunk, kv):
-            entered.set()
-            release.wait(10)
-            write(chunk, kv)
-
-        lj.destination.write = stuck_write
+        entered, release = _hold_writes(lj)
         _, tag, _ = prefill.recv_frame()
         prefill.answer(tag)
         for kv in _kv(lj.plan):
@@ -284,15 +290,7 @@ class TestFailover:
         moved: list[tuple[LinkJob, LinkError]] = []
         link.failover = lambda lj, error: moved.append((lj, error))
         lj, gone = _submit(link, buffers, "moving"), _submit(link, buffers, "gone", start=8)
-        entered, release = threading.Event(), threading.Event()
-        write = lj.destination.write
-
-        def slow_write(chunk, kv):
-            entered.set()
-            release.wait(10)
-            write(chunk, kv)
-
-        lj.destination.write = slow_write
+        entered, release = _hold_writes(lj)
         _, tag, _ = prefill.recv_frame()
         prefill.recv_frame()
         assert gone.end(None, "cancelled", "test")
