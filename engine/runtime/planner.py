@@ -5,9 +5,11 @@ In order: transfers that landed enter PREBUILT; moves that wait on memory or
 copies are retried (PREBUILT -> DECODING/STAGING, STAGING -> DECODING,
 RETRACTED -> QUEUED); the scheduler picks admissions (QUEUED ->
 PREFILLING/TRANSFERRING) in priority order, retracting lower-priority running
-requests for the head of the queue when it does not fit; every decoding
-request grows by one token through the machine, retracting the lowest
-priority, newest admitted under page pressure; the
+requests for the head of the queue when it does not fit; in the decode role,
+while its prefill client says no peer can take a job, the requests that
+would need one finish TRANSFER_FAILED instead, holding no KV); every
+decoding request grows by one token through the machine, retracting the
+lowest priority, newest admitted under page pressure; the
 scheduler builds the batch. A request waiting past `starvation_timeout`
 while pools stay held is reported once (`memory.starved`).
 """
@@ -20,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from engine.disagg.decode.transfer import TransferFailed
 from engine.runtime.finisher import Finisher
 from engine.runtime.scheduler import ScheduledSeq, Scheduler
 from engine.runtime.table import RequestTable
@@ -38,7 +41,8 @@ class Planner:
     def __init__(self, *, machine: RequestMachine, table: RequestTable, finisher: Finisher, scheduler: Scheduler,
                  kv_pool: KVPool, admit_into: RequestState, after_prefill: RequestState,
                  transfer_job: Callable[[Request], TransferJob] | None, starvation_timeout: float,
-                 report: Callable[[], MemoryReport]) -> None:
+                 report: Callable[[], MemoryReport],
+                 transfer_unavailable: Callable[[], str | None] | None = None) -> None:
         self.machine = machine
         self.table = table
         self.finisher = finisher
@@ -48,6 +52,8 @@ class Planner:
         self.after_prefill = after_prefill
         #: the decode role's accessor of a TRANSFERRING request's job (None otherwise)
         self.transfer_job = transfer_job
+        #: the decode role's "why no prefill can take a job now" (PrefillClient.unavailable)
+        self.transfer_unavailable = transfer_unavailable
         self.starvation_timeout = starvation_timeout
         #: memory_report(), for naming what a starved request waits on
         self.report = report
@@ -111,6 +117,9 @@ class Planner:
             return
         owner = self.table.owner
         ready = self.scheduler.order(r for r in waiting if owner[r].admissible(r))  # issue 21: priority order
+        why = self.transfer_unavailable() if self.transfer_unavailable is not None and ready else None
+        if why is not None:
+            ready = self._refuse_transfers(ready, why)
         self._admit_in_order(ready)
         if ready and ready[0].state is S.QUEUED and self._preempt_for(ready[0]):  # issue 21: priority retraction
             self._admit_in_order([r for r in ready if r.state is S.QUEUED])
@@ -146,6 +155,15 @@ class Planner:
                 request.num_cached_tokens = request.kv_len
                 queried = request.num_prompt_tokens - 1 if into is S.PREFILLING else 0
                 self.finisher.stats.on_admit(request, time.monotonic(), request.kv_len, queried)
+
+    def _refuse_transfers(self, ready: list[Request], why: str) -> list[Request]:
+        """No prefill can take a job: every ready request that would need one (and its waiting siblings)
+        finishes TRANSFER_FAILED now, instead of pre-allocating KV that nobody can fill."""
+        owner = self.table.owner
+        for request in [r for r in ready if not (r.local_prefill or (r.shares_prompt and r is not owner[r].leader))]:
+            for r in [r for r in owner[request].requests if r in self.table.waiting]:
+                self.finisher.finish(r, FinishReason.TRANSFER_FAILED, error=TransferFailed(why))
+        return [r for r in ready if not r.is_finished]
 
     def _check_starvation(self, head: Request) -> None:
         queued_at = head.entered_at(S.QUEUED)
