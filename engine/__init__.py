@@ -17,6 +17,7 @@ from engine.errors import (
 from engine.logging import configure_logging
 from engine.outputs import RequestOutput, SpeculationStats, TokenLogprob
 from engine.speculative.config import SpeculativeConfig
+from engine.runtime.sessions import SessionInfo
 from engine.stream import RequestStream
 from hisparse.config import HiSparseConfig
 from resources.ledger import LeakError, MemoryReport
@@ -44,6 +45,7 @@ __all__ = [
     "SamplingParams",
     "SpeculationStats",
     "SpeculativeConfig",
+    "SessionInfo",
     "TokenLogprob",
     "configure_logging",
 ]

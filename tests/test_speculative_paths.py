@@ -4,7 +4,8 @@ A plugin hook that holds one unit of its own pool per token the request covers
 (grown with the KV, extended for drafts, rolled back after verification, like the
 KV hook's pages) records every acquire, extend, rollback and release. On every
 path (length, a stop token inside accepted drafts, abort while a verify step runs,
-a failed verify step, retraction under page pressure, client disconnect, shutdown)
+a failed verify step, a deadline passing mid-decode, retraction under page pressure,
+client disconnect, shutdown)
 each request acquires and releases its handle exactly once per admission, drafts
 were extended and rolled back, and every pool (the KV pages, the draft model's
 pages, the plugin's) is whole once idle (the conftest fixture checks it again).
@@ -12,6 +13,7 @@ pages, the plugin's) is whole once idle (the conftest fixture checks it again).
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import anyio
@@ -82,8 +84,8 @@ async def _drive(engine: Engine, plain_ids: list[int]) -> dict[str, FinishReason
     reasons: dict[str, FinishReason] = {}
     long = SamplingParams(max_new_tokens=40, ignore_eos=True)
 
-    async def run(rid: str, params: SamplingParams, disconnect_after: int | None = None) -> None:
-        stream = engine.generate(PROMPT, params, request_id=rid)
+    async def run(rid: str, params: SamplingParams, disconnect_after: int | None = None, **kwargs) -> None:
+        stream = engine.generate(PROMPT, params, request_id=rid, **kwargs)
         async with stream:
             async for out in stream:
                 if disconnect_after is not None and len(out.token_ids) >= disconnect_after:
@@ -97,6 +99,7 @@ async def _drive(engine: Engine, plain_ids: list[int]) -> dict[str, FinishReason
                                                request_id="length")).finish_reason
     await run("error", long)
     await run("abort-verify", long)
+    await run("deadline", long, deadline=0.3)  # its steps stall: the deadline passes mid-decode
     async with anyio.create_task_group() as tg:
         tg.start_soon(run, "stop", SamplingParams(max_new_tokens=30, stop_token_ids=[plain_ids[6]]))
         tg.start_soon(run, "disconnect", long, 5)
@@ -116,6 +119,8 @@ async def test_every_finish_path_gives_every_slot_back(method):
     verify_steps = Counter()
 
     def stall(ids) -> None:  # runs in the step's thread: the abort lands while the verify step runs
+        if "deadline" in ids:
+            time.sleep(0.03)
         if "abort-verify" in ids:
             verify_steps["abort-verify"] += 1
             if verify_steps["abort-verify"] == 3:
@@ -138,7 +143,7 @@ async def test_every_finish_path_gives_every_slot_back(method):
     assert stop_ids == plain_ids[: plain_ids.index(plain_ids[6]) + 1]
     assert reasons == {"length": FinishReason.LENGTH, "error": FinishReason.ERROR, "abort-verify": FinishReason.ABORT,
                        "stop": FinishReason.STOP, "retracted": FinishReason.LENGTH, "pressure": FinishReason.LENGTH,
-                       "shutdown": FinishReason.SHUTDOWN}
+                       "shutdown": FinishReason.SHUTDOWN, "deadline": FinishReason.DEADLINE}
     assert engine.stats.retractions > 0 and engine.stats.spec_accepted_tokens > 0
     calls: dict[str, Counter] = {}
     for rid, what in hook.events:

@@ -97,12 +97,17 @@ class Finisher:
         tokens = iter(output.tokens)
         logprobs = iter(getattr(output, "logprobs", None) or ())
         verified = iter(output.verified)
+        for request, first, entries in getattr(output, "prompt_logprobs", None) or ():  # issue 21
+            submission = self.table.owner.get(request)
+            if submission is not None:
+                submission.builders[request].add_prompt_logprobs(first, entries)
         now = time.monotonic()
         for s in batch:
             request = s.request
             request.kv_len = s.start + s.num_tokens
             if not s.samples:
                 continue
+            request.skip_prefix_match = False  # issue 21: its prompt is computed; a re-admission may match
             token = next(tokens)
             result = next(verified) if output.verified else None
             if request.state in (S.PREFILLING, S.DECODING):

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.model.prompt_logprobs import PromptLogprobPlan
 from engine.model.runner import ModelRunner, StepOutput, Verified
 from engine.model.sampling import SamplingBatch, format_logprobs, logprob_tensors, sample_tokens
 from engine.outputs import TokenLogprob
@@ -35,8 +36,8 @@ class SpeculativeStep:
         self.proposer = proposer
 
     def step(self, runner: ModelRunner, seqs: Sequence[ScheduledSeq]) -> StepOutput | None:
-        if not any(s.draft_budget for s in seqs):
-            return None
+        if not any(s.draft_budget for s in seqs) or PromptLogprobPlan.build(seqs) is not None:
+            return None  # NOTE: a step with prompt logprobs runs plain (its budgeted rows just do not speculate)
         proposal = self.proposer.propose(seqs)
         if not proposal.any:
             return None
