@@ -69,30 +69,26 @@ class StepOutput:
     routing: list[torch.Tensor] = attrs.field(factory=list)
     #: aligned with `tokens`: the token's `TokenLogprob` where its request asked, else None
     logprobs: list[TokenLogprob | None] = attrs.field(factory=list)
-    #: speculative steps: aligned with `tokens`, each row's drafts and the accepted ones, which
-    #: come before its token in the output (empty: no row speculated)
+    #: speculative steps: aligned with `tokens`, each row's `Verified` (empty: none speculated)
     verified: list[Verified] = attrs.field(factory=list)
-    #: the rows as they ran when they differ from the batch given (drafts filled in), for
-    #: observers that count a row's tokens (MoE routing)
+    #: the rows as they ran, drafts filled in (for observers that count tokens: MoE routing)
     rows: list[ScheduledSeq] | None = None
+    #: issue 21: prompt logprobs of the step's prefill chunks that asked (engine.model.prompt_logprobs)
+    prompt_logprobs: list[PromptEntries] = attrs.field(factory=list)
 
 
 @attrs.frozen
 class Verified:
-    """One speculating row's result: how many drafts it verified, and those the model
-    accepted (emitted before the row's token)."""
+    """A speculating row's result: drafts verified, and those accepted (emitted before its token)."""
 
     proposed: int
     accepted: tuple[int, ...] = ()
 
 
 class StepExtension(Protocol):
-    """A step that replaces the plain one for some batches (speculative decoding):
-    returns None to let the plain step run."""
+    """A step that replaces the plain one for some batches (speculation); None: the plain step runs."""
 
     def step(self, runner: ModelRunner, seqs: Sequence[ScheduledSeq]) -> StepOutput | None: ...
-    #: issue 21: prompt logprobs of the step's prefill chunks that asked (engine.model.prompt_logprobs)
-    prompt_logprobs: list[PromptEntries] = attrs.field(factory=list)
 
 
 @attrs.frozen
