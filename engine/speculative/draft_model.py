@@ -39,7 +39,7 @@ from engine.model.model_config import ModelConfig
 from engine.model.runner import ModelRunner
 from engine.model.sampling import KEY, SamplingBatch, filtered_probs, salted_keys, sample_tokens
 from engine.runtime.scheduler import ScheduledSeq
-from engine.speculative.proposers import Proposal
+from engine.speculative.proposers import Proposal, with_draft
 from resources.contract import ResourceHook
 from resources.device_io import on_device, read_back
 from resources.kv_buffers import KVBuffers
@@ -134,7 +134,7 @@ class DraftModelProposer:
         for s in seqs:
             found = drafts.get(s.request)
             if found:
-                s = attrs.evolve(s, num_tokens=s.num_tokens + len(found), draft=tuple(found))
+                s = with_draft(s, found)
             rows.append(s)
             if s.samples:
                 sampled_rows.append(probs.get(s.request))

@@ -35,6 +35,12 @@ class Proposal:
         return any(s.draft for s in self.rows)
 
 
+def with_draft(s: ScheduledSeq, draft: Sequence[int]) -> ScheduledSeq:
+    """A copy of the row that verifies `draft` after its last token (`attrs.evolve`, without
+    its cost: this runs per row and step)."""
+    return ScheduledSeq(s.request, s.start, s.num_tokens + len(draft), s.samples, s.draft_budget, tuple(draft))
+
+
 class Proposer(Protocol):
     def propose(self, seqs: Sequence[ScheduledSeq]) -> Proposal: ...
 
@@ -52,6 +58,6 @@ class NgramProposer:
             if s.draft_budget and s.samples:
                 draft = propose_ngram(s.request.all_token_ids, s.draft_budget, self.ngram_min, self.ngram_max)
                 if draft:
-                    s = attrs.evolve(s, num_tokens=s.num_tokens + len(draft), draft=tuple(draft))
+                    s = with_draft(s, draft)
             rows.append(s)
         return Proposal(rows)
