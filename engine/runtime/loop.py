@@ -182,6 +182,13 @@ class DecodeLoop:
         self._wake.set()
 
     # ------------------------------------------------------------ the task
+    def bind(self) -> None:
+        """Create the waiting primitives in the async library about to run the loop (call on entry:
+        the engine may have been built under another one, or outside any)."""
+        self._wake = anyio.Event()
+        self._idle_event = anyio.Event()
+        self._idle_event.set()
+
     async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
         self._thread = threading.get_ident()
         task_status.started()
