@@ -42,9 +42,11 @@ from states import FinishReason, RequestKind, RequestState
 
 @attrs.frozen
 class HealthReport:
-    """`healthy` unless the engine is dead, its last idle leak check failed, a
-    request is starving for memory, or requests are live but nothing has
-    progressed for `stuck_after` seconds. `reason` is "ok" or which one."""
+    """`healthy` unless the engine is dead ("dead"), a pool cannot be checked because
+    its `stats()` raises ("unchecked"), its last leak check failed, idle or busy
+    ("leaking"), a request is starving for memory ("starved"), or requests are live
+    but nothing has progressed for `stuck_after` seconds ("stuck"). `reason` is "ok"
+    or which one, `detail` names the pools and requests."""
 
     healthy: bool
     reason: str
@@ -206,11 +208,17 @@ class Engine:
         common: dict[str, Any] = dict(last_progress_age_s=age, live_requests=live, leaks_found=stats.leak_check_failures)
         if self.loop.errored is not None:
             return HealthReport(False, "dead", repr(self.loop.errored), **common)
+        unchecked = self.memory_report().unchecked
+        if unchecked:
+            detail = "; ".join(f"pool {name} cannot be checked: its stats() raised {error}"
+                               for name, error in unchecked.items())
+            return HealthReport(False, "unchecked", detail, **common)
         if self.loop.last_leak:
             return HealthReport(False, "leaking", "; ".join(self.loop.last_leak), **common)
         starved = self.loop.starved()
         if starved:
-            waiting = ", ".join(record["request_id"] for record in starved)
+            waiting = ", ".join(f"{r['request_id']} (for {', '.join(r.get('waiting_for', ())) or 'memory'})"
+                                for r in starved)
             return HealthReport(False, "starved", f"waiting for memory: {waiting}", **common)
         if live and self.loop.num_running and (age is None or age > stuck_after):
             return HealthReport(False, "stuck", f"no step or token for {stuck_after}s", **common)

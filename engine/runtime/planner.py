@@ -7,7 +7,9 @@ RETRACTED -> QUEUED); the scheduler picks admissions (QUEUED ->
 PREFILLING/TRANSFERRING); every decoding request grows by one token through
 the machine, retracting the newest admitted under page pressure; the
 scheduler builds the batch. A request waiting past `starvation_timeout`
-while pools stay held is reported once (`memory.starved`).
+while pools stay held is reported once (`memory.starved`), after a leak
+check, naming the pools it waits for and their holders
+(`resources.leak_watch.starvation_record`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from engine.runtime.finisher import Finisher
 from engine.runtime.scheduler import ScheduledSeq, Scheduler
 from engine.runtime.table import RequestTable
 from resources.kv_pool import KVPool
+from resources.leak_watch import starvation_record
 from resources.ledger import MemoryReport
 from states import FinishReason, Request, RequestMachine, RequestState, ResourceExhausted
 
@@ -47,7 +50,7 @@ class Planner:
         #: the decode role's accessor of a TRANSFERRING request's job (None otherwise)
         self.transfer_job = transfer_job
         self.starvation_timeout = starvation_timeout
-        #: memory_report(), for naming what a starved request waits on
+        #: runs the leak check and returns its memory report, for naming what a starved request waits on
         self.report = report
         self._admissions = 0
         #: request -> what it was reported starving for (reported once per request), until it
@@ -127,19 +130,15 @@ class Planner:
                 queried = request.num_prompt_tokens - 1 if into is S.PREFILLING else 0
                 self.finisher.stats.on_admit(request, time.monotonic(), request.kv_len, queried)
         if ready and ready[0] in waiting:
-            self._check_starvation(ready[0])
+            self.check_starvation(ready[0])
 
-    def _check_starvation(self, head: Request) -> None:
-        queued_at = head.entered_at(S.QUEUED)
+    def check_starvation(self, head: Request) -> None:
+        """Report `head` (waiting for memory since it was queued, or since it arrived if its start
+        was refused) once it has waited past the bound."""
+        queued_at = head.entered_at(S.QUEUED) if head.history else head.arrival_time
         if head in self.starved or queued_at is None or self.machine.clock() - queued_at < self.starvation_timeout:
             return
-        report = self.report()
-        short = {name: s for name, s in report.pools.items() if s.free + s.evictable < s.capacity}
-        holders = {name: [o.describe() for o in report.owners.get(name, [])][:8] for name in short}
-        record = {"request_id": head.request_id, "waited_s": round(self.machine.clock() - queued_at, 3),
-                  "pools": {name: {"free": s.free, "evictable": s.evictable, "held": s.held,
-                                   "capacity": s.capacity} for name, s in short.items()},
-                  "holders": holders}
+        record = starvation_record(self.report(), head.request_id, self.machine.clock() - queued_at)
         self.starved[head] = record
         self.finisher.stats.starved += 1
         log.warning("memory.starved", **record)
