@@ -144,7 +144,7 @@ class Engine:
     @property
     def prefill_client(self) -> Any:
         """The decode role's prefill client (in-process worker or remote links), else None;
-        a remote client's `stats` feed `engine.disagg.link.observability.TransferCollector`."""
+        a remote client's `stats` feed `engine.serve.transfer_metrics.TransferCollector`."""
         return self.parts.prefill_client
 
     @property
