@@ -43,15 +43,19 @@ os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 LINK = dict(keepalive=0.25, first_timeout=20.0, chunk_slack=1.0, connect_timeout=20.0, reconnect_interval=0.2)
 
 
+#: the torch device every engine of the run uses (--device)
+DEVICE = "cpu"
+
+
 def _engine_fields(model: str, prompt: int, new: int, batch: int) -> dict:
     pages = batch * (-(-(prompt + new) // 16) + 1) + 16
-    return dict(model=model, page_size=16, num_kv_pages=pages, max_running=batch, max_context=prompt + new + 16,
+    return dict(model=model, device=DEVICE, page_size=16, num_kv_pages=pages, max_running=batch, max_context=prompt + new + 16,
                 max_prefill_tokens=max(prompt, 512), prefix_cache=False, use_entry_points=False, fence_timeout=60.0)
 
 
 def _cli_flags(fields: dict) -> list[str]:
     flags = []
-    for name in ("model", "page_size", "num_kv_pages", "max_running", "max_context", "max_prefill_tokens",
+    for name in ("model", "device", "page_size", "num_kv_pages", "max_running", "max_context", "max_prefill_tokens",
                  "fence_timeout"):
         flags += [f"--{name.replace('_', '-')}", str(fields[name])]
     return flags + ["--no-prefix-cache", "--transfer-keepalive", str(LINK["keepalive"]),
@@ -256,7 +260,10 @@ def main() -> None:
     parser.add_argument("--chunk-mib", type=float, default=16.0, help="max_chunk_bytes of the transfer part, MiB")
     parser.add_argument("--parts", nargs="+", default=["transfer", "workload", "failures"])
     parser.add_argument("--bare-sender", nargs=4, type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--device", default="cpu", help="torch device the engines run on: cpu (default), cuda, cuda:1 ... (docs/gpu.md)")
     args = parser.parse_args()
+    global DEVICE
+    DEVICE = args.device
     if args.bare_sender:
         _bare_sender(*args.bare_sender)
         return
@@ -274,7 +281,7 @@ def main() -> None:
     _report(transfer, workload, failures, load_before, load_after)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"transfer": transfer, "workload": workload, "failures": failures, "link": LINK,
+        json.dump({"device": args.device, "transfer": transfer, "workload": workload, "failures": failures, "link": LINK,
                    "load_before": load_before, "load_after": load_after, "cpus": os.cpu_count()}, f, indent=2)
 
 

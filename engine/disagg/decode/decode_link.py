@@ -314,7 +314,15 @@ class DecodeLink:
         self._writes.put((lj, None, first_token, owner))
 
     def _write_loop(self) -> None:
-        """The only writer of the jobs' pages: each chunk under its job's lock, then the job's end."""
+        """The only writer of the jobs' pages: each chunk under its job's lock, then the job's end.
+        It is the last user of the pair's data group (the receiving thread has returned): it closes
+        the pair as it leaves (an NCCL group is aborted, so a dropped link leaks no communicator)."""
+        try:
+            self._write_items()
+        finally:
+            self.pair.close()
+
+    def _write_items(self) -> None:
         while (item := self._writes.get()) is not None:
             lj, chunk, value, owner = item
             if chunk is None:  # every chunk of the job is written
