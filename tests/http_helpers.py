@@ -30,6 +30,24 @@ async def serving(settings: ServerSettings | None = None, *, deadline: float = D
             await engine.wait_idle(5)
 
 
+def openai_client(client: httpx.AsyncClient) -> Any:
+    """The real `openai` SDK's async client for a `serving()` server (no retries: every failure shows)."""
+    import openai
+
+    return openai.AsyncOpenAI(base_url=str(client.base_url).rstrip("/") + "/v1", api_key="unused", max_retries=0,
+                              timeout=10)
+
+
+def transformers_chat_ids(directory, messages, **kwargs) -> list[int]:
+    """transformers' own `apply_chat_template(..., add_generation_prompt=True, tokenize=True)` ids for the
+    checkpoint in `directory`: what the server's chat prompt ids must equal."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory))
+    out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, **kwargs)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
 def parse_sse(lines: list[str]) -> list[Any]:
     """The payloads of `data:` lines: JSON objects, and the string "[DONE]"."""
     payloads = []

@@ -9,10 +9,9 @@ import pytest
 from engine.serve.chat_schema import parse_chat
 from engine.serve.chat_template import ChatTemplate
 from engine.serve.schemas import Limits
-from http_helpers import serving, write_chat_checkpoint
+from http_helpers import openai_client as _client, serving, transformers_chat_ids, write_chat_checkpoint
 
 import openai  # noqa: E402 - in the test extra: a missing one fails, never skips
-import transformers  # noqa: E402
 
 # The shapes of each family's template (written for these tests): each writes `bos_token` itself.
 LLAMA3 = ("{{- bos_token }}{%- for message in messages %}{{- '<|start_header_id|>' + message['role'] + "
@@ -35,15 +34,6 @@ def family(request, tmp_path_factory):
     return request.param, write_chat_checkpoint(directory, FAMILIES[request.param], adds_bos=True)
 
 
-def _transformers_ids(directory, messages) -> list[int]:
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory))
-    out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-    return list(out["input_ids"] if hasattr(out, "keys") else out)
-
-
-def _client(client) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=str(client.base_url).rstrip("/") + "/v1", api_key="unused", max_retries=0,
-                              timeout=10)
 
 
 class TestPromptIds:
@@ -55,7 +45,7 @@ class TestPromptIds:
         _, model_config, tokenizer = load_checkpoint(directory)
         limits = Limits(model_config.vocab_size, 512, 511, "m")
         body, _ = parse_chat({"messages": MESSAGES}, limits, tokenizer, ChatTemplate.for_model(str(directory)))
-        expected = _transformers_ids(directory, MESSAGES)
+        expected = transformers_chat_ids(directory, MESSAGES)
         assert body.token_ids == expected
         assert expected.count(model_config.bos_token_id) == 1 and expected[0] == model_config.bos_token_id
 
@@ -63,7 +53,7 @@ class TestPromptIds:
     async def test_served_prompt_is_counted_once(self, family):
         """Through the server and the openai client, the prompt is transformers' ids (usage counts them)."""
         _, directory = family
-        expected = _transformers_ids(directory, MESSAGES)
+        expected = transformers_chat_ids(directory, MESSAGES)
         async with serving(model=str(directory), max_context=512) as (_, client):
             oa = _client(client)
             try:

@@ -12,16 +12,12 @@ import pytest
 from engine import FinishReason, SamplingParams
 from engine.testing import FaultInjector
 from helpers import DEADLINE, StepGate, finish_as, live_request_ids
-from http_helpers import parse_sse, serving
+from http_helpers import openai_client as _client, parse_sse, serving
 
 import openai  # noqa: E402 - in the test extra: a missing one fails, never skips
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
-
-def _client(client) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=str(client.base_url).rstrip("/") + "/v1", api_key="unused", max_retries=0,
-                              timeout=10)
 
 
 def _fail_step_number(n: int):

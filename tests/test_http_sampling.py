@@ -11,17 +11,13 @@ from engine.outputs import TokenLogprob
 from engine.serve.generation import Generation
 from engine.serve.openai_format import chat_events, chat_json, completion_json
 from engine.serve.schemas import GenerateBody
-from http_helpers import parse_sse, serving, stream_events
+from http_helpers import openai_client as _client, parse_sse, serving, stream_events
 
 import openai  # noqa: E402 - in the test extra: a missing one fails, never skips
 
 PROMPT = "The quick brown fox"
 SEEDED = {"temperature": 0.9, "top_p": 0.95, "seed": 11}
 
-
-def _client(client) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=str(client.base_url).rstrip("/") + "/v1", api_key="unused", max_retries=0,
-                              timeout=10)
 
 
 async def _expected(engine, prompt, i: int, max_tokens: int, **params):
