@@ -19,6 +19,8 @@ BAD_BODIES = [
     ("/generate", b"[1, 2]", "body"),
     ("/generate", b'{"input_ids": [1], "sampling_params": {"temperature": NaN}}', "body"),
     ("/generate", b"\xff\xfe", "body"),
+    ("/generate", b'{"input_ids": ' + b"[" * 5000 + b"]" * 5000 + b"}", "body"),  # past the decoder's nesting bound
+    ("/generate", b'{"rid": ' + b"[" * 900 + b'"\\ud800"' + b"]" * 900 + b"}", "rid" + "[0]" * 900),
     ("/generate", {}, "text"),
     ("/generate", {"text": "a", "input_ids": [1]}, "text"),
     ("/generate", {"text": ""}, "text"),

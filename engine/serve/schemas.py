@@ -78,28 +78,32 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         value = json.loads(raw, parse_constant=reject_constant)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidRequest("body", "a JSON object", f"malformed JSON ({exc})") from None
+    except RecursionError:  # the decoder's own bound on nesting
+        raise InvalidRequest("body", "a JSON object nested less deeply", "nested too deeply") from None
     if not isinstance(value, dict):
         raise InvalidRequest("body", "a JSON object", value)
-    _check_text(value, "")
+    _check_text(value)
     return value
 
 
-def _check_text(value: Any, field: str) -> None:
+def _check_text(body: dict[str, Any]) -> None:
     """Every string is text that can be encoded: JSON's \\ud800 escapes can spell a lone surrogate,
-    which no tokenizer (and no UTF-8 encoder) takes."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise InvalidRequest(field or "body", "valid Unicode text (no lone UTF-16 surrogate such as \\ud800)",
-                                 value.encode("utf-8", errors="backslashreplace").decode()) from None
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _check_text(key, field or "body")
-            _check_text(item, f"{field}.{key}" if field else key)
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            _check_text(item, f"{field}[{i}]")
+    which no tokenizer (and no UTF-8 encoder) takes. Walks the body without recursion."""
+    stack: list[tuple[Any, str]] = [(body, "")]
+    while stack:
+        value, field = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidRequest(field or "body", "valid Unicode text (no lone UTF-16 surrogate such as "
+                                     "\\ud800)", value.encode("utf-8", errors="backslashreplace").decode()) from None
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                stack.append((key, field or "body"))
+                stack.append((item, f"{field}.{key}" if field else key))
+        elif isinstance(value, list):
+            stack.extend((item, f"{field}[{i}]") for i, item in enumerate(value))
 
 
 def known_fields(body: dict[str, Any], allowed: frozenset[str], prefix: str = "") -> None:
