@@ -44,9 +44,10 @@ from states import FinishReason, RequestKind, RequestState
 class HealthReport:
     """`healthy` unless the engine is dead ("dead"), a pool cannot be checked because
     its `stats()` raises ("unchecked"), its last leak check failed, idle or busy
-    ("leaking"), a request is starving for memory ("starved"), or requests are live
-    but nothing has progressed for `stuck_after` seconds ("stuck"). `reason` is "ok"
-    or which one, `detail` names the pools and requests."""
+    ("leaking"), a decode role has no prefill peer up ("no_prefill": it admits
+    nothing then), a request is starving for memory ("starved"), or requests are
+    live but nothing has progressed for `stuck_after` seconds ("stuck"). `reason`
+    is "ok" or which one, `detail` names the pools, peers and requests."""
 
     healthy: bool
     reason: str
@@ -215,6 +216,9 @@ class Engine:
             return HealthReport(False, "unchecked", detail, **common)
         if self.loop.last_leak:
             return HealthReport(False, "leaking", "; ".join(self.loop.last_leak), **common)
+        no_prefill = None if self.parts.prefill_client is None else self.parts.prefill_client.unavailable()
+        if no_prefill is not None:
+            return HealthReport(False, "no_prefill", no_prefill, **common)
         starved = self.loop.starved()
         if starved:
             waiting = ", ".join(f"{r['request_id']} (for {', '.join(r.get('waiting_for', ())) or 'memory'})"

@@ -49,6 +49,10 @@ class TransferCollector:
                                    ("cause",))
             for cause, n in sorted(s.refused.items()):
                 refused.add_metric([*base, cause], n)
+            failovers = self._family(CounterMetricFamily, f"{p}_failovers", "Jobs re-sent to another prefill when "
+                                     "their link went down, by its cause.", ("cause",))
+            for cause, n in sorted(s.failovers.items()):
+                failovers.add_metric([*base, cause], n)
             hists = [self._histogram(f"{p}_seconds", "Transfer wire time: header to KV landed.", s.wire),
                      self._histogram(f"{p}_wait_seconds", "Job submitted to KV landed.", s.wait)]
             up = self._family(GaugeMetricFamily, f"{p}_link_up", "1 while the link to a peer is up.", ("peer",))
@@ -60,7 +64,7 @@ class TransferCollector:
                 epoch.add_metric([*base, peer], state.epoch)
                 changes.add_metric([*base, peer, "up"], state.ups)
                 changes.add_metric([*base, peer, "down"], state.downs)
-        yield from (total, jobs, failures, refused, *hists, up, epoch, changes)
+        yield from (total, jobs, failures, refused, failovers, *hists, up, epoch, changes)
 
     def _histogram(self, name: str, doc: str, hist: Histogram) -> Any:
         cumulative, buckets = 0, []
