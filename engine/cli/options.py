@@ -91,6 +91,11 @@ ENGINE_OPTIONS: list[tuple[str, type, str]] = [
     ("fence_timeout", float, "seconds a fence may stay pending before its handle is quarantined"),
     ("starvation_timeout", float, "seconds a request may wait for memory before it is reported starved "
                                   "(after a leak check naming what it waits for)"),
+    # issue 21 (docs/scheduling.md)
+    ("priority_aging", float, "seconds of waiting worth one priority step (bounds the lowest class's wait)"),
+    ("max_sessions", int, "sessions open at once (0: none)"),
+    ("session_idle_timeout", float, "seconds after its latest turn a session closes"),
+    ("session_max_pages", int, "KV pages one session may keep"),
 ]
 #: the `--disaggregation` roles of every command (serve adds "prefill", a prefill server)
 ROLES = ("none", "decode")

@@ -21,7 +21,9 @@ Completions (the legacy shape):
   characters: the characters its earlier tokens' bytes decode to (a token
   that completes a character started by the one before it starts where
   that character does). Offsets never decrease and never pass the end of
-  the text sent so far (a stop string's tokens start at its end).
+  the text sent so far (a stop string's tokens start at its end). An echoed
+  prompt (issue 21's ``echo``) follows the same rules (`text_offsets`,
+  `legacy_top`), and the output's offsets run on from its end (`start`).
 """
 
 from __future__ import annotations
@@ -46,6 +48,10 @@ class CompletionLogprobs:
         self._chars: dict[int, int] = {}  # characters the choice's tokens decoded to so far
         self._sent: dict[int, int] = {}  # characters of the choice's text sent so far
 
+    def start(self, index: int, text: str) -> None:
+        """Choice `index`'s text starts with `text` (an echoed prompt): its offsets run on from its end."""
+        self._chars[index] = self._sent[index] = len(text)
+
     def __call__(self, index: int, entries: Sequence[TokenLogprob] | None, new_text: str) -> dict[str, Any] | None:
         """The logprobs of choice `index`'s `entries`, which come with `new_text` of its text."""
         if entries is None:
@@ -60,16 +66,29 @@ class CompletionLogprobs:
             chars += len(decoder.decode(self.tokenizer.token_bytes(entry.token_id)))
         self._chars[index] = chars
         return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [self._top(text, entry) for text, entry in zip(tokens, entries)],
+                "top_logprobs": [legacy_top(self.tokenizer, text, entry) for text, entry in zip(tokens, entries)],
                 "text_offset": offsets}
 
-    def _top(self, sampled: str, entry: TokenLogprob) -> dict[str, float]:
-        top: dict[str, float] = {}
-        for token_id, logprob in entry.top:  # best first: a text's first alternative is its best
-            top.setdefault(token_text(self.tokenizer, token_id), logprob)
-        if sampled in top:
-            top[sampled] = entry.logprob
-        return top
+
+def legacy_top(tokenizer: Any, sampled: str, entry: TokenLogprob) -> dict[str, float]:
+    """`entry`'s alternatives as ``{text: logprob}``: a shared text once, with the sampled token's (whose
+    text is `sampled`) own logprob if it has that text, else the best of them."""
+    top: dict[str, float] = {}
+    for token_id, logprob in entry.top:  # best first: a text's first alternative is its best
+        top.setdefault(token_text(tokenizer, token_id), logprob)
+    if sampled in top:
+        top[sampled] = entry.logprob
+    return top
+
+
+def text_offsets(tokenizer: Any, token_ids: Sequence[int], end: int) -> list[int]:
+    """Where each token starts in the text they decode to (`end` characters long), by the same rules."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    offsets, chars = [], 0
+    for token_id in token_ids:
+        offsets.append(min(chars, end))
+        chars += len(decoder.decode(tokenizer.token_bytes(token_id)))
+    return offsets
 
 
 def _chat_entry(tokenizer: Any, token_id: int, logprob: float) -> dict[str, Any]:

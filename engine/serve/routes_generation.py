@@ -27,6 +27,7 @@ from engine.serve.generation import EventStream, Generation, generate_events, ge
 from engine.serve.http_errors import HTTPError
 from engine.serve.openai_format import chat_events, chat_json, completion_events, completion_json
 from engine.serve.schemas import GenerateBody, parse_completion, parse_generate
+from engine.serve.scheduling_fields import engine_field
 
 
 @attrs.frozen
@@ -56,8 +57,6 @@ def _parse_chat(ctx: ServerContext, raw: dict[str, Any]) -> tuple[GenerateBody, 
 GENERATE = API(_parse_generate, lambda g, model: generate_events(g), lambda g, model: generate_json(g))
 COMPLETIONS = API(_parse_completion, completion_events, completion_json, "cmpl-", failures_as_errors=True)
 CHAT = API(_parse_chat, chat_events, chat_json, "chatcmpl-", failures_as_errors=True)
-#: the engine's names of request fields, as the HTTP bodies name them
-_BODY_FIELDS = {"request_id": "rid", "SamplingParams.n": "n"}
 
 
 def _start(ctx: ServerContext, request: Request, api: API, raw: dict[str, Any]) -> tuple[Generation, str]:
@@ -71,9 +70,10 @@ def _start(ctx: ServerContext, request: Request, api: API, raw: dict[str, Any]) 
     if ctx.inflight >= ctx.max_inflight:
         raise ctx.unavailable(f"{ctx.max_inflight} requests already in flight; retry later")
     try:
-        generation = Generation(ctx.engine, body, route=request.url.path, id_prefix=api.id_prefix)
-    except InvalidRequest as exc:  # the engine's own checks (a rid already in flight, n over max_queued)
-        field = _BODY_FIELDS.get(exc.field, exc.field)
+        generation = Generation(ctx.engine, body, route=request.url.path, id_prefix=api.id_prefix,
+                                default_deadline=ctx.settings.default_deadline)
+    except InvalidRequest as exc:  # the engine's own checks (a rid in flight, a busy session, n over max_queued)
+        field = engine_field(exc.field)
         raise HTTPError(400, str(exc).replace(exc.field, field, 1), field, exc.limit) from None
     except EngineOverloaded as exc:
         raise ctx.unavailable(f"the engine's queue is full ({exc}); retry later") from None
