@@ -93,7 +93,7 @@ def parse_messages(value: Any) -> list[dict[str, Any]]:
             raise InvalidRequest(f"{field}.role", "not a tool message or tool call: tool calling is not supported",
                                  role)
         known_fields(message, frozenset({"role", "content", "name"}), f"{field}.")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:
             raise InvalidRequest(f"{field}.role", f"one of {', '.join(sorted(ROLES))}", role)
         if "content" not in message:
             raise InvalidRequest(f"{field}.content", "given (a string or a list of text parts)", None)
@@ -140,7 +140,7 @@ def parse_chat(body: dict[str, Any], limits: Limits, tokenizer: Any,
                                  extra=_template_kwargs(body.get("chat_template_kwargs")))
     except ChatTemplateError as exc:
         raise InvalidRequest("messages", "accepted by the model's chat template", str(exc)) from None
-    token_ids = prompt_ids(prompt, "messages", limits, tokenizer)
+    token_ids = prompt_ids(prompt, "messages", limits, tokenizer, add_special_tokens=template.add_special_tokens)
     field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     room = max(1, limits.max_context - len(token_ids))
     return openai_body(body, token_ids, prompt, limits, max_tokens_field=field, default_max_tokens=room,

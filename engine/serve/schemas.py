@@ -78,7 +78,8 @@ class GenerateBody:
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
-    """The body as a JSON object (no NaN or Infinity), or InvalidRequest('body', ...)."""
+    """The body as a JSON object (no NaN or Infinity, no lone UTF-16 surrogate in a string), or
+    InvalidRequest naming 'body' or the field that holds the bad string."""
 
     def reject_constant(name: str) -> None:
         raise ValueError(f"{name} is not JSON")
@@ -87,9 +88,32 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         value = json.loads(raw, parse_constant=reject_constant)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidRequest("body", "a JSON object", f"malformed JSON ({exc})") from None
+    except RecursionError:  # the decoder's own bound on nesting
+        raise InvalidRequest("body", "a JSON object nested less deeply", "nested too deeply") from None
     if not isinstance(value, dict):
         raise InvalidRequest("body", "a JSON object", value)
+    _check_text(value)
     return value
+
+
+def _check_text(body: dict[str, Any]) -> None:
+    """Every string is text that can be encoded: JSON's \\ud800 escapes can spell a lone surrogate,
+    which no tokenizer (and no UTF-8 encoder) takes. Walks the body without recursion."""
+    stack: list[tuple[Any, str]] = [(body, "")]
+    while stack:
+        value, field = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidRequest(field or "body", "valid Unicode text (no lone UTF-16 surrogate such as "
+                                     "\\ud800)", value.encode("utf-8", errors="backslashreplace").decode()) from None
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                stack.append((key, field or "body"))
+                stack.append((item, f"{field}.{key}" if field else key))
+        elif isinstance(value, list):
+            stack.extend((item, f"{field}[{i}]") for i, item in enumerate(value))
 
 
 def known_fields(body: dict[str, Any], allowed: frozenset[str], prefix: str = "") -> None:
@@ -115,22 +139,23 @@ def _stop_strings(value: Any, field: str) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def prompt_ids(prompt: Any, field: str, limits: Limits, tokenizer: Any) -> list[int]:
-    """Token ids of a text or token-id prompt, checked against the vocabulary and the bound."""
+def prompt_ids(prompt: Any, field: str, limits: Limits, tokenizer: Any, *,
+               add_special_tokens: bool = True) -> list[int]:
+    """Token ids of a text or token-id prompt, checked against the vocabulary and the bound; a text is
+    encoded with the tokenizer's own special tokens (BOS) unless `add_special_tokens` is False."""
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequest(field, "a non-empty string", prompt)
         if len(prompt) > limits.max_prompt_tokens * 16:  # NOTE: bounds tokenizer work before tokenizing
             raise InvalidRequest(field, f"at most {limits.max_prompt_tokens} tokens", f"{len(prompt)} characters")
-        ids = tokenizer.encode(prompt)
+        ids = tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
     elif isinstance(prompt, list):
         ids = prompt
-        bad = next((t for t in ids if not (isinstance(t, int) and not isinstance(t, bool))), None)
-        if bad is not None:
-            raise InvalidRequest(field, "a list of integer token ids", bad)
-        bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequest(field, f"token ids in [0, {limits.vocab_size})", bad)
+        for t in ids:  # NOTE: a loop, not next(..., None): the bad value may itself be null
+            if not (isinstance(t, int) and not isinstance(t, bool)):
+                raise InvalidRequest(field, "a list of integer token ids", t)
+            if not 0 <= t < limits.vocab_size:
+                raise InvalidRequest(field, f"token ids in [0, {limits.vocab_size})", t)
     else:
         raise InvalidRequest(field, "a string or a list of token ids", prompt)
     if not ids:
