@@ -17,11 +17,13 @@ from engine.errors import (
 from engine.logging import configure_logging
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.stream import RequestStream
+from engine.structured import Constraint, StructuredConfig
 from hisparse.config import HiSparseConfig
 from resources.ledger import LeakError, MemoryReport
 from states import FinishReason, RequestKind, RequestState
 
 __all__ = [
+    "Constraint",
     "Engine",
     "EngineClosed",
     "EngineConfig",
@@ -41,6 +43,7 @@ __all__ = [
     "RequestState",
     "RequestStream",
     "SamplingParams",
+    "StructuredConfig",
     "TokenLogprob",
     "configure_logging",
 ]

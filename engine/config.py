@@ -13,6 +13,8 @@ import attrs
 
 from engine.disagg.link.settings import RemotePrefill
 from engine.errors import InvalidConfig, InvalidRequest
+from engine.structured.config import StructuredConfig
+from engine.structured.constraint import Constraint, constraint_from
 from hisparse.config import HiSparseConfig
 from states.validation import (
     int_at_least,
@@ -48,6 +50,9 @@ class SamplingParams:
     - `n`: sequences to generate from one prompt (the prompt's KV is computed
       once and shared); a seeded request draws sequence i from seed + i.
     - `detokenize`: False skips text entirely (ids only; `stop` needs text).
+    - `constraint`: None, or an `engine.Constraint` the output must match (a
+      JSON schema, any JSON object, a regex, a choice, a Lark grammar;
+      docs/structured.md). A dict of its fields is converted (the wire form).
     """
 
     max_new_tokens: int = attrs.field(default=16, validator=int_at_least(1, InvalidRequest))
@@ -62,6 +67,7 @@ class SamplingParams:
     logprobs: int | None = attrs.field(default=None)
     n: int = attrs.field(default=1)
     detokenize: bool = attrs.field(default=True, validator=is_bool(InvalidRequest))
+    constraint: Constraint | None = attrs.field(default=None, converter=constraint_from)
 
     def __attrs_post_init__(self) -> None:
         p = "SamplingParams"
@@ -81,6 +87,8 @@ class SamplingParams:
                 InvalidRequest, f"{p}.logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]", self.logprobs)
         require(is_int(self.n) and 1 <= self.n <= MAX_N, InvalidRequest, f"{p}.n", f"an integer in [1, {MAX_N}]",
                 self.n)
+        require(self.constraint is None or isinstance(self.constraint, Constraint), InvalidRequest,
+                f"{p}.constraint", "None or an engine.Constraint", self.constraint)
 
     @property
     def greedy(self) -> bool:
@@ -132,6 +140,8 @@ class EngineConfig:
     admission_window: float = attrs.field(default=0.0, validator=number_at_least(0))
     inline_step_tokens: int = attrs.field(default=8, validator=int_at_least(0))
     mm_cache_bytes: int = attrs.field(default=64 << 20, validator=int_at_least(1))
+    #: how grammars of constrained requests are compiled and bounded (docs/structured.md)
+    structured: StructuredConfig = attrs.field(factory=StructuredConfig)
 
     def __attrs_post_init__(self) -> None:
         p = "EngineConfig"
@@ -152,6 +162,8 @@ class EngineConfig:
                 "None or a HiSparseConfig", self.hisparse)
         if self.hisparse is not None:
             self.hisparse.validate_against(self, self.context_bound)
+        require(isinstance(self.structured, StructuredConfig), InvalidConfig, f"{p}.structured",
+                "an engine.StructuredConfig", self.structured)
         require(self.remote_prefill is None or isinstance(self.remote_prefill, RemotePrefill), InvalidConfig,
                 f"{p}.remote_prefill", "None or an engine.disagg.RemotePrefill", self.remote_prefill)
         if self.remote_prefill is not None:

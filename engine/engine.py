@@ -30,6 +30,7 @@ from engine.runtime.assembly import build_parts
 from engine.runtime.intake import RequestIntake
 from engine.runtime.loop import DecodeLoop
 from engine.stream import RequestStream
+from engine.structured.constraint import Constraint
 from engine.testing import FaultInjector
 from resources.ledger import LeakError, MemoryReport, check_memory, memory_report
 from states import FinishReason, RequestKind, RequestState
@@ -47,6 +48,14 @@ class HealthReport:
     last_progress_age_s: float | None = None
     live_requests: int = 0
     leaks_found: int = 0
+
+
+@attrs.frozen
+class StructuredCounts:
+    """`Engine.structured_stats`: the grammar hook's counts and the compiler's."""
+
+    grammars: Any
+    compiles: Any
 
 
 class Engine:
@@ -133,11 +142,42 @@ class Engine:
         mm_inputs: Sequence[Any] | None = None,
         kind: RequestKind = RequestKind.NORMAL,
     ) -> RequestStream:
-        """Submit a request; returns an async iterator of RequestOutput."""
+        """Submit a request; returns an async iterator of RequestOutput.
+
+        A request with a `SamplingParams.constraint` whose grammar is not compiled yet
+        is live at once but enters the engine when the grammar is ready (compiled in a
+        worker thread); one that cannot be compiled is refused before it holds anything,
+        and its stream raises `InvalidRequest` (`await stream.ready()` waits for either)."""
         if not self._running:
             raise EngineClosed("the engine is not running (use `async with Engine(...)`)")
         request_id, requests = self._intake.build(prompt, params, request_id, mm_inputs, kind)
-        return self.loop.submit(request_id, requests)
+        constraint = requests[0].params.constraint
+        if constraint is None:
+            return self.loop.submit(request_id, requests)
+        structured = self.parts.structured
+        assert structured is not None  # assembly always installs it (or says why not)
+        structured.check_supported()
+        compiler = structured.compiler
+        assert compiler is not None
+        compiler.raise_if_failed(constraint)  # a grammar known not to compile is refused at once
+        if compiler.lookup(constraint):
+            return self.loop.submit(request_id, requests)
+        stream = self.loop.submit(request_id, requests, held=True)
+        stream.hold()
+        self._task_group.start_soon(self._start_when_compiled, constraint, requests, stream)
+        return stream
+
+    async def _start_when_compiled(self, constraint: Constraint, requests: list[Any], stream: RequestStream) -> None:
+        compiler = self.parts.structured.compiler if self.parts.structured is not None else None
+        assert compiler is not None
+        error: InvalidRequest | None = None
+        try:
+            await compiler.compile(constraint, request_id=stream.request_id)
+        except InvalidRequest as exc:
+            error = exc
+        finally:  # NOTE: also when cancelled at exit: shutdown has finished the requests, the stream ends
+            self.loop.start_held(requests, error)
+            stream.mark_ready(error)
 
     async def complete(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                        **kwargs: Any) -> RequestOutput:
@@ -222,3 +262,12 @@ class Engine:
     @property
     def stats(self) -> Any:
         return self.loop.stats
+
+    @property
+    def structured_stats(self) -> Any:
+        """Structured output's counts: `grammars` (this engine's constrained sequences and how
+        they ended) and `compiles` (compiles and cache hits), or None without llguidance."""
+        structured = self.parts.structured
+        if structured is None or structured.compiler is None:
+            return None
+        return StructuredCounts(structured.stats, structured.compiler.stats)

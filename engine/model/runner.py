@@ -12,7 +12,8 @@ A step, from the loop's `step(seqs)` call::
     forward: the model, attention planned once for all layers, the LM head
              on the sampling rows only
     sample: greedy rows by one batched argmax; the tokens come back in the
-            step's one host sync
+            step's one host sync; rows a grammar constrains are masked first
+            (`token_masks`, computed on the host while the forward runs)
 
 The model's weights are packed once, at construction (`LlamaModel.pack`).
 A decode-only step of a dense model on CUDA replays a captured CUDA graph
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import attrs
 import torch
@@ -49,6 +50,19 @@ if TYPE_CHECKING:
 
 #: (seqs, metadata) -> the attention backend of one step
 AttentionFactory = Callable[[Sequence[ScheduledSeq], AttentionMetadata], AttentionBackend]
+
+
+class TokenMasks(Protocol):
+    """Per sampled row, the tokens it may take (structured output's grammars); the runner's
+    `token_masks`. Called from the step's thread with the sampled rows' requests."""
+
+    def wanted(self, requests: Sequence[Request]) -> bool:
+        """Whether any row may need a mask this step (cheap; no mask is computed)."""
+        ...
+
+    def __call__(self, requests: Sequence[Request]) -> torch.Tensor | None:
+        """The host bitmask `engine.model.sampling.sample` takes as `allowed`, or None."""
+        ...
 
 
 @attrs.define
@@ -123,6 +137,8 @@ class ModelRunner:
         pack = getattr(model, "pack", None)
         if pack is not None:
             pack()
+        #: allowed-token masks of the sampled rows (structured output), set by assembly; None: no masks
+        self.token_masks: TokenMasks | None = None
         #: CUDA graphs of decode steps (`engine.model.decode_graphs`); None: every step eager
         self.graphs: DecodeGraphs | None = None
         factory = self.attention_factory
@@ -196,7 +212,9 @@ class ModelRunner:
         params = [s.request.params for s in seqs if s.samples]
         out_pos = [s.request.num_output_tokens for s in seqs if s.samples]
         wants_logprobs = any(p.logprobs is not None for p in params)
-        if (self.graphs is not None and not wants_logprobs
+        sampled = [s.request for s in seqs if s.samples] if self.token_masks is not None else []
+        masked = self.token_masks is not None and self.token_masks.wanted(sampled)
+        if (self.graphs is not None and not wants_logprobs and not masked
                 and (tokens := self.graphs.step(seqs, params, out_pos)) is not None):
             if timed:
                 self._record(seqs, t0, t0)
@@ -208,7 +226,10 @@ class ModelRunner:
         routing: list[torch.Tensor] = []
         logits = self.model(inputs.ids, inputs.positions, attention, embeds, output_rows=inputs.sample_rows,
                             routing=routing)
-        tokens = sample(logits, params, out_pos) if params else []
+        # NOTE: the masks are computed on the host after the forward pass is launched, so on a
+        # device they overlap it; the sampler applies them on the logits' device
+        allowed = self.token_masks(sampled) if masked and self.token_masks is not None else None
+        tokens = sample(logits, params, out_pos, allowed) if params else []
         logprobs = token_logprobs(logits, tokens, params) if wants_logprobs else []
         if timed:
             self._record(seqs, t0, t1)

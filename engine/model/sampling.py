@@ -3,6 +3,11 @@
 A seeded request draws from a generator seeded by (seed, output position),
 so its tokens do not depend on which batch it ran in or on retraction.
 
+A row may be restricted to allowed tokens (structured output's grammar): the
+`allowed` bitmask of `sample` masks the logits with plain torch ops on their
+device before any row is picked; a row that allows nothing gives -1 (no
+token), never an unconstrained one.
+
 Greedy rows take `argmax_rows`, a blocked argmax equal to ``argmax(-1)``
 (the first index of the maximum) at a fraction of its cost on CPU, where
 ``torch.argmax`` over a 32,000-wide row runs several times slower than the
@@ -17,15 +22,43 @@ from engine.config import SamplingParams
 from engine.outputs import TokenLogprob
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> list[int]:
-    """One token per row of `logits` [B, V]; `positions` = output index being sampled."""
+def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
+           allowed: torch.Tensor | None = None) -> list[int]:
+    """One token per row of `logits` [B, V]; `positions` = output index being sampled.
+
+    `allowed` (the mask seam): None, or an int32 bitmask ``[B, ceil(V / 32)]`` on the host
+    (bit j of word w allows token 32 * w + j; all bits set: the row is free). Disallowed
+    tokens are never picked, by any sampling mode; a row with no allowed token gives -1."""
+    empty: list[int] = []
+    if allowed is not None:
+        logits, empty = apply_allowed(logits, allowed)
     out = argmax_rows(logits).tolist()
-    if all(p.greedy for p in params):
-        return out
-    for row, (p, pos) in enumerate(zip(params, positions)):
-        if not p.greedy:
-            out[row] = _sample_row(logits[row].float(), p, pos)
+    if not all(p.greedy for p in params):
+        for row, (p, pos) in enumerate(zip(params, positions)):
+            if not p.greedy and row not in empty:
+                out[row] = _sample_row(logits[row].float(), p, pos)
+    for row in empty:
+        out[row] = -1
     return out
+
+
+def apply_allowed(logits: torch.Tensor, allowed: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """`logits` with the tokens `allowed` (a host bitmask, see `sample`) does not allow set to
+    -inf, and the rows that allow nothing. The bits are unpacked on the logits' device; bits
+    past the logits' width (a tokenizer larger than the model's vocabulary) are ignored."""
+    batch, vocab = logits.shape
+    need = -(-vocab // 32)
+    if allowed.shape[1] > need or (vocab % 32 and allowed.shape[1] == need):
+        allowed = allowed[:, :need].clone()
+        if vocab % 32 and allowed.shape[1] == need:
+            allowed[:, -1] &= (1 << (vocab % 32)) - 1
+    empty = (allowed == 0).all(dim=1).nonzero().flatten().tolist()
+    words = allowed.to(logits.device, non_blocking=True)
+    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
+    keep = ((words.unsqueeze(-1) >> shifts) & 1).view(batch, -1)[:, :vocab].bool()
+    if keep.shape[1] < vocab:  # a mask narrower than the logits allows nothing past its end
+        keep = torch.cat((keep, keep.new_zeros(batch, vocab - keep.shape[1])), dim=1)
+    return logits.masked_fill(~keep, float("-inf")), empty
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], params: list[SamplingParams]) -> list[TokenLogprob | None]:

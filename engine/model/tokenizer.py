@@ -231,6 +231,11 @@ class HFTokenizer(_SpecialIds):
         kept = [t for t in token_ids if t not in self._special_ids]
         return self._backend.decode(kept, skip_special_tokens=True)
 
+    def backend_json(self) -> str:
+        """The whole tokenizer as ``tokenizer.json`` text (the declared special tokens included),
+        for libraries that build their own view of the vocabulary (structured output's)."""
+        return self._backend.to_str()
+
     def added_by_encode(self) -> list[int]:
         """The ids `encode` adds around any text (e.g. ``[bos]``)."""
         return self._backend.encode("", add_special_tokens=True).ids
