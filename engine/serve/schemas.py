@@ -12,15 +12,16 @@ Accepted bodies (unknown fields are rejected):
 
 - ``POST /generate``: ``text`` or ``input_ids`` (exactly one),
   ``sampling_params`` (``max_new_tokens``, ``temperature``, ``top_p``,
-  ``top_k``, ``stop``, ``stop_token_ids``, ``ignore_eos``, ``seed``),
-  ``stream``, ``rid``.
+  ``top_k``, ``stop``, ``stop_token_ids``, ``ignore_eos``, ``seed``, and
+  SGLang's constraints ``json_schema``, ``regex``, ``ebnf``), ``stream``, ``rid``.
 - ``POST /v1/completions``: ``model``, ``prompt`` (text, token ids, or a
   batch of one), ``max_tokens``, ``temperature``, ``top_p``, ``stop``
   (matched by the engine, `SamplingParams.stop`), ``seed``, ``n``,
   ``best_of`` (only equal to n), ``logprobs`` (k alternatives, 0 to 20),
   ``stream``, ``stream_options``; ``echo``, penalties, ``suffix`` and
   ``logit_bias`` only at their defaults; extensions ``top_k``,
-  ``ignore_eos``, ``stop_token_ids``.
+  ``ignore_eos``, ``stop_token_ids``; a constraint as ``response_format`` or
+  vLLM's fields (`engine.serve.structured_fields`).
 - ``POST /abort``: ``rid``.
 """
 
@@ -33,6 +34,7 @@ import attrs
 
 from engine.config import SamplingParams
 from engine.errors import InvalidRequest
+from engine.serve.structured_fields import CONSTRAINT_FIELDS, GENERATE_FIELDS, chat_constraint, generate_constraint
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 64
@@ -65,6 +67,10 @@ class GenerateBody:
     stream: bool = False
     rid: str | None = None
     include_usage: bool = False
+    #: the body field `params.constraint` came from (named by a compile error's 400)
+    constraint_field: str | None = None
+    #: chat answers: how the text becomes the message (reasoning, tool calls); None: all content
+    chat: Any = None
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -148,7 +154,7 @@ def _check_context(num_prompt: int, max_new: int, field: str, limits: Limits) ->
 
 _GENERATE = frozenset({"text", "input_ids", "sampling_params", "stream", "rid"})
 _SAMPLING = frozenset({"max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids",
-                       "ignore_eos", "seed"})
+                       "ignore_eos", "seed", *GENERATE_FIELDS})
 
 
 def parse_generate(body: dict[str, Any], limits: Limits, tokenizer: Any) -> GenerateBody:
@@ -164,21 +170,22 @@ def parse_generate(body: dict[str, Any], limits: Limits, tokenizer: Any) -> Gene
         raise InvalidRequest("sampling_params", "a JSON object", sp)
     known_fields(sp, _SAMPLING, "sampling_params.")
     stop = _stop_strings(sp.get("stop"), "sampling_params.stop")
-    fields = {k: v for k, v in sp.items() if k != "stop" and v is not None}
+    constraint, constraint_field = generate_constraint(sp)
+    fields = {k: v for k, v in sp.items() if k != "stop" and k not in GENERATE_FIELDS and v is not None}
     names = {name: f"sampling_params.{name}" for name in _SAMPLING}
-    params = _sampling({**fields, "stop": stop}, names)
+    params = _sampling({**fields, "stop": stop, "constraint": constraint}, names)
     _check_context(len(token_ids), params.max_new_tokens, "sampling_params.max_new_tokens", limits)
     rid = body.get("rid")
     if rid is not None and not (isinstance(rid, str) and 0 < len(rid) <= MAX_RID_CHARS and rid.isprintable()):
         raise InvalidRequest("rid", f"a printable string of 1 to {MAX_RID_CHARS} characters", rid)
     stream = _bool(body.get("stream", False), "stream")
-    return GenerateBody(prompt, token_ids, params, stream=stream, rid=rid)
+    return GenerateBody(prompt, token_ids, params, stream=stream, rid=rid, constraint_field=constraint_field)
 
 
 _OPENAI_SAMPLING = frozenset({"model", "max_tokens", "temperature", "top_p", "stop", "seed", "stream",
                               "stream_options", "n", "presence_penalty", "frequency_penalty", "user",
                               "logit_bias", "top_k", "ignore_eos", "stop_token_ids"})
-_COMPLETION = _OPENAI_SAMPLING | {"prompt", "best_of", "echo", "logprobs", "suffix"}
+_COMPLETION = _OPENAI_SAMPLING | {"prompt", "best_of", "echo", "logprobs", "suffix"} | CONSTRAINT_FIELDS
 #: OpenAI fields accepted only at the value that means "off"
 DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "echo": (False,), "presence_penalty": (0,), "frequency_penalty": (0,), "suffix": ("",), "logit_bias": ({},),
@@ -202,9 +209,11 @@ def served_model(body: dict[str, Any], limits: Limits) -> str:
 
 def openai_body(body: dict[str, Any], token_ids: list[int], prompt: Any, limits: Limits, *,
                 max_tokens_field: str = "max_tokens", default_max_tokens: int = 16,
-                logprobs: tuple[str, Any] | None = None) -> GenerateBody:
+                logprobs: tuple[str, Any] | None = None, constraint: Any = None, constraint_field: str | None = None,
+                chat: Any = None) -> GenerateBody:
     """The sampling, stop and streaming fields shared by /v1/completions and /v1/chat/completions;
-    `logprobs` is (the body field, the SamplingParams.logprobs value) when the request asks for them."""
+    `logprobs` is (the body field, the SamplingParams.logprobs value) when the request asks for them;
+    `constraint` (from `constraint_field`) and `chat` (how chat answers are read) pass through."""
     fields: dict[str, Any] = {
         "max_new_tokens": default_max_tokens if body.get(max_tokens_field) is None else body[max_tokens_field],
         "temperature": 1.0 if body.get("temperature") is None else body["temperature"],
@@ -214,6 +223,8 @@ def openai_body(body: dict[str, Any], token_ids: list[int], prompt: Any, limits:
         if body.get(name) is not None:
             fields[name] = body[name]
     names = {"max_new_tokens": max_tokens_field}
+    if constraint is not None:
+        fields["constraint"] = constraint
     if logprobs is not None:
         names["logprobs"], fields["logprobs"] = logprobs
     params = _sampling(fields, names)
@@ -224,7 +235,8 @@ def openai_body(body: dict[str, Any], token_ids: list[int], prompt: Any, limits:
     known_fields(options, frozenset({"include_usage", "continuous_usage_stats"}), "stream_options.")
     include_usage = _bool(options.get("include_usage", False), "stream_options.include_usage")
     stream = _bool(False if body.get("stream") is None else body["stream"], "stream")
-    return GenerateBody(prompt, token_ids, params, stream=stream, include_usage=include_usage)
+    return GenerateBody(prompt, token_ids, params, stream=stream, include_usage=include_usage,
+                        constraint_field=constraint_field, chat=chat)
 
 
 def parse_completion(body: dict[str, Any], limits: Limits, tokenizer: Any) -> tuple[GenerateBody, str]:
@@ -244,7 +256,9 @@ def parse_completion(body: dict[str, Any], limits: Limits, tokenizer: Any) -> tu
     if best_of is not None and best_of != (1 if n is None else n):
         raise InvalidRequest("best_of", "absent or equal to n (beam search is not supported)", best_of)
     logprobs = None if body.get("logprobs") is None else ("logprobs", body["logprobs"])
-    return openai_body(body, token_ids, prompt, limits, logprobs=logprobs), model
+    constraint, field = chat_constraint(body)
+    return openai_body(body, token_ids, prompt, limits, logprobs=logprobs, constraint=constraint,
+                       constraint_field=field), model
 
 
 def parse_abort(body: dict[str, Any]) -> str:
