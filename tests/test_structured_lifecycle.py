@@ -154,3 +154,23 @@ async def test_unconstrained_requests_are_untouched():
         before = await run_all(engine, [PROMPT], 8)
     async with Engine(small_config()) as again:
         assert await run_all(again, [PROMPT], 8) == before
+
+
+@pytest.mark.asyncio
+async def test_the_constraint_starts_after_its_marker():
+    """With `starts_after`, the output is free until the marker (a piece of the model's own free
+    output here: three printable characters it writes), then obeys the grammar from the next token."""
+    prompts = [[i, (7 * i) % 256, (13 * i) % 256] for i in range(128)]
+    async with Engine(small_config(max_running=64)) as engine:
+        free = await run_all(engine, prompts, 6)
+        found = next(((p, out) for p, out in zip(prompts, free) if all(32 <= t < 127 for t in out[3:6])
+                      and bytes(out[3:6]).decode() not in bytes(t for t in out[:5] if t < 256).decode(errors="replace")),
+                     None)
+        assert found is not None, "no prompt whose free output has three printable characters at 3..5"
+        prompt, head = found
+        marker = bytes(head[3:6]).decode()
+        params = SamplingParams(max_new_tokens=30, constraint=Constraint.regex("[0-9]{4}", starts_after=marker))
+        out = await engine.complete(prompt, params)
+    assert out.token_ids[:6] == head and out.finish_reason is FinishReason.STOP
+    assert re.fullmatch("[0-9]{4}", bytes(out.token_ids[6:]).decode())
+    assert_no_matcher_alive(engine)

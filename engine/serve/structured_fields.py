@@ -153,7 +153,9 @@ def _chat_constraint(body: dict[str, Any]) -> tuple[Constraint | None, str | Non
         if constraint is not None:
             found.append((constraint, "response_format"))
     if body.get("structured_outputs") is not None:
-        found.append((_structured_outputs(body["structured_outputs"]), "structured_outputs"))
+        constraint = _structured_outputs(body["structured_outputs"])
+        kind = {"json_schema": "json", "lark": "grammar"}.get(constraint.kind, constraint.kind)
+        found.append((constraint, f"structured_outputs.{kind}"))
     for name in GUIDED:
         if body.get(name) is not None:
             kind = name.removeprefix("guided_")
@@ -165,8 +167,8 @@ def _chat_constraint(body: dict[str, Any]) -> tuple[Constraint | None, str | Non
     if backend is not None and not isinstance(backend, str):
         raise InvalidRequest("guided_decoding_backend", "a string (ignored: llguidance is the backend)", backend)
     if len(found) > 1:
-        raise InvalidRequest(found[1][1], f"absent when {found[0][1]} is given (one constraint per request)",
-                             body[found[1][1]])
+        second = found[1][1].split(".")[0]
+        raise InvalidRequest(second, f"absent when {found[0][1]} is given (one constraint per request)", body[second])
     return found[0] if found else (None, None)
 
 
