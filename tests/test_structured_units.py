@@ -88,24 +88,25 @@ class TestGrammarState:
         assert state.sync([ord("a")]) and state.consumed == 1  # a refused first token was popped
         assert _allowed(state) == [ord("b")]
         assert not state.sync([ord("a"), ord("x")]) and "not allowed" in state.error and not state.dead_end
+        bits = torch.full((1, (VOCAB + 31) // 32), -1, dtype=torch.int32)
+        assert not state.fill(bits, 0) and bits.eq(0).all()  # the row of a refused token is a dead end
 
     def test_complete_when_the_grammar_admits_nothing_more(self):
         state = _state(Constraint.choice(["yes", "no"]))
-        assert state.accept([], ord("n")) and not state.complete
-        assert state.accept([ord("n")], ord("o")) and state.complete
+        assert state.sync([ord("n")]) and not state.complete and state.synced_to(1)
+        assert state.sync([ord("n"), ord("o")]) and state.complete and state.synced_to(2)
+        assert _allowed(state) == [EOS]
 
     def test_the_marker_starts_the_grammar_after_its_token(self):
         """Before `starts_after` the state is inactive; the grammar starts at the token after the
         one completing the marker, however the marker is split."""
         state = _state(Constraint.regex("[0-9]{2}", starts_after="</think>"))
-        thinking = list(b"hmm </thi")
-        for i, token in enumerate(thinking):
-            assert state.accept(thinking[:i], token) and not state.active
-        rest = list(b"nk>")
-        output = thinking
-        for token in rest:
-            assert state.accept(output, token)
+        output = list(b"hmm </thi")
+        for i in range(1, len(output) + 1):
+            assert state.sync(output[:i]) and not state.active
+        for token in b"nk>":
             output = output + [token]
+            assert state.sync(output)
         assert state.active and state.start == len(output)
         assert _allowed(state) == list(range(ord("0"), ord("9") + 1))
         assert state.sync(output[:-1]) and not state.active  # the marker's last token dropped: inactive again
@@ -175,7 +176,8 @@ class TestCompilerAndHook:
         assert hook.matchers.stats().free == 1
         request.handles["grammar"] = handle
         assert hook.check(request, ord("q")) is None
-        assert hook.check(request, -1)[:1] == (FinishReason.ERROR,)
+        verdict = hook.check(request, -1)
+        assert verdict[0] is FinishReason.ERROR and "GrammarDeadEnd" in type(verdict[1]).__name__
         handle.mark_released()
         hook.release(request, handle)
         assert hook.matchers.stats().free == 2 and handle.payload.matcher is None
@@ -188,8 +190,8 @@ class TestCompilerAndHook:
         free = Request("f", [1], SamplingParams())
         anyio.run(compiler.compile, constrained.params.constraint)
         constrained.handles["grammar"] = hook.acquire(constrained, RequestState.PREFILLING)
-        assert masks([free]) is None and not masks.wanted([free]) and masks.wanted([free, constrained])
-        bits = masks([free, constrained])
+        assert masks.begin([free]) is None and masks([free]) is None
+        bits = masks.begin([free, constrained])()
         assert bits[0].eq(-1).all() and int(bits[1].ne(0).sum()) == 1
         handle = constrained.handles.pop("grammar")
         handle.mark_released()

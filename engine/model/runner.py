@@ -56,12 +56,10 @@ class TokenMasks(Protocol):
     """Per sampled row, the tokens it may take (structured output's grammars); the runner's
     `token_masks`. Called from the step's thread with the sampled rows' requests."""
 
-    def wanted(self, requests: Sequence[Request]) -> bool:
-        """Whether any row may need a mask this step (cheap; no mask is computed)."""
-        ...
-
-    def __call__(self, requests: Sequence[Request]) -> torch.Tensor | None:
-        """The host bitmask `engine.model.sampling.sample` takes as `allowed`, or None."""
+    def begin(self, requests: Sequence[Request]) -> Callable[[], torch.Tensor | None] | None:
+        """Start computing the rows' masks (before the forward pass, so they may overlap it); None
+        when no row needs one. The callable returns the host bitmask `engine.model.sampling.sample`
+        takes as `allowed` (or None)."""
         ...
 
 
@@ -212,23 +210,29 @@ class ModelRunner:
         params = [s.request.params for s in seqs if s.samples]
         out_pos = [s.request.num_output_tokens for s in seqs if s.samples]
         wants_logprobs = any(p.logprobs is not None for p in params)
-        sampled = [s.request for s in seqs if s.samples] if self.token_masks is not None else []
-        masked = self.token_masks is not None and self.token_masks.wanted(sampled)
-        if (self.graphs is not None and not wants_logprobs and not masked
+        masks = None
+        if self.token_masks is not None:
+            masks = self.token_masks.begin([s.request for s in seqs if s.samples])
+        if (self.graphs is not None and not wants_logprobs and masks is None
                 and (tokens := self.graphs.step(seqs, params, out_pos)) is not None):
             if timed:
                 self._record(seqs, t0, t0)
             return StepOutput(tokens)
-        inputs = self.prepare(seqs)
-        embeds = self.embedder(seqs, inputs.ids) if self.embedder is not None else None
-        attention = self.attention_factory(seqs, inputs.meta)
-        t1 = time.perf_counter() if timed else 0.0
-        routing: list[torch.Tensor] = []
-        logits = self.model(inputs.ids, inputs.positions, attention, embeds, output_rows=inputs.sample_rows,
-                            routing=routing)
-        # NOTE: the masks are computed on the host after the forward pass is launched, so on a
-        # device they overlap it; the sampler applies them on the logits' device
-        allowed = self.token_masks(sampled) if masked and self.token_masks is not None else None
+        try:
+            inputs = self.prepare(seqs)
+            embeds = self.embedder(seqs, inputs.ids) if self.embedder is not None else None
+            attention = self.attention_factory(seqs, inputs.meta)
+            t1 = time.perf_counter() if timed else 0.0
+            routing: list[torch.Tensor] = []
+            logits = self.model(inputs.ids, inputs.positions, attention, embeds, output_rows=inputs.sample_rows,
+                                routing=routing)
+        except BaseException:
+            if masks is not None:  # NOTE: never return while the mask thread still uses the batch's requests
+                _settle(masks)
+            raise
+        # NOTE: the masks are computed on the host while the forward pass runs (their own thread);
+        # the sampler applies them on the logits' device
+        allowed = masks() if masks is not None else None
         tokens = sample(logits, params, out_pos, allowed) if params else []
         logprobs = token_logprobs(logits, tokens, params) if wants_logprobs else []
         if timed:
@@ -245,6 +249,14 @@ class ModelRunner:
     def _inject_faults(self, seqs: Sequence[ScheduledSeq]) -> None:
         if self.faults is not None:
             self.faults.before_step([s.request.request_id for s in seqs])
+
+
+def _settle(pending: Callable[[], object]) -> None:
+    """Wait for a computation whose result is no longer wanted (its error included)."""
+    try:
+        pending()
+    except Exception:  # noqa: BLE001 - the step is failing already; this one adds nothing
+        pass
 
 
 class NoComputeRunner(ModelRunner):

@@ -15,11 +15,15 @@ failed to compile refuses it for good (the request ends ERROR). Each
 sequence of an n > 1 request copies the compiled matcher for itself.
 
 `check(request, token)` is the loop's per-token check (the finisher calls
-it for every sampled token before appending it): it consumes the token in
-the matcher and says whether the request ends, as a (reason, error, keep)
-verdict: STOP when the grammar is complete (the token kept), ERROR at a dead
-end (token -1: the sampler found no allowed token) or a token the grammar
-refuses (not kept).
+it for every sampled token before appending it); it only reads the state
+the step's mask left (the runner's masks consume each token when they sync,
+off the loop's thread) and says whether the request ends, as a (reason,
+error, keep) verdict: STOP when the grammar was complete (its mask allowed
+only EOS, so the token is EOS; kept; or the request's last allowed token
+completes it), ERROR when the sampler found no
+allowed token (-1: a dead end, or a token before it that the grammar
+refused; not kept). As with any grammar-constrained engine, a completed
+grammar ends with the model's EOS token in `token_ids` (not in the text).
 """
 
 from __future__ import annotations
@@ -100,25 +104,35 @@ class GrammarHook(ResourceHook):
 
     # ------------------------------------------------------------ the loop's check
     def check(self, request: Request, token: int) -> Verdict | None:
-        """Consume `token` (about to be appended) and say whether the request ends."""
+        """Whether the request ends with `token` (about to be appended). The matcher consumed
+        every earlier token when this step's mask was computed, so this only reads it: -1 (no
+        allowed token) ends it ERROR; a grammar that was complete (its mask allowed only EOS)
+        ends it STOP with the token."""
         state = self.state(request)
         if state is None:
             return None
         if token < 0:
-            self.stats.dead_ends += 1
             reason = state.error or "no token is allowed"
-            log.warning("grammar.dead_end", request_id=request.request_id, reason=reason)
-            return FinishReason.ERROR, GrammarDeadEnd(f"the output cannot continue under its grammar: {reason}"), False
-        if not state.accept(request.output_token_ids, token):
-            if state.dead_end:  # the grammar could not take a token it allowed (a parser limit)
+            if state.dead_end or state.error is None:
                 self.stats.dead_ends += 1
-                log.warning("grammar.dead_end", request_id=request.request_id, reason=state.error)
+                log.warning("grammar.dead_end", request_id=request.request_id, reason=reason)
                 return FinishReason.ERROR, GrammarDeadEnd(f"the output cannot continue under its grammar: "
-                                                          f"{state.error}"), False
+                                                          f"{reason}"), False
             self.stats.violations += 1
-            log.warning("grammar.violation", request_id=request.request_id, reason=state.error)
-            return FinishReason.ERROR, GrammarViolation(f"the output left its grammar: {state.error}"), False
-        if state.complete:
+            log.warning("grammar.violation", request_id=request.request_id, reason=reason)
+            return FinishReason.ERROR, GrammarViolation(f"the output left its grammar: {reason}"), False
+        if state.complete and state.synced_to(request.num_output_tokens):
             self.stats.completed += 1
             return FinishReason.STOP, None, True
+        if request.num_output_tokens + 1 >= request.params.max_new_tokens and self._completes(state, request, token):
+            self.stats.completed += 1  # the last token the request may take completes the grammar: not LENGTH
+            return FinishReason.STOP, None, True
         return None
+
+    @staticmethod
+    def _completes(state: GrammarState, request: Request, token: int) -> bool:
+        """Whether `token` completes the grammar (consumed here, once per request at most: its last)."""
+        if not state.active or not state.sync(request.output_token_ids) or not state.matcher.consume_token(token):
+            return False
+        state.consumed += 1
+        return state.complete

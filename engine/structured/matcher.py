@@ -4,7 +4,10 @@ The state never trusts a count of its own: `sync(output)` brings the matcher
 to the request's output tokens, consuming what is new and rolling back what
 the output no longer has (a prefill whose first token was refused and is
 recomputed, a retraction that kept fewer tokens). So a matcher always stands
-exactly after the tokens the request keeps, whatever path moved them.
+exactly after the tokens the request keeps, whatever path moved them. The
+runner's masks sync before each mask, in the step's mask thread: a token is
+consumed when the next mask is computed, off the event loop's thread and
+while the forward pass runs.
 
 With `Constraint.starts_after` (a reasoning model's end-of-thinking text),
 the matcher starts at the token after the one that completes that text; until
@@ -51,6 +54,10 @@ class GrammarState:
         """The grammar admits nothing more: the output so far is a whole match."""
         return self.active and self.matcher.is_stopped() and not self.matcher.is_error()
 
+    def synced_to(self, num_output_tokens: int) -> bool:
+        """Whether the matcher stands after exactly `num_output_tokens` output tokens."""
+        return self.start is not None and self.start + self.consumed == num_output_tokens
+
     def close(self) -> None:
         """Drop the matcher (its memory goes with it); the state is then inert."""
         self.matcher = None
@@ -73,30 +80,15 @@ class GrammarState:
         if want < self.consumed:
             self.matcher.rollback(self.consumed - want)
             self.consumed = want
-        if want > self.consumed:
-            new = list(output[self.start + self.consumed:])
-            if not self.matcher.consume_tokens(new):
-                self.error = f"token {new} is not allowed after {self.consumed} constrained tokens"
+        for token in output[self.start + self.consumed:]:
+            if not self.matcher.consume_token(token):
+                # NOTE: a token our own mask allowed cannot be a violation: the grammar hit a limit
+                self.dead_end = self._allowed(token)
+                detail = " ".join(self.matcher.get_error().split())[:400]
+                self.error = (detail if self.dead_end else
+                              f"token {token} is not allowed after {self.consumed} constrained tokens")
                 return False
-            self.consumed = want
-        return True
-
-    def accept(self, output: Sequence[int], token: int) -> bool:
-        """`token` follows `output`: sync, then consume it (or look for the marker in it)."""
-        if not self.sync(output):
-            return False
-        if self.start is None:
-            base = max(0, len(output) + 1 - self._window())
-            self._scan([*output[base:], token], base)
-            return True
-        if self.matcher is not None and not self.matcher.consume_token(token):
-            # NOTE: a token our own mask allowed cannot be a violation: the grammar hit a limit
-            self.dead_end = self._allowed(token)
-            detail = " ".join(self.matcher.get_error().split())[:400]
-            self.error = (detail if self.dead_end else
-                          f"token {token} is not allowed after {self.consumed} constrained tokens")
-            return False
-        self.consumed += 1
+            self.consumed += 1
         return True
 
     def _allowed(self, token: int) -> bool:
@@ -116,7 +108,7 @@ class GrammarState:
             self.matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
             if self.matcher.is_error():
                 self.error = " ".join(self.matcher.get_error().split())[:400]
-            elif not bool(words.any()):
+            elif not words.numpy().any():
                 self.error = f"no token is allowed after {self.consumed} constrained tokens"
         if self.error is not None:
             self.dead_end = True
