@@ -7,6 +7,7 @@ import json
 
 import anyio
 import attrs
+import numpy as np
 import pytest
 import torch
 
@@ -37,7 +38,9 @@ def _compiler(**config) -> GrammarCompiler:
 def _state(constraint: Constraint, compiler: GrammarCompiler | None = None) -> GrammarState:
     compiler = compiler or _compiler()
     compiled = anyio.run(compiler.compile, constraint)
-    return GrammarState(compiled.matcher(), constraint, TOKENIZER.decode)
+    stop_words = np.zeros((VOCAB + 31) // 32, dtype=np.int32)
+    stop_words[EOS >> 5] = 1 << (EOS & 31)
+    return GrammarState(compiled.matcher(), constraint, TOKENIZER.decode, stop_words)
 
 
 def _allowed(state: GrammarState) -> list[int]:
@@ -94,8 +97,9 @@ class TestGrammarState:
     def test_complete_when_the_grammar_admits_nothing_more(self):
         state = _state(Constraint.choice(["yes", "no"]))
         assert state.sync([ord("n")]) and not state.complete and state.synced_to(1)
-        assert state.sync([ord("n"), ord("o")]) and state.complete and state.synced_to(2)
-        assert _allowed(state) == [EOS]
+        assert state.sync([ord("n"), ord("o")]) and state.complete and state.synced_to(2) and not state.done
+        assert _allowed(state) == [EOS] and state.done  # its mask allows only EOS: the loop's check reads that
+        assert state.sync([ord("n")]) and not state.done  # rolled back: no longer known complete
 
     def test_the_marker_starts_the_grammar_after_its_token(self):
         """Before `starts_after` the state is inactive; the grammar starts at the token after the
@@ -134,13 +138,15 @@ class TestSamplerMask:
     def test_only_allowed_tokens_are_sampled(self):
         """Greedy and sampled rows take allowed tokens only; a free row is untouched; an empty row is -1."""
         torch.manual_seed(0)
-        logits = torch.randn(4, VOCAB)
-        params = [SamplingParams(), SamplingParams(temperature=1.0, seed=3), SamplingParams(), SamplingParams()]
-        bits = self._bits([[7, 63, 200], [31, 95, 100], None, []])
+        logits = torch.randn(5, VOCAB)
+        params = [SamplingParams(), SamplingParams(temperature=1.0, seed=3), SamplingParams(), SamplingParams(),
+                  SamplingParams()]
+        best = int(logits[4].argmax())
+        bits = self._bits([[7, 63, 200], [31, 95, 100], None, [], [5, best]])
         for _ in range(20):
-            tokens = sample(logits, params, [0, 1, 2, 3], bits)
+            tokens = sample(logits, params, [0, 1, 2, 3, 4], bits)
             assert tokens[0] == max([7, 63, 200], key=lambda t: logits[0, t]) and tokens[1] in (31, 95, 100)
-            assert tokens[2] == int(logits[2].argmax()) and tokens[3] == -1
+            assert tokens[2] == int(logits[2].argmax()) and tokens[3] == -1 and tokens[4] == best
 
     def test_no_mask_means_no_change(self):
         logits = torch.randn(3, VOCAB)

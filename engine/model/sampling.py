@@ -29,17 +29,34 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
 
     `allowed` (the mask seam): None, or an int32 bitmask ``[B, ceil(V / 32)]`` on the host
     (bit j of word w allows token 32 * w + j; all bits set: the row is free). Disallowed
-    tokens are never picked, by any sampling mode; a row with no allowed token gives -1."""
-    empty: list[int] = []
-    if allowed is not None:
-        logits, empty = apply_allowed(logits, allowed)
+    tokens are never picked, by any sampling mode (sampled rows draw from the masked logits);
+    a row with no allowed token gives -1.
+
+    NOTE: a greedy row whose best token the mask allows keeps it (the masked argmax is the
+    same token), so only the rows the mask changes pay for masking."""
     out = argmax_rows(logits).tolist()
+    masked: list[int] = []  # constrained rows sampled from masked logits: refused greedy picks, sampled rows
+    if allowed is not None:
+        words = allowed.numpy()
+        for row in np.flatnonzero(~(words == -1).all(axis=1)).tolist():
+            token = out[row]
+            if not params[row].greedy or not (int(words[row, token >> 5]) >> (token & 31)) & 1:
+                masked.append(row)
     if not all(p.greedy for p in params):
+        skip = set(masked)
         for row, (p, pos) in enumerate(zip(params, positions)):
-            if not p.greedy and row not in empty:
+            if not p.greedy and row not in skip:
                 out[row] = _sample_row(logits[row].float(), p, pos)
-    for row in empty:
-        out[row] = -1
+    if masked:
+        assert allowed is not None  # only a mask makes rows masked
+        index = torch.tensor(masked, device=logits.device)
+        rows, empty = apply_allowed(logits.index_select(0, index), allowed[masked])
+        best = argmax_rows(rows).tolist()
+        for i, row in enumerate(masked):
+            p = params[row]
+            out[row] = best[i] if p.greedy else _sample_row(rows[i].float(), p, positions[row])
+        for i in empty:
+            out[masked[i]] = -1
     return out
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import structlog
 
 from engine.structured.compiler import GrammarCompiler
@@ -66,9 +67,11 @@ class GrammarHook(ResourceHook):
     pool = MatcherPool.name
 
     def __init__(self, compiler: GrammarCompiler, decode: Callable[[Sequence[int]], str], capacity: int,
-                 stats: GrammarStats) -> None:
+                 stats: GrammarStats, stop_words: np.ndarray | None = None) -> None:
         self.compiler = compiler
         self.decode = decode
+        #: the mask words allowing exactly the model's stop tokens
+        self.stop_words = stop_words
         self.matchers = MatcherPool(capacity)
         self.pools = [self.matchers]
         self.stats = stats
@@ -91,7 +94,7 @@ class GrammarHook(ResourceHook):
             raise ResourceExhausted(f"the grammar of {request.request_id!r} is compiling")
         if self.matchers.live >= self.matchers.capacity:
             raise ResourceExhausted(f"all {self.matchers.capacity} grammar matchers are in use")
-        state = GrammarState(compiled.matcher(), constraint, self.decode)
+        state = GrammarState(compiled.matcher(), constraint, self.decode, self.stop_words)
         if not state.sync(request.output_token_ids):  # a re-prefill's kept output (decode role jobs)
             raise GrammarError(f"the output so far does not match the grammar: {state.error}")
         self.matchers.live += 1
@@ -121,7 +124,7 @@ class GrammarHook(ResourceHook):
             self.stats.violations += 1
             log.warning("grammar.violation", request_id=request.request_id, reason=reason)
             return FinishReason.ERROR, GrammarViolation(f"the output left its grammar: {reason}"), False
-        if state.complete and state.synced_to(request.num_output_tokens):
+        if state.done and state.synced_to(request.num_output_tokens):
             self.stats.completed += 1
             return FinishReason.STOP, None, True
         if request.num_output_tokens + 1 >= request.params.max_new_tokens and self._completes(state, request, token):

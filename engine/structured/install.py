@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import attrs
+import numpy as np
 import torch
 
 from engine.model.tokenizer import ByteTokenizer, HFTokenizer
@@ -52,6 +53,10 @@ def install_structured(config: StructuredConfig, *, tokenizer: Any, vocab_size: 
         return StructuredInstall(stats, unsupported="this model has no vocabulary to constrain "
                                                     "(a checkpoint without tokenizer.json)")
     mask_vocab = max(vocab_size, tokenizer.vocab_size)  # llguidance's view covers both
-    compiler = GrammarCompiler.for_tokenizer(tokenizer, mask_vocab, stop_ids, config)
-    hook = GrammarHook(compiler, tokenizer.decode, max_matchers, stats)
+    stops = [t for t in stop_ids if 0 <= t < mask_vocab]
+    compiler = GrammarCompiler.for_tokenizer(tokenizer, mask_vocab, stops, config)
+    stop_words = np.zeros((mask_vocab + 31) // 32, dtype=np.int32)
+    for t in stops:
+        stop_words[t >> 5] |= np.int32(np.uint32(1 << (t & 31)).view(np.int32))
+    hook = GrammarHook(compiler, tokenizer.decode, max_matchers, stats, stop_words)
     return StructuredInstall(stats, compiler, hook, GrammarMasks(mask_vocab, device))

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine.structured.constraint import Constraint
@@ -27,8 +28,13 @@ from engine.structured.constraint import Constraint
 class GrammarState:
     """A matcher and where, in the request's output, its grammar starts."""
 
-    def __init__(self, matcher: Any, constraint: Constraint, decode: Callable[[Sequence[int]], str]) -> None:
+    def __init__(self, matcher: Any, constraint: Constraint, decode: Callable[[Sequence[int]], str],
+                 stop_words: np.ndarray | None = None) -> None:
         self.matcher: Any = matcher
+        #: the mask words of "only the stop tokens" (the mask of a complete grammar)
+        self.stop_words = stop_words
+        #: the latest mask allowed only the stop tokens: the grammar is complete there
+        self.done = False
         self.constraint = constraint
         self._decode = decode
         self._marker = constraint.starts_after
@@ -51,7 +57,7 @@ class GrammarState:
 
     @property
     def complete(self) -> bool:
-        """The grammar admits nothing more: the output so far is a whole match."""
+        """The grammar admits nothing more: the output so far is a whole match (asks the matcher)."""
         return self.active and self.matcher.is_stopped() and not self.matcher.is_error()
 
     def synced_to(self, num_output_tokens: int) -> bool:
@@ -77,6 +83,8 @@ class GrammarState:
             if self.start is None:
                 return True
         want = len(output) - self.start
+        if want != self.consumed:
+            self.done = False  # known for the position of the latest mask only
         if want < self.consumed:
             self.matcher.rollback(self.consumed - want)
             self.consumed = want
@@ -100,18 +108,23 @@ class GrammarState:
     # ------------------------------------------------------------ masks
     def fill(self, bitmask: torch.Tensor, row: int) -> bool:
         """Write the allowed next tokens into `bitmask[row]` (int32 words, CPU); False (and the
-        row all zero) at a dead end: an error state, or no token allowed."""
+        row all zero) at a dead end: an error state, or no token allowed. A mask that allows only
+        the stop tokens means the grammar is complete (`done`).
+
+        NOTE: the matcher's own state queries cost microseconds each; the mask says it all but for
+        an error state (which also allows only the stop tokens), checked only then."""
         words = bitmask[row]
-        if self.error is None and self.matcher.is_error():
-            self.error = " ".join(self.matcher.get_error().split())[:400]
         if self.error is None:
             self.matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
-            if self.matcher.is_error():
-                self.error = " ".join(self.matcher.get_error().split())[:400]
-            elif not words.numpy().any():
-                self.error = f"no token is allowed after {self.consumed} constrained tokens"
+            host = words.numpy()
+            if not host.any():
+                self.error, self.dead_end = f"no token is allowed after {self.consumed} constrained tokens", True
+            elif self.stop_words is not None and np.array_equal(host, self.stop_words):
+                if self.matcher.is_error():
+                    self.error, self.dead_end = " ".join(self.matcher.get_error().split())[:400], True
+                else:
+                    self.done = True
         if self.error is not None:
-            self.dead_end = True
             words.zero_()
             return False
         self._mask = (self.consumed, words)
