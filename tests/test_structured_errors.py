@@ -83,13 +83,14 @@ async def test_a_compile_past_its_deadline_is_refused_and_cached_for_later():
 
 @pytest.mark.asyncio
 async def test_a_dead_end_ends_the_request_never_with_a_free_token():
-    """Past llguidance's item limit the grammar allows no token: the request ends ERROR with
-    GrammarDeadEnd (logged with its id), every token it got obeys the grammar, and the next is served."""
+    """Past llguidance's item limit the grammar allows no token: the request (sampled, so a NaN would
+    show) ends ERROR with GrammarDeadEnd (logged with its id), every token it got obeys the grammar,
+    and the next is served."""
     config = small_config(structured=StructuredConfig(step_max_items=500))
     async with Engine(config) as engine:
         with structlog.testing.capture_logs() as logs:
-            out = await engine.complete(PROMPT, SamplingParams(max_new_tokens=200, constraint=AMBIGUOUS),
-                                        request_id="dead")
+            out = await engine.complete(PROMPT, SamplingParams(max_new_tokens=200, temperature=1.0, seed=1,
+                                                               constraint=AMBIGUOUS), request_id="dead")
         assert out.finish_reason is FinishReason.ERROR and "GrammarDeadEnd" in out.error
         assert "Too many items" in out.error and set(out.token_ids) <= {ord("a")}  # nothing unconstrained
         assert any(e["event"] == "grammar.dead_end" and e["request_id"] == "dead" for e in logs)

@@ -139,8 +139,8 @@ class TestSamplerMask:
         """Greedy and sampled rows take allowed tokens only; a free row is untouched; an empty row is -1."""
         torch.manual_seed(0)
         logits = torch.randn(5, VOCAB)
-        params = [SamplingParams(), SamplingParams(temperature=1.0, seed=3), SamplingParams(), SamplingParams(),
-                  SamplingParams()]
+        params = [SamplingParams(), SamplingParams(temperature=1.0, seed=3), SamplingParams(),
+                  SamplingParams(temperature=0.7), SamplingParams()]  # row 3: sampled, nothing allowed: no NaN
         best = int(logits[4].argmax())
         bits = self._bits([[7, 63, 200], [31, 95, 100], None, [], [5, best]])
         for _ in range(20):

@@ -51,12 +51,13 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
         assert allowed is not None  # only a mask makes rows masked
         index = torch.tensor(masked, device=logits.device)
         rows, empty = apply_allowed(logits.index_select(0, index), allowed[masked])
-        best = argmax_rows(rows).tolist()
+        best, nothing = argmax_rows(rows).tolist(), set(empty)
         for i, row in enumerate(masked):
             p = params[row]
-            out[row] = best[i] if p.greedy else _sample_row(rows[i].float(), p, positions[row])
-        for i in empty:
-            out[masked[i]] = -1
+            if i in nothing:  # NOTE: never a draw from an all -inf row (NaN), never an unconstrained token
+                out[row] = -1
+            else:
+                out[row] = best[i] if p.greedy else _sample_row(rows[i].float(), p, positions[row])
     return out
 
 

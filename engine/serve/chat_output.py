@@ -141,8 +141,8 @@ class ChatChoices:
         """The chunk choices one engine chunk gives (none while text is held back); the finish
         reason (``tool_calls`` when calls were made) rides on the last."""
         out = self._output(index)
-        choices = [{"index": index, "delta": d, "logprobs": None, "finish_reason": None}
-                   for d in out.feed(delta, final=finish_reason is not None)]
+        choices: list[dict[str, Any]] = [{"index": index, "delta": d, "logprobs": None, "finish_reason": None}
+                                         for d in out.feed(delta, final=finish_reason is not None)]
         if not choices and (finish_reason is not None or logprobs is not None):
             choices.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": None})
         if choices:

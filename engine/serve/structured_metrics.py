@@ -48,5 +48,5 @@ class StructuredCollector(Collector):
             counter = CounterMetricFamily(f"{P}{name}", doc, labels=["model_name"])
             counter.add_metric([self.model_name], value)
             yield counter
-        self._compile.fold(compiles.compile_seconds)
+        self._compile.fold(compiles.compile_window)
         yield self._compile.metric(self.model_name)

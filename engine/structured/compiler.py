@@ -203,7 +203,7 @@ class GrammarCompiler:
             while len(self._cache) > self.config.cache_size:
                 self._cache.popitem(last=False)
             self.stats.compiles += 1
-            self.stats.compile_seconds.add(seconds)
+            self.stats.compile_seconds.append(seconds)
         return compiled
 
     def close(self) -> None:

@@ -7,22 +7,8 @@ from collections import deque
 
 import attrs
 
+#: compile times kept (the newest); `CompileStats.compiles` counts them all
 _SAMPLES = 10_000
-
-
-class Samples:
-    """The latest samples (seconds) and how many were ever recorded (the shape the
-    metrics' histograms fold: `samples`, `total`)."""
-
-    __slots__ = ("samples", "total")
-
-    def __init__(self) -> None:
-        self.samples: deque[float] = deque(maxlen=_SAMPLES)
-        self.total = 0
-
-    def add(self, value: float) -> None:
-        self.samples.append(value)
-        self.total += 1
 
 
 @attrs.define
@@ -37,7 +23,20 @@ class CompileStats:
     compile_failures: int = 0
     #: requests refused because their grammar was not ready within compile_timeout
     compile_timeouts: int = 0
-    compile_seconds: Samples = attrs.field(factory=Samples)
+    #: the latest compile times (seconds); with `compiles`, what a histogram folds (`samples`, `total`)
+    compile_seconds: deque[float] = attrs.field(factory=lambda: deque(maxlen=_SAMPLES))
+
+    @property
+    def compile_window(self) -> CompileWindow:
+        return CompileWindow(self.compile_seconds, self.compiles)
+
+
+@attrs.frozen
+class CompileWindow:
+    """Compile times as the metrics' histograms read a window: `samples`, and `total` ever recorded."""
+
+    samples: deque[float]
+    total: int
 
 
 @attrs.define
