@@ -37,7 +37,7 @@ def _constrained(max_new_tokens: int = 40, **fields) -> SamplingParams:
     return SamplingParams(max_new_tokens=max_new_tokens, constraint=WORD, **fields)
 
 
-async def _drive(engine: Engine, role: str) -> dict[str, FinishReason]:
+async def _drive(engine: Engine, role: str, hisparse: bool) -> dict[str, FinishReason]:
     reasons: dict[str, FinishReason] = {}
 
     async def run(rid: str, params: SamplingParams, disconnect_after: int | None = None, tokens=PROMPT) -> None:
@@ -58,12 +58,16 @@ async def _drive(engine: Engine, role: str) -> dict[str, FinishReason]:
     queued = engine.generate(PROMPT, _constrained(), request_id="abort-queued")
     await engine.abort("abort-queued")
     abort_on_entry(engine, "abort-decoding", S.DECODING)
+    if hisparse:
+        abort_on_entry(engine, "abort-staging", S.STAGING)
     abort_on_entry(engine, "abort-prefilling" if role == "none" else "abort-transferring",
                    S.PREFILLING if role == "none" else S.TRANSFERRING)
     async with anyio.create_task_group() as tg:
         tg.start_soon(run, "length", _constrained(5))
         tg.start_soon(run, "length-1", _constrained(1))
         tg.start_soon(run, "abort-decoding", _constrained())
+        if hisparse:
+            tg.start_soon(run, "abort-staging", _constrained(), None, list(range(80, 101)))
         tg.start_soon(run, "disconnect", _constrained(), 3)
         tg.start_soon(run, "abort-prefilling" if role == "none" else "abort-transferring", _constrained(), None,
                       list(range(40, 75)))
@@ -79,12 +83,12 @@ async def test_every_finish_path_releases_the_matcher(role, hisparse):
     engine = Engine(_config(role, hisparse), faults=FaultInjector(fail_step=lambda ids: "error" in ids))
     with anyio.fail_after(120):
         async with engine:
-            reasons = await _drive(engine, role)
+            reasons = await _drive(engine, role, hisparse)
             shutdown = engine.generate(PROMPT, _constrained(), request_id="shutdown")
             await shutdown.__anext__()
         reasons["shutdown"] = (await collect(shutdown))[-1].finish_reason
     aborted = "abort-prefilling" if role == "none" else "abort-transferring"
-    assert reasons == {"abort-compiling": FinishReason.ABORT, "stop": FinishReason.STOP, "error": FinishReason.ERROR,
+    assert reasons == ({"abort-staging": FinishReason.ABORT} if hisparse else {}) | {"abort-compiling": FinishReason.ABORT, "stop": FinishReason.STOP, "error": FinishReason.ERROR,
                        "abort-queued": FinishReason.ABORT, "length": FinishReason.LENGTH,
                        "length-1": FinishReason.LENGTH, "abort-decoding": FinishReason.ABORT,
                        aborted: FinishReason.ABORT, "shutdown": FinishReason.SHUTDOWN}
