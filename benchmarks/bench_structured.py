@@ -16,7 +16,9 @@ checkpoint, one process.
    masks, sampling, the per-token grammar check, outputs); *overhead* = constrained / unconstrained
    - 1 within one round, its median over rounds quoted. *masks ms* is the mask thread's work per
    step (llguidance: consuming the last token and computing the mask, every row; it overlaps the
-   forward pass), *check ms* the grammar's per-token check on the loop's thread.
+   forward pass), *check ms* the grammar's per-token check on the loop's thread. *CPU overhead* is
+   the same ratio of the process's CPU time over the run (all threads: less sensitive to other
+   processes on the machine than wall time).
 3. Compiles: `--schemas` random JSON schemas (tests/structured_schemas.py), each submitted twice:
    the first compiles (its time inside the compile thread, and `compile()`'s wall time with the
    thread hop), the second is a cache hit. The counts are the engine's (`structured_stats`).
@@ -114,10 +116,12 @@ async def decode_run(engine: Engine, batch: int, new_tokens: int, constrained: b
     masks, check = engine.parts.runner.token_masks, engine.loop.finisher.token_checks
     timed_masks, timed_check = Timed(masks._fill), Timed(check[0])  # the mask thread's work; the loop's check
     masks._fill, check[0] = timed_masks, timed_check
+    cpu = time.process_time()
     try:
         async with anyio.create_task_group() as tg:
             for prompt in prompts:
                 tg.start_soon(engine.complete, prompt, params)
+        cpu = time.process_time() - cpu
     finally:
         engine.loop.step_observers.remove(observer)
         del masks._fill
@@ -126,7 +130,7 @@ async def decode_run(engine: Engine, batch: int, new_tokens: int, constrained: b
     engine.check_memory()
     intervals = [b - a for a, b in zip(steps, steps[1:])]
     n = max(1, len(intervals))
-    return {"step_ms": 1e3 * statistics.median(intervals), "steps": len(steps), "full_batch_steps": len(steps),
+    return {"step_ms": 1e3 * statistics.median(intervals), "steps": len(steps), "cpu_s": cpu,
             "masks_ms": 1e3 * timed_masks.seconds / n, "check_ms": 1e3 * timed_check.seconds / n}
 
 
@@ -172,22 +176,24 @@ async def main(args: argparse.Namespace) -> dict:
                     order = (False, True) if r % 2 == 0 else (True, False)
                     got = {c: await decode_run(engine, batch, args.new_tokens, c, seed=r) for c in order}
                     rounds.append({"free": got[False], "constrained": got[True], "load": loadavg(),
-                                   "overhead": got[True]["step_ms"] / got[False]["step_ms"] - 1})
+                                   "overhead": got[True]["step_ms"] / got[False]["step_ms"] - 1,
+                                   "cpu_overhead": got[True]["cpu_s"] / got[False]["cpu_s"] - 1})
                 rows.append({"batch": batch, "rounds": rounds,
                              "free_step_ms": median_range([r["free"]["step_ms"] for r in rounds]),
                              "constrained_step_ms": median_range([r["constrained"]["step_ms"] for r in rounds]),
                              "overhead_pct": median_range([100 * r["overhead"] for r in rounds]),
+                             "cpu_overhead_pct": median_range([100 * r["cpu_overhead"] for r in rounds]),
                              "masks_ms": median_range([r["constrained"]["masks_ms"] for r in rounds]),
                              "check_ms": median_range([r["constrained"]["check_ms"] for r in rounds]),
                              "load": rounds[-1]["load"]})
             compiles = await compile_run(engine, args.schemas)
-    print(f"\n| batch | unconstrained step ms | constrained step ms | overhead % | masks ms/step | check ms/step "
-          f"| load |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"\n| batch | unconstrained step ms | constrained step ms | overhead % | CPU overhead % | masks ms/step "
+          f"| check ms/step | load |")
+    print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         print(f"| {row['batch']} | {fmt(row['free_step_ms'], 2)} | {fmt(row['constrained_step_ms'], 2)} | "
-              f"{fmt(row['overhead_pct'], 1)} | {fmt(row['masks_ms'], 3)} | {fmt(row['check_ms'], 3)} | "
-              f"{row['load']} |")
+              f"{fmt(row['overhead_pct'], 1)} | {fmt(row['cpu_overhead_pct'], 1)} | {fmt(row['masks_ms'], 3)} | "
+              f"{fmt(row['check_ms'], 3)} | {row['load']} |")
     print(f"\ncompiles: {compiles['schemas']} schemas, compile ms (in the thread) {fmt(compiles['compile_ms'], 2)}, "
           f"p90 {compiles['compile_p90_ms']:.2f}; ready wall ms {fmt(compiles['ready_wall_ms'], 2)}; cache hits "
           f"{compiles['cache_hits']}, misses {compiles['cache_misses']}, compiles {compiles['compiles']}; "

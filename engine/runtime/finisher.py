@@ -44,8 +44,8 @@ class Finisher:
         self.after_prefill = after_prefill
         self.step_observers: list[Callable[[Sequence[ScheduledSeq], StepOutput], None]] = []
         self.release_observers: list[Callable[[Request], None]] = []
-        #: features' checks of each sampled token before it is appended (a grammar consumes it):
-        #: None, or (reason, error, keep the token) to finish the request with
+        #: features' checks of each sampled token before it is appended (a grammar's: is it complete,
+        #: or at a dead end): None, or (reason, error, keep the token) to finish the request with
         self.token_checks: list[TokenCheck] = []
 
     # ------------------------------------------------------------- moves

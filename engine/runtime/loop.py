@@ -88,6 +88,7 @@ class DecodeLoop:
         self._idle_event.set()
         self._checked_idle = True
         self._thread: int | None = None
+        self._held = 0  # requests submitted held (their grammar compiles): they count as queued
 
     # ------------------------------------------------------------ interface
     def submit(self, request_id: str, requests: Sequence[Request], *, held: bool = False) -> RequestStream:
@@ -97,7 +98,7 @@ class DecodeLoop:
             raise EngineDead(self.errored)
         if self.closing:
             raise EngineClosed("the engine is shutting down")
-        queued = len(self.table.unstarted) + len(self.table.waiting)
+        queued = len(self.table.unstarted) + len(self.table.waiting) + self._held
         if queued + len(requests) > self.max_queued:
             raise EngineOverloaded(f"{queued} requests already queued (max_queued = {self.max_queued})")
         channel = OutputChannel()
@@ -105,6 +106,7 @@ class DecodeLoop:
                                 {r: OutputBuilder(r, self.tokenizer, index=i, request_id=request_id)
                                  for i, r in enumerate(requests)})
         self.table.add(submission, start=not held)
+        self._held += len(requests) if held else 0
         self.stats.submitted += 1
         if self._idle_event.is_set():
             self._idle_event = anyio.Event()
@@ -113,7 +115,9 @@ class DecodeLoop:
 
     def start_held(self, requests: Sequence[Request], error: Exception | None = None) -> None:
         """Start requests submitted `held` (those not finished meanwhile); or, with `error`,
-        refuse them before they hold anything: their stream raises `error`."""
+        refuse them before they hold anything: their stream raises `error`. Called once per held
+        submission, whatever happened to it meanwhile."""
+        self._held -= len(requests)
         waiting = [r for r in requests if r in self.table.owner and not r.history and not r.is_finished]
         if not waiting:
             return
@@ -180,7 +184,7 @@ class DecodeLoop:
         return {"submissions": len(table.submissions), "owner": len(table.owner), "waiting": len(table.waiting),
                 "unstarted": len(table.unstarted), "aborts": len(table.aborts),
                 "starved": len(self.planner.starved), "prefix_locks": len(self._prefix_locks),
-                "quarantined": len(self.machine.quarantined)}
+                "quarantined": len(self.machine.quarantined), "held": self._held}
 
     @property
     def idle(self) -> bool:
