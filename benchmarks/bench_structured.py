@@ -14,9 +14,9 @@ checkpoint, one process.
    a JSON string: the widest masks JSON has, for the whole run). The order alternates between rounds. *step ms* is the median
    interval between consecutive decode steps of B rows (the loop's whole step: plan, forward,
    masks, sampling, the per-token grammar check, outputs); *overhead* = constrained / unconstrained
-   - 1 within one round, its median over rounds quoted. *masks ms* is the mask thread's work per
-   step (llguidance: consuming the last token and computing the mask, every row; it overlaps the
-   forward pass), *check ms* the grammar's per-token check on the loop's thread. *CPU overhead* is
+   - 1 within one round, its median over rounds quoted. *masks ms* is the masks' work per step
+   (llguidance: consuming the last token and computing the mask, every row), *check ms* the
+   grammar's per-token check on the loop's thread. *CPU overhead* is
    the same ratio of the process's CPU time over the run (all threads: less sensitive to other
    processes on the machine than wall time).
 3. Compiles: `--schemas` random JSON schemas (tests/structured_schemas.py), each submitted twice:
@@ -114,7 +114,7 @@ async def decode_run(engine: Engine, batch: int, new_tokens: int, constrained: b
         len(seqs) == batch and all(s.num_tokens == 1 for s in seqs)) else None
     engine.loop.step_observers.append(observer)
     masks, check = engine.parts.runner.token_masks, engine.loop.finisher.token_checks
-    timed_masks, timed_check = Timed(masks._fill), Timed(check[0])  # the mask thread's work; the loop's check
+    timed_masks, timed_check = Timed(masks._fill), Timed(check[0])  # the masks' work; the loop's check
     masks._fill, check[0] = timed_masks, timed_check
     cpu = time.process_time()
     try:

@@ -13,7 +13,7 @@ A step, from the loop's `step(seqs)` call::
              on the sampling rows only
     sample: greedy rows by one batched argmax; the tokens come back in the
             step's one host sync; rows a grammar constrains are masked first
-            (`token_masks`, computed on the host while the forward runs)
+            (`token_masks`, computed on the host once the forward is launched)
 
 The model's weights are packed once, at construction (`LlamaModel.pack`).
 A decode-only step of a dense model on CUDA replays a captured CUDA graph
@@ -57,9 +57,9 @@ class TokenMasks(Protocol):
     `token_masks`. Called from the step's thread with the sampled rows' requests."""
 
     def begin(self, requests: Sequence[Request]) -> Callable[[], torch.Tensor | None] | None:
-        """Start computing the rows' masks (before the forward pass, so they may overlap it); None
-        when no row needs one. The callable returns the host bitmask `engine.model.sampling.sample`
-        takes as `allowed` (or None)."""
+        """Whether the rows need masks this step: None when none does (nothing computed, and a
+        CUDA graph may run); else a callable, called once the forward pass is launched, that
+        returns the host bitmask `engine.model.sampling.sample` takes as `allowed` (or None)."""
         ...
 
 
@@ -218,20 +218,15 @@ class ModelRunner:
             if timed:
                 self._record(seqs, t0, t0)
             return StepOutput(tokens)
-        try:
-            inputs = self.prepare(seqs)
-            embeds = self.embedder(seqs, inputs.ids) if self.embedder is not None else None
-            attention = self.attention_factory(seqs, inputs.meta)
-            t1 = time.perf_counter() if timed else 0.0
-            routing: list[torch.Tensor] = []
-            logits = self.model(inputs.ids, inputs.positions, attention, embeds, output_rows=inputs.sample_rows,
-                                routing=routing)
-        except BaseException:
-            if masks is not None:  # NOTE: never return while the mask thread still uses the batch's requests
-                _settle(masks)
-            raise
-        # NOTE: the masks are computed on the host while the forward pass runs (their own thread);
-        # the sampler applies them on the logits' device
+        inputs = self.prepare(seqs)
+        embeds = self.embedder(seqs, inputs.ids) if self.embedder is not None else None
+        attention = self.attention_factory(seqs, inputs.meta)
+        t1 = time.perf_counter() if timed else 0.0
+        routing: list[torch.Tensor] = []
+        logits = self.model(inputs.ids, inputs.positions, attention, embeds, output_rows=inputs.sample_rows,
+                            routing=routing)
+        # NOTE: the masks are computed on the host now that the forward pass is launched (on a
+        # device it runs meanwhile); the sampler applies them on the logits' device
         allowed = masks() if masks is not None else None
         tokens = sample(logits, params, out_pos, allowed) if params else []
         logprobs = token_logprobs(logits, tokens, params) if wants_logprobs else []
@@ -249,14 +244,6 @@ class ModelRunner:
     def _inject_faults(self, seqs: Sequence[ScheduledSeq]) -> None:
         if self.faults is not None:
             self.faults.before_step([s.request.request_id for s in seqs])
-
-
-def _settle(pending: Callable[[], object]) -> None:
-    """Wait for a computation whose result is no longer wanted (its error included)."""
-    try:
-        pending()
-    except Exception:  # noqa: BLE001 - the step is failing already; this one adds nothing
-        pass
 
 
 class NoComputeRunner(ModelRunner):

@@ -48,7 +48,7 @@ class GrammarState:
         #: whether that is a dead end (the grammar could not take a token its own mask allowed)
         self.dead_end = False
         #: the latest mask row and how many tokens were consumed when it was computed
-        self._mask: tuple[int, torch.Tensor] | None = None
+        self._mask: tuple[int, np.ndarray] | None = None
 
     @property
     def active(self) -> bool:
@@ -101,34 +101,45 @@ class GrammarState:
 
     def _allowed(self, token: int) -> bool:
         """Whether the latest mask, computed at the current position, allowed `token`."""
-        if self._mask is None or self._mask[0] != self.consumed or not 0 <= token < 32 * self._mask[1].numel():
+        if self._mask is None or self._mask[0] != self.consumed or not 0 <= token < 32 * len(self._mask[1]):
             return False
         return bool((int(self._mask[1][token >> 5]) >> (token & 31)) & 1)
 
     # ------------------------------------------------------------ masks
-    def fill(self, bitmask: torch.Tensor, row: int) -> bool:
-        """Write the allowed next tokens into `bitmask[row]` (int32 words, CPU); False (and the
-        row all zero) at a dead end: an error state, or no token allowed. A mask that allows only
-        the stop tokens means the grammar is complete (`done`).
+    def write_mask(self, address: int, nbytes: int) -> None:
+        """Have llguidance write the allowed next tokens at `address` (int32 words, host memory),
+        unless the grammar already cannot go on (`settle` then zeroes the row)."""
+        if self.error is None:
+            self.matcher.unsafe_compute_mask_ptr(address, nbytes)
+
+    def settle(self, words: np.ndarray, only_stops: bool, empty: bool) -> bool:
+        """After `write_mask`: read what the mask says (`only_stops`: it allows exactly the stop
+        tokens; `empty`: nothing). False, and the row zeroed, at a dead end: an error state, or
+        no token allowed. A mask of only the stop tokens means the grammar is complete (`done`).
 
         NOTE: the matcher's own state queries cost microseconds each; the mask says it all but for
         an error state (which also allows only the stop tokens), checked only then."""
-        words = bitmask[row]
         if self.error is None:
-            self.matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
-            host = words.numpy()
-            if not host.any():
+            if empty:
                 self.error, self.dead_end = f"no token is allowed after {self.consumed} constrained tokens", True
-            elif self.stop_words is not None and np.array_equal(host, self.stop_words):
+            elif only_stops:
                 if self.matcher.is_error():
                     self.error, self.dead_end = " ".join(self.matcher.get_error().split())[:400], True
                 else:
                     self.done = True
         if self.error is not None:
-            words.zero_()
+            words[:] = 0
             return False
         self._mask = (self.consumed, words)
         return True
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> bool:
+        """`write_mask` then `settle` for one row of a host int32 bitmask (the batch does it
+        vectorized: `engine.structured.masks`)."""
+        words = bitmask.numpy()[row]
+        self.write_mask(words.ctypes.data, words.nbytes)
+        only_stops = self.stop_words is not None and bool((words == self.stop_words).all())
+        return self.settle(words, only_stops, not words.any())
 
     # ------------------------------------------------------------ the marker
     def _window(self) -> int:
