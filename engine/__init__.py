@@ -16,6 +16,7 @@ from engine.errors import (
 )
 from engine.logging import configure_logging
 from engine.outputs import RequestOutput, TokenLogprob
+from engine.runtime.sessions import SessionInfo
 from engine.stream import RequestStream
 from engine.structured import Constraint, StructuredConfig
 from hisparse.config import HiSparseConfig
@@ -43,6 +44,7 @@ __all__ = [
     "RequestState",
     "RequestStream",
     "SamplingParams",
+    "SessionInfo",
     "StructuredConfig",
     "TokenLogprob",
     "configure_logging",

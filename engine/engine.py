@@ -29,6 +29,8 @@ from engine.outputs import RequestOutput
 from engine.runtime.assembly import build_parts
 from engine.runtime.intake import RequestIntake
 from engine.runtime.loop import DecodeLoop
+from engine.runtime.sessions import SessionInfo
+from engine.runtime.submit_options import SubmitOptions
 from engine.stream import RequestStream
 from engine.structured.constraint import Constraint
 from engine.testing import FaultInjector
@@ -39,8 +41,9 @@ from states import FinishReason, RequestKind, RequestState
 @attrs.frozen
 class HealthReport:
     """`healthy` unless the engine is dead, its last idle leak check failed, a
-    request is starving for memory, or requests are live but nothing has
-    progressed for `stuck_after` seconds. `reason` is "ok" or which one."""
+    decode role has no prefill peer up (``no_prefill``: it admits nothing
+    then), a request is starving for memory, or requests are live but nothing
+    has progressed for `stuck_after` seconds. `reason` is "ok" or which one."""
 
     healthy: bool
     reason: str
@@ -76,7 +79,7 @@ class Engine:
                                check_memory=self.check_memory, memory_report=self.memory_report)
         self._intake = RequestIntake(tokenizer=self.tokenizer, model=self.parts.model, model_config=self.model_config,
                                      max_context=self.max_context, mm_cache_bytes=self.parts.mm_cache_bytes,
-                                     is_live=self.loop.is_live)
+                                     is_live=self.loop.is_live, sessions=self.loop.sessions)
         self._task_group: Any = None
         self._running = False
         self._closed = False
@@ -141,8 +144,17 @@ class Engine:
         request_id: str | None = None,
         mm_inputs: Sequence[Any] | None = None,
         kind: RequestKind = RequestKind.NORMAL,
+        priority: int = 0,
+        deadline: float | None = None,
+        session: str | None = None,
+        resume_output_ids: Sequence[int] | None = None,
     ) -> RequestStream:
         """Submit a request; returns an async iterator of RequestOutput.
+
+        Issue 21 (`engine.runtime.submit_options`): `priority` (lower runs first),
+        `deadline` (seconds from now; then it finishes DEADLINE), `session` (a turn of an
+        open session: `prompt` is the turn's new tokens), `resume_output_ids` (continue a
+        request from the tokens it already generated; `max_new_tokens` is what is left).
 
         A request with a `SamplingParams.constraint` whose grammar is not compiled yet
         is live at once but enters the engine when the grammar is ready (compiled in a
@@ -150,7 +162,9 @@ class Engine:
         and its stream raises `InvalidRequest` (`await stream.ready()` waits for either)."""
         if not self._running:
             raise EngineClosed("the engine is not running (use `async with Engine(...)`)")
-        request_id, requests = self._intake.build(prompt, params, request_id, mm_inputs, kind)
+        options = SubmitOptions.build(priority=priority, deadline=deadline, session=session,
+                                      resume_output_ids=resume_output_ids)
+        request_id, requests = self._intake.build(prompt, params, request_id, mm_inputs, kind, options)
         constraint = requests[0].params.constraint
         if constraint is None:
             return self.loop.submit(request_id, requests)
@@ -196,6 +210,27 @@ class Engine:
         """Abort a live request. False if the id is unknown, odd or already finished."""
         return self.loop.abort(request_id)
 
+    # ------------------------------------------------------------- sessions (issue 21)
+    async def open_session(self, session_id: str | None = None, *, idle_timeout: float | None = None,
+                           max_pages: int | None = None) -> str:
+        """Open a session whose KV is kept between turns; returns its id. `EngineOverloaded` when
+        `max_sessions` are open. See `engine.runtime.sessions`."""
+        if not self._running:
+            raise EngineClosed("the engine is not running (use `async with Engine(...)`)")
+        return self.loop.sessions.open(session_id, idle_timeout=idle_timeout, max_pages=max_pages)
+
+    async def close_session(self, session_id: str) -> bool:
+        """Close a session (its kept KV is released); False if it is not open. A turn in flight
+        keeps running; its KV is then not kept."""
+        found = self.loop.sessions.close(session_id)
+        if found:
+            self.loop.wake()
+        return found
+
+    def session_info(self, session_id: str) -> SessionInfo | None:
+        """An open session's conversation length, kept KV, lease and whether a turn runs."""
+        return self.loop.sessions.info(session_id)
+
     async def health_check(self, timeout: float = 10.0) -> bool:
         """Run a one-token request through the whole path; True, or HealthCheckFailed."""
         request_id = f"health-{uuid.uuid4().hex[:12]}"
@@ -221,6 +256,9 @@ class Engine:
             return HealthReport(False, "dead", repr(self.loop.errored), **common)
         if self.loop.last_leak:
             return HealthReport(False, "leaking", "; ".join(self.loop.last_leak), **common)
+        no_prefill = None if self.parts.prefill_client is None else self.parts.prefill_client.unavailable()
+        if no_prefill is not None:
+            return HealthReport(False, "no_prefill", no_prefill, **common)
         starved = self.loop.starved()
         if starved:
             waiting = ", ".join(record["request_id"] for record in starved)

@@ -14,7 +14,8 @@ prefix-cache pages leave by eviction when an allocation needs room.
 Each request slot has a row of `page_table` (host int64, numpy): the
 request's page ids in token order, filled in place (no list, no tensor on
 the hot path). `req_to_token` (on the device) is written from it, once per
-allocation, by `write_locations`.
+allocation, by `write_locations`: in place on the host, else by one
+asynchronous copy from pinned memory, ordered before the next step.
 
 The radix cache always exists: `prefix_cache=False` only stops ordinary
 requests from matching and inserting.
@@ -22,9 +23,12 @@ requests from matching and inserting.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
+from resources.device_io import upload
 from resources.ledger import Owner, PoolUsage
 from resources.page_allocator import PageAllocator
 from resources.paging import pages_for
@@ -57,6 +61,9 @@ class KVPool:
         self.radix = RadixCache(page_size)
         #: request -> (locked radix node, pages it protects), for attribution
         self.prefix_locks: dict[Request, tuple[object, int]] = {}
+        #: issue 21: session anchor -> (locked radix node, pages): a session's kept KV, locked by
+        #: `resources.session_hook` (reported as `kept`, held legitimately while idle)
+        self.session_locks: dict[Request, tuple[Any, int]] = {}
         self._offsets = np.arange(page_size, dtype=np.int64)
         #: the token table itself when it lives in host memory (written in place), else None
         self._table_np = self.slots.req_to_token.numpy() if self.device.type == "cpu" else None
@@ -75,12 +82,15 @@ class KVPool:
         return self.allocator.num_free + self.radix.evictable_pages
 
     def stats(self) -> PoolUsage:
+        kept = self.radix.path_pages([node for node, _ in self.session_locks.values()]) if self.session_locks else 0
         return PoolUsage(capacity=self.allocator.capacity, free=self.allocator.num_free,
-                         evictable=self.radix.evictable_pages, shared=self.radix.protected_pages, unit="pages")
+                         evictable=self.radix.evictable_pages, shared=self.radix.protected_pages, unit="pages",
+                         kept=kept)
 
     def shared_owners(self) -> list[Owner]:
-        """The requests holding locked prefix-cache pages (shared, so possibly overlapping)."""
-        return [Owner.of(request, pages) for request, (_node, pages) in self.prefix_locks.items()]
+        """The requests (and sessions) holding locked prefix-cache pages (shared, so possibly overlapping)."""
+        return [Owner.of(request, pages) for locks in (self.prefix_locks, self.session_locks)
+                for request, (_node, pages) in locks.items()]
 
     # ------------------------------------------------- used by the KV hook
     def alloc_into(self, out: np.ndarray) -> bool:
@@ -114,5 +124,5 @@ class KVPool:
         start = first_page_index * ps
         if self._table_np is not None:
             self._table_np[slot, start : start + locs.shape[0]] = locs
-        else:
-            self.slots.req_to_token[slot, start : start + locs.shape[0]] = torch.from_numpy(locs).to(self.device)
+        else:  # NOTE: from pinned memory, asynchronously: no wait on the event loop's thread
+            self.slots.req_to_token[slot, start : start + locs.shape[0]].copy_(upload(locs, self.device))

@@ -17,7 +17,7 @@ from engine.model.sampling import sample
 from engine.model.tokenizer import ByteTokenizer
 from engine.structured.compiler import GrammarCompiler
 from engine.structured.hook import GrammarHook
-from engine.structured.masks import GrammarMasks
+from engine.structured.masks import GrammarMasks, unpack
 from engine.structured.matcher import GrammarState
 from engine.structured.stats import GrammarStats
 from resources import ResourceExhausted
@@ -136,22 +136,27 @@ class TestSamplerMask:
         return bits
 
     def test_only_allowed_tokens_are_sampled(self):
-        """Greedy and sampled rows take allowed tokens only; a free row is untouched; an empty row is -1."""
+        """The unpacked mask, through the sampler's seam: greedy and sampled rows take allowed tokens
+        only, a free row is untouched, and a row that allows nothing is sampled unmasked (no NaN)
+        for the runner to answer -1."""
         torch.manual_seed(0)
-        logits = torch.randn(5, VOCAB)
+        logits = torch.randn(4, VOCAB)
         params = [SamplingParams(), SamplingParams(temperature=1.0, seed=3), SamplingParams(),
-                  SamplingParams(temperature=0.7), SamplingParams()]  # row 3: sampled, nothing allowed: no NaN
-        best = int(logits[4].argmax())
-        bits = self._bits([[7, 63, 200], [31, 95, 100], None, [], [5, best]])
-        for _ in range(20):
-            tokens = sample(logits, params, [0, 1, 2, 3, 4], bits)
+                  SamplingParams(temperature=0.7)]
+        allowed = unpack(self._bits([[7, 63, 200], [31, 95, 100], None, []]), [3], torch.device("cpu"), VOCAB)
+        assert allowed.dtype is torch.bool and allowed.shape == (4, VOCAB) and allowed[3].all()
+        for position in range(20):
+            tokens = sample(logits, params, [position] * 4, allowed=allowed)
             assert tokens[0] == max([7, 63, 200], key=lambda t: logits[0, t]) and tokens[1] in (31, 95, 100)
-            assert tokens[2] == int(logits[2].argmax()) and tokens[3] == -1 and tokens[4] == best
+            assert tokens[2] == int(logits[2].argmax()) and 0 <= tokens[3] < VOCAB
 
-    def test_no_mask_means_no_change(self):
-        logits = torch.randn(3, VOCAB)
-        params = [SamplingParams()] * 3
-        assert sample(logits, params, [0, 0, 0]) == sample(logits, params, [0, 0, 0], self._bits([None] * 3))
+    def test_unpacking_matches_the_bits(self):
+        """Bit j of word w allows token 32 * w + j, past the first word and at bit 31 too."""
+        rows = [[0, 31, 32, 63, VOCAB - 1], None]
+        allowed = unpack(self._bits(rows), [], torch.device("cpu"), VOCAB)
+        assert allowed[0].nonzero().flatten().tolist() == rows[0] and allowed[1].all()
+        narrow = unpack(self._bits([[1]]), [], torch.device("cpu"), VOCAB + 40)  # logits wider than the mask
+        assert narrow.shape == (1, VOCAB + 40) and narrow[0].nonzero().flatten().tolist() == [1]
 
 
 class TestCompilerAndHook:
@@ -196,8 +201,9 @@ class TestCompilerAndHook:
         free = Request("f", [1], SamplingParams())
         anyio.run(compiler.compile, constrained.params.constraint)
         constrained.handles["grammar"] = hook.acquire(constrained, RequestState.PREFILLING)
-        assert masks.begin([free]) is None and masks([free]) is None
-        bits = masks.begin([free, constrained])()
+        cpu = torch.device("cpu")
+        assert masks.begin([free], cpu, VOCAB) is None and masks.bitmask([free]) is None
+        bits = masks.bitmask([free, constrained])
         assert bits[0].eq(-1).all() and int(bits[1].ne(0).sum()) == 1
         handle = constrained.handles.pop("grammar")
         handle.mark_released()

@@ -53,6 +53,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction, parents: list[argpa
     server.add_argument("--health-timeout", type=positive_seconds, default=10.0,
                         help="seconds for a /health_generate probe, and without progress under load (default: 10)")
     server.add_argument("--served-model-name", default=None, help="model id in /v1 (default: --model)")
+    server.add_argument("--default-deadline", type=positive_seconds, default=None,
+                        help="seconds a generation request may take when its body gives no deadline "
+                             "(default: none)")
     _add_structured_options(serve)
     _add_disaggregation_options(serve)
     serve.set_defaults(func=run_serve, default_log_level="info", default_log_json=True)
@@ -150,7 +153,8 @@ def server_settings_from_args(args: argparse.Namespace) -> Any:
     return ServerSettings(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                           max_inflight=args.max_inflight, health_timeout=args.health_timeout,
                           served_model_name=args.served_model_name, api_key=api_key_from(args),
-                          tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+                          default_deadline=args.default_deadline, tool_call_parser=args.tool_call_parser,
+                          reasoning_parser=args.reasoning_parser)
 
 
 def run_serve(args: argparse.Namespace) -> int:

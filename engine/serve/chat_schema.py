@@ -37,6 +37,7 @@ import attrs
 from engine.errors import InvalidRequest
 from engine.serve.chat_output import ChatOutputSpec
 from engine.serve.chat_template import ChatTemplate, ChatTemplateError
+from engine.serve import scheduling_fields
 from engine.serve.reasoning import END, initial_state
 from engine.serve.schemas import (GenerateBody, Limits, check_default_only, known_fields, openai_body, prompt_ids,
                                   served_model)
@@ -117,7 +118,7 @@ def parse_chat(body: dict[str, Any], limits: Limits, tokenizer: Any, template: C
                tool_parser: str | None = None, reasoning_parser: str | None = None) -> tuple[GenerateBody, str]:
     """Validate a ``POST /v1/chat/completions`` body and render its prompt; returns it and the model name.
     `tool_parser` and `reasoning_parser` are the server's (`--tool-call-parser`, `--reasoning-parser`)."""
-    known_fields(body, _CHAT)
+    known_fields(body, _CHAT | scheduling_fields.CHAT)  # issue 21: priority, deadline, prompt_logprobs
     tools = parse_tools(body, tool_parser)
     constraint, constraint_field = chat_constraint(body)
     check_default_only(body, _CHAT_DEFAULT_ONLY)

@@ -24,6 +24,7 @@ from engine.serve.generation import EventStream, Generation, generate_events, ge
 from engine.serve.http_errors import HTTPError
 from engine.serve.openai_format import chat_events, chat_json, completion_events, completion_json
 from engine.serve.schemas import GenerateBody, parse_completion, parse_generate
+from engine.serve.scheduling_fields import engine_field
 from engine.serve.structured_fields import renamed
 
 
@@ -66,10 +67,11 @@ def _start(ctx: ServerContext, request: Request, api: API, raw: dict[str, Any]) 
     if ctx.inflight >= ctx.max_inflight:
         raise ctx.unavailable(f"{ctx.max_inflight} requests already in flight; retry later")
     try:
-        generation = Generation(ctx.engine, body, route=request.url.path, id_prefix=api.id_prefix)
-    except InvalidRequest as exc:  # the engine's own checks (a rid already in flight, a constraint it cannot serve)
+        generation = Generation(ctx.engine, body, route=request.url.path, id_prefix=api.id_prefix,
+                                default_deadline=ctx.settings.default_deadline)
+    except InvalidRequest as exc:  # the engine's own checks (a rid in flight, a busy session, a constraint it cannot serve)
         exc = renamed(exc, body.constraint_field or "response_format")
-        field = "rid" if exc.field == "request_id" else exc.field
+        field = engine_field(exc.field)
         raise HTTPError(400, str(exc).replace(exc.field, field, 1), field, exc.limit) from None
     except EngineOverloaded as exc:
         raise ctx.unavailable(f"the engine's queue is full ({exc}); retry later") from None
