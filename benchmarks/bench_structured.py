@@ -2,7 +2,7 @@
 checkpoint, one process.
 
     python benchmarks/bench_structured.py [--batches 1 8 32] [--rounds 3] [--new-tokens 64]
-        [--schemas 50] [--threads 1] [--out bench-results/structured.json]
+        [--schemas 50] [--threads 1] [--device cpu] [--out bench-results/structured.json]
 
 1. One checkpoint: the anchor tiny Llama's shape (hidden 256, 4 layers, 4 heads / 4 KV heads, MLP
    1024, vocab 32,000, fp32, random weights, seed 0) with a 32,000-token byte-level BPE tokenizer
@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # the random schemas the tests use
 
-from benchmarks.machine import fmt, header, loadavg, machine_info, median_range  # noqa: E402
+from benchmarks.machine import add_device_option, fmt, header, loadavg, machine_info, median_range  # noqa: E402
 from engine import Constraint, Engine, EngineConfig, SamplingParams  # noqa: E402
 from engine.logging import configure_logging  # noqa: E402
 from structured_schemas import random_schema  # noqa: E402
@@ -156,14 +156,14 @@ async def compile_run(engine: Engine, count: int) -> dict:
 
 
 async def main(args: argparse.Namespace) -> dict:
-    info = machine_info()
+    info = machine_info(args.device)
     print(header(info))
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         directory = write_checkpoint(Path(tmp))
         print(f"checkpoint: anchor shape, vocab {VOCAB}, BPE trained in {time.perf_counter() - t0:.1f} s")
         top = max(args.batches)
-        config = EngineConfig(model=str(directory), max_running=top, num_kv_pages=top * 8 + 8, page_size=16,
+        config = EngineConfig(model=str(directory), device=args.device, max_running=top, num_kv_pages=top * 8 + 8, page_size=16,
                               max_context=32 + args.new_tokens + 16, max_prefill_tokens=4096, prefix_cache=False,
                               leak_check="raise", use_entry_points=False)
         async with Engine(config) as engine:
@@ -209,6 +209,7 @@ if __name__ == "__main__":
     parser.add_argument("--schemas", type=int, default=50)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default="bench-results/structured.json")
+    add_device_option(parser)
     arguments = parser.parse_args()
     torch.set_num_threads(arguments.threads)
     configure_logging("warning")
