@@ -28,6 +28,7 @@ from engine.serve.http_errors import HTTPError
 from engine.serve.openai_format import chat_events, chat_json, completion_events, completion_json
 from engine.serve.schemas import GenerateBody, parse_completion, parse_generate
 from engine.serve.scheduling_fields import engine_field
+from engine.serve.structured_fields import renamed
 
 
 @attrs.frozen
@@ -51,7 +52,8 @@ def _parse_completion(ctx: ServerContext, raw: dict[str, Any]) -> tuple[Generate
 
 
 def _parse_chat(ctx: ServerContext, raw: dict[str, Any]) -> tuple[GenerateBody, str | None]:
-    return parse_chat(raw, ctx.limits, ctx.engine.tokenizer, ctx.chat_template)
+    return parse_chat(raw, ctx.limits, ctx.engine.tokenizer, ctx.chat_template,
+                      tool_parser=ctx.settings.tool_call_parser, reasoning_parser=ctx.settings.reasoning_parser)
 
 
 GENERATE = API(_parse_generate, lambda g, model: generate_events(g), lambda g, model: generate_json(g))
@@ -72,7 +74,9 @@ def _start(ctx: ServerContext, request: Request, api: API, raw: dict[str, Any]) 
     try:
         generation = Generation(ctx.engine, body, route=request.url.path, id_prefix=api.id_prefix,
                                 default_deadline=ctx.settings.default_deadline)
-    except InvalidRequest as exc:  # the engine's own checks (a rid in flight, a busy session, n over max_queued)
+    except InvalidRequest as exc:  # the engine's own checks (a rid in flight, a busy session, n over max_queued,
+        # a constraint it cannot serve)
+        exc = renamed(exc, body.constraint_field or "response_format")
         field = engine_field(exc.field)
         raise HTTPError(400, str(exc).replace(exc.field, field, 1), field, exc.limit) from None
     except EngineOverloaded as exc:
@@ -80,6 +84,18 @@ def _start(ctx: ServerContext, request: Request, api: API, raw: dict[str, Any]) 
     except EngineClosed:
         raise ctx.unavailable("the engine is not running") from None
     return generation, model or ctx.limits.model_name
+
+
+async def _grammar_ready(generation: Generation) -> None:
+    """A constrained request enters the engine once its grammar is compiled; one that cannot be
+    (an invalid schema or grammar, a compile past its deadline) is a 400 naming the body's field."""
+    if generation.body.params.constraint is None:
+        return
+    try:
+        await generation.stream.ready()
+    except InvalidRequest as exc:
+        generation.close()
+        raise HTTPError.invalid(renamed(exc, generation.body.constraint_field or "response_format")) from None
 
 
 async def _serve(ctx: ServerContext, request: Request, api: API) -> Response | EventStream:
@@ -91,6 +107,7 @@ async def _serve(ctx: ServerContext, request: Request, api: API) -> Response | E
         except InvalidRequest as exc:
             raise HTTPError.invalid(exc) from None
         generation, model = _start(ctx, request, api, raw)
+        await _grammar_ready(generation)
     except HTTPError as exc:
         return exc.response()
     ctx.inflight += 1
