@@ -19,11 +19,13 @@ from engine.outputs import RequestOutput, SpeculationStats, TokenLogprob
 from engine.speculative.config import SpeculativeConfig
 from engine.runtime.sessions import SessionInfo
 from engine.stream import RequestStream
+from engine.structured import Constraint, StructuredConfig
 from hisparse.config import HiSparseConfig
 from resources.ledger import LeakError, MemoryReport
 from states import FinishReason, RequestKind, RequestState
 
 __all__ = [
+    "Constraint",
     "Engine",
     "EngineClosed",
     "EngineConfig",
@@ -46,6 +48,7 @@ __all__ = [
     "SpeculationStats",
     "SpeculativeConfig",
     "SessionInfo",
+    "StructuredConfig",
     "TokenLogprob",
     "configure_logging",
 ]

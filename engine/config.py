@@ -14,6 +14,8 @@ import attrs
 from engine.disagg.link.settings import RemotePrefill
 from engine.errors import InvalidConfig, InvalidRequest
 from engine.speculative.config import SpeculativeConfig
+from engine.structured.config import StructuredConfig
+from engine.structured.constraint import Constraint, constraint_from
 from hisparse.config import HiSparseConfig
 from states.validation import (
     int_at_least,
@@ -55,6 +57,9 @@ class SamplingParams:
       prompt token's log probability (vLLM's field; the first entry is None).
       They come from the forward pass that computes the prompt: such a request
       computes its whole prompt even when the prefix cache holds it.
+    - `constraint`: None, or an `engine.Constraint` the output must match (a
+      JSON schema, any JSON object, a regex, a choice, a Lark grammar;
+      docs/structured.md). A dict of its fields is converted (the wire form).
     """
 
     max_new_tokens: int = attrs.field(default=16, validator=int_at_least(1, InvalidRequest))
@@ -72,6 +77,7 @@ class SamplingParams:
     #: when the engine speculates (`EngineConfig.speculative`), whether this request does
     speculative: bool = attrs.field(default=True, validator=is_bool(InvalidRequest))
     prompt_logprobs: int | None = attrs.field(default=None)
+    constraint: Constraint | None = attrs.field(default=None, converter=constraint_from)
 
     def __attrs_post_init__(self) -> None:
         p = "SamplingParams"
@@ -95,6 +101,8 @@ class SamplingParams:
                 self.prompt_logprobs)
         require(is_int(self.n) and 1 <= self.n <= MAX_N, InvalidRequest, f"{p}.n", f"an integer in [1, {MAX_N}]",
                 self.n)
+        require(self.constraint is None or isinstance(self.constraint, Constraint), InvalidRequest,
+                f"{p}.constraint", "None or an engine.Constraint", self.constraint)
 
     @property
     def greedy(self) -> bool:
@@ -151,6 +159,8 @@ class EngineConfig:
     mm_cache_bytes: int = attrs.field(default=64 << 20, validator=int_at_least(1))
     #: speculative decoding (an engine.speculative.SpeculativeConfig; docs/speculative.md); None: off
     speculative: Any = attrs.field(default=None, kw_only=True)
+    #: how grammars of constrained requests are compiled and bounded (docs/structured.md)
+    structured: StructuredConfig = attrs.field(factory=StructuredConfig)
     # -- issue 21: scheduling and sessions (docs/scheduling.md)
     #: seconds of waiting worth one priority step (None: strict priority, the lowest class may starve)
     priority_aging: float | None = attrs.field(default=60.0)
@@ -186,6 +196,8 @@ class EngineConfig:
                 f"{p}.speculative", "None or an engine.speculative.SpeculativeConfig", self.speculative)
         require(self.speculative is None or self.hisparse is None, InvalidConfig, f"{p}.speculative",
                 "None when hisparse is set (sparse decode attends one query per request)", self.speculative)
+        require(isinstance(self.structured, StructuredConfig), InvalidConfig, f"{p}.structured",
+                "an engine.StructuredConfig", self.structured)
         require(self.remote_prefill is None or isinstance(self.remote_prefill, RemotePrefill), InvalidConfig,
                 f"{p}.remote_prefill", "None or an engine.disagg.RemotePrefill", self.remote_prefill)
         if self.remote_prefill is not None:

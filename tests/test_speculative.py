@@ -79,6 +79,33 @@ class TestGreedyIdentity:
         assert engine.stats.spec_draft_tokens > 0
 
 
+class TestConstrained:
+    @pytest.mark.asyncio
+    async def test_grammar_rows_share_a_verify_step(self):
+        """A constrained request decodes plainly (its mask applies) while others in its batch speculate."""
+        from engine import Constraint
+
+        constrained = SamplingParams(max_new_tokens=6, constraint=Constraint.regex("[0-9]{6}"))
+        free = SamplingParams(max_new_tokens=24, ignore_eos=True)
+
+        async def both(config: EngineConfig) -> tuple[list[list[int]], Engine]:
+            async with Engine(config) as engine:
+                outs: list = [None, None]
+
+                async def one(i: int, prompt, params) -> None:
+                    outs[i] = await engine.complete(prompt, params)
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(one, 0, "digits: ", constrained)
+                    tg.start_soon(one, 1, REPEATING, free)
+            return [o.token_ids for o in outs], engine
+
+        plain, _ = await both(small_config())
+        speculative, engine = await both(small_config(speculative=TINY_DRAFT))
+        assert speculative == plain and engine.stats.spec_accepted_tokens > 0
+        assert bytes(speculative[0]).decode().isdigit()
+
+
 class TestSampling:
     @pytest.mark.asyncio
     async def test_seeded_prompt_lookup_equals_plain_sampling(self):

@@ -10,7 +10,8 @@ Its interface is narrow: `submit` (requests in, a stream out), `abort`,
        the batch
     -> run the model step in a worker thread
     -> apply: tokens, outputs, finishes
-    -> when idle, the leak check (logged and counted, never raised here)
+    -> the leak check when idle, and every second while busy
+       (`resources.leak_watch`: logged and counted, never raised here)
 
 NOTE: requests in a running step are never transitioned while it runs: the
 loop is the only task that transitions, and it is awaiting the step. That is
@@ -42,7 +43,8 @@ from engine.runtime.sessions import SessionManager
 from engine.runtime.stats import EngineStats
 from engine.runtime.table import RequestTable, Submission, close_stream
 from engine.stream import OutputChannel, RequestStream
-from resources.ledger import LeakError, MemoryReport
+from resources.leak_watch import LeakWatch
+from resources.ledger import MemoryReport
 from states import FinishReason, Request, RequestState, ResourceExhausted
 
 if TYPE_CHECKING:
@@ -71,16 +73,18 @@ class DecodeLoop:
         self.tokenizer = tokenizer
         self._check_memory = check_memory
         self.stats = EngineStats()
+        self.leak_watch = LeakWatch(memory_report, enabled=config.leak_check != "off", counters=self.stats)
         self.machine.transition_observers.append(self.stats.on_transition)
         self.table = RequestTable()
         self.finisher = Finisher(machine=self.machine, table=self.table, stats=self.stats,
                                  stop_ids=frozenset(parts.model_config.stop_token_ids), max_context=max_context,
                                  after_prefill=parts.after_prefill)
         self.finisher.step_observers.extend(parts.step_observers)
+        self.finisher.token_checks.extend(parts.token_checks)
         self.planner = Planner(machine=self.machine, table=self.table, finisher=self.finisher,
                                scheduler=parts.scheduler, kv_pool=parts.kv_pool, admit_into=parts.admit_into,
                                after_prefill=parts.after_prefill, transfer_job=parts.transfer_job,
-                               starvation_timeout=config.starvation_timeout, report=memory_report,
+                               starvation_timeout=config.starvation_timeout, report=self.leak_watch.check_now,
                                draft_tokens=config.speculative.num_tokens if config.speculative else 0,
                                max_context=max_context,
                                transfer_unavailable=None if parts.prefill_client is None
@@ -92,23 +96,23 @@ class DecodeLoop:
                                        clock=self.machine.clock)
         self.finisher.release_observers.extend((self.deadlines.discard, self.sessions.on_released))
         self.errored: BaseException | None = None
-        self.last_leak: tuple[str, ...] = ()
         self.step_running = False
         self.closing = False
         self._wake = anyio.Event()
         self._idle_event = anyio.Event()
         self._idle_event.set()
-        self._checked_idle = True
         self._thread: int | None = None
+        self._held = 0  # requests submitted held (their grammar compiles): they count as queued
 
     # ------------------------------------------------------------ interface
-    def submit(self, request_id: str, requests: Sequence[Request]) -> RequestStream:
-        """Hand requests over; the returned stream carries their outputs."""
+    def submit(self, request_id: str, requests: Sequence[Request], *, held: bool = False) -> RequestStream:
+        """Hand requests over; the returned stream carries their outputs. `held`: they are live
+        (their id is taken, abort and shutdown finish them) but start only at `start_held`."""
         if self.errored is not None:
             raise EngineDead(self.errored)
         if self.closing:
             raise EngineClosed("the engine is shutting down")
-        queued = len(self.table.unstarted) + len(self.table.waiting)
+        queued = len(self.table.unstarted) + len(self.table.waiting) + self._held
         if queued + len(requests) > self.max_queued:
             raise EngineOverloaded(f"{queued} requests already queued (max_queued = {self.max_queued})")
         channel = OutputChannel()
@@ -116,7 +120,8 @@ class DecodeLoop:
                                 {r: OutputBuilder(r, self.tokenizer, index=i, request_id=request_id,
                                                   speculative=self.speculative)
                                  for i, r in enumerate(requests)})
-        self.table.add(submission)
+        self.table.add(submission, start=not held)
+        self._held += len(requests) if held else 0
         for request in requests:  # issue 21
             self.deadlines.add(request)
             self.sessions.bind(request)
@@ -125,6 +130,24 @@ class DecodeLoop:
             self._idle_event = anyio.Event()
         self.wake()
         return RequestStream(request_id, channel, lambda: self.abandon(submission), n=len(requests))
+
+    def start_held(self, requests: Sequence[Request], error: Exception | None = None) -> None:
+        """Start requests submitted `held` (those not finished meanwhile); or, with `error`,
+        refuse them before they hold anything: their stream raises `error`. Called once per held
+        submission, whatever happened to it meanwhile."""
+        self._held -= len(requests)
+        waiting = [r for r in requests if r in self.table.owner and not r.history and not r.is_finished]
+        if not waiting:
+            return
+        if error is None:
+            self.table.unstarted.extend(waiting)
+        else:
+            submission = self.table.owner[waiting[0]]
+            if submission.send is not None:
+                submission.send.send(error)
+            for request in waiting:
+                self.finisher.finish(request, FinishReason.ERROR, error=error)
+        self.wake()
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
         """Abort a live submission by id; False if unknown or already finished."""
@@ -168,6 +191,11 @@ class DecodeLoop:
         """Admitted requests that have not finished."""
         return len(self.table.running())
 
+    @property
+    def last_leak(self) -> tuple[str, ...]:
+        """The problems the latest leak check found (idle or busy); () once one passes."""
+        return self.leak_watch.problems
+
     def starved(self) -> tuple[dict[str, Any], ...]:
         """The reports of requests now waiting past the starvation bound."""
         return tuple(self.planner.starved.values())
@@ -180,7 +208,7 @@ class DecodeLoop:
                 "unstarted": len(table.unstarted), "aborts": len(table.aborts),
                 "starved": len(self.planner.starved), "prefix_locks": len(self._prefix_locks),
                 "quarantined": len(self.machine.quarantined), "deadlines": len(self.deadlines),
-                "session_turns": self.sessions.num_turns_in_flight()}
+                "session_turns": self.sessions.num_turns_in_flight(), "held": self._held}
 
     @property
     def idle(self) -> bool:
@@ -200,6 +228,13 @@ class DecodeLoop:
         self._wake.set()
 
     # ------------------------------------------------------------ the task
+    def bind(self) -> None:
+        """Create the waiting primitives in the async library about to run the loop (call on entry:
+        the engine may have been built under another one, or outside any)."""
+        self._wake = anyio.Event()
+        self._idle_event = anyio.Event()
+        self._idle_event.set()
+
     async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
         self._thread = threading.get_ident()
         task_status.started()
@@ -223,7 +258,7 @@ class DecodeLoop:
             # NOTE: poll while a late copy may still land or the prefill client still works
             await self._wait(0.05 if self.machine.quarantined or not self.idle else None)
             return
-        self._checked_idle = False
+        self.leak_watch.on_busy()
         self.planner.prepare()
         batch = self.planner.batch()
         if not batch:
@@ -266,6 +301,7 @@ class DecodeLoop:
             try:
                 self.machine.start(request)
             except ResourceExhausted:
+                self.planner.check_starvation(request)
                 break  # FIFO: retried next iteration
             except Exception as exc:
                 table.unstarted.popleft()
@@ -290,16 +326,8 @@ class DecodeLoop:
 
     # ------------------------------------------------------------ idleness
     def _on_idle(self, *, recheck: bool) -> None:
-        if (self._checked_idle and not recheck) or self.leak_check == "off" or not self.idle:
-            return
-        self._checked_idle = True
-        self.stats.leak_checks += 1
-        try:
-            self._check_memory()
-            self.last_leak = ()
-        except LeakError as exc:  # a diagnostic never ends service: logged, counted, reported
-            self.stats.leak_check_failures += 1
-            self.last_leak = tuple(exc.problems)
+        if self.idle:
+            self.leak_watch.on_idle(recheck=recheck)
 
     # ------------------------------------------------------------ endings
     def _die(self, exc: BaseException) -> None:

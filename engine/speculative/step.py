@@ -52,13 +52,22 @@ class SpeculativeStep:
         batch = SamplingBatch(params, positions)
         width = max(len(s.draft) for s in sampled)
         drafts = [t for s in sampled for t in (*s.draft, *(-1,) * (width - len(s.draft)))]
+        pending = None
+        if runner.token_masks is not None:  # rows with a grammar never have drafts: one position each
+            pending = runner.token_masks.begin([s.request for s in sampled], runner.device,
+                                               runner.model.config.vocab_size)
         inputs = runner.prepare(rows, batch, extra=(("drafts", drafts), ("num_drafts", [len(s.draft) for s in sampled])))
         embeds = runner.embedder(rows, inputs.ids) if runner.embedder is not None else None
         attention = runner.attention_factory(rows, inputs.meta)
         routing: list[torch.Tensor] = []
         logits = runner.model(inputs.ids, inputs.positions, attention, embeds, output_rows=inputs.sample_rows,
                               routing=routing)
-        tokens = sample_tokens(logits, batch, inputs.fields)
+        masks = pending() if pending is not None else None
+        allowed = None
+        if masks is not None:  # each row's mask on each of its positions (drafted rows allow everything)
+            repeat = torch.tensor([len(s.draft) + 1 for s in sampled], device=logits.device)
+            allowed = masks[0].repeat_interleave(repeat, dim=0)
+        tokens = sample_tokens(logits, batch, inputs.fields, allowed=allowed)
         accepted, final = verify(logits, batch, inputs.fields, inputs.extra["drafts"].view(len(sampled), width),
                                  inputs.extra["num_drafts"], proposal.draft_probs, sampled=tokens)
         parts = [accepted, final]
@@ -69,6 +78,8 @@ class SpeculativeStep:
             parts.append(torch.stack(routing))
         host = read_back(parts)
         counts, finals = host[0].tolist(), host[1].tolist()
+        for row in masks[1] if masks is not None else ():
+            finals[row] = -1  # NOTE: nothing was allowed: no token (the loop ends the request)
         logprobs: list[TokenLogprob | None] = []
         if batch.wants_logprobs:  # NOTE: rows that ask for logprobs never speculate: their token is their row's
             per_position = format_logprobs(batch, host[2].tolist(), *host[3:6])
