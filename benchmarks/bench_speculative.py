@@ -14,17 +14,19 @@ prompt-lookup assisted generation, batch 1, one checkpoint, one process.
    weights does not copy its prompt: its greedy output falls into loops, which a
    prompt lookup over prompt and output so far predicts. Both systems look up
    in the same tokens.
-3. Four runs per repeat, in a rotating order: transformers `generate()` plain
+3. Four runs per prompt and repeat, back to back in a rotating order (the pair
+   of runs a ratio compares is a few hundred ms apart): transformers `generate()` plain
    and with `prompt_lookup_num_tokens=--draft-tokens,
    max_matching_ngram_size=--ngram`; kvlife plain and with
    `SpeculativeConfig(num_tokens=--draft-tokens, ngram_max=--ngram)`.
-   tok/s = prompts * new tokens / wall time (prefill included).
+   tok/s = new tokens / wall time of one prompt (prefill included); each ratio
+   is taken per prompt and repeat, and the table shows median and range.
 4. Acceptance: kvlife's from `RequestOutput.speculation`; transformers' from
    its model's forward calls (each decode forward's input is the last token plus
    the candidates: drafts = input - 1, accepted = new tokens - forwards).
 5. Greedy ids of all four are compared on every repeat.
 
-Prints a table (median and range over repeats of each ratio) and writes JSON.
+Prints a table (median and range over prompts x repeats) and writes JSON.
 """
 
 from __future__ import annotations
@@ -142,10 +144,10 @@ async def main(args: argparse.Namespace) -> dict:
         async with Engine(kvlife_config(directory, prompts, args.new_tokens, None)) as plain, \
                 Engine(kvlife_config(directory, prompts, args.new_tokens, spec)) as speculative:
             runs = {
-                "hf": lambda: hf.run(prompts, args.new_tokens, None),
-                "hf_lookup": lambda: hf.run(prompts, args.new_tokens, lookup),
-                "kvlife": lambda: kvlife_run(plain, prompts, args.new_tokens),
-                "kvlife_spec": lambda: kvlife_run(speculative, prompts, args.new_tokens),
+                "hf": lambda ps: hf.run(ps, args.new_tokens, None),
+                "hf_lookup": lambda ps: hf.run(ps, args.new_tokens, lookup),
+                "kvlife": lambda ps: kvlife_run(plain, ps, args.new_tokens),
+                "kvlife_spec": lambda ps: kvlife_run(speculative, ps, args.new_tokens),
             }
             await kvlife_run(plain, prompts[:1], 8)  # warm-up
             await kvlife_run(speculative, prompts[:1], 8)
@@ -153,28 +155,29 @@ async def main(args: argparse.Namespace) -> dict:
             repeats: list[dict] = []
             names = list(runs)
             for r in range(args.repeat):
-                result = {}
-                for name in names[r % 4:] + names[: r % 4]:
-                    out = runs[name]()
-                    result[name] = await out if hasattr(out, "__await__") else out
-                ids = result["hf"]["ids"]
-                result["ids_equal"] = all(result[n]["ids"] == ids for n in names)
-                result["loadavg"] = loadavg()
-                repeats.append(result)
-    tokens = len(prompts) * args.new_tokens
-    rows = {}
-    for name in names:
-        rows[name] = median_range([tokens / rep[name]["wall_s"] for rep in repeats])
+                # NOTE: prompt by prompt, the four runs back to back in a rotating order: the ratios
+                # pair runs a few hundred ms apart, so a load swing on the shared machine hits both
+                for i, prompt in enumerate(prompts):
+                    result: dict = {}
+                    for name in names[(r + i) % 4:] + names[: (r + i) % 4]:
+                        out = runs[name]([prompt])
+                        result[name] = await out if hasattr(out, "__await__") else out
+                    result["ids_equal"] = all(result[n]["ids"] == result["hf"]["ids"] for n in names)
+                    result["loadavg"] = loadavg()
+                    repeats.append(result)
+    tokens = args.new_tokens  # per run: one prompt
+    rows = {name: median_range([tokens / rep[name]["wall_s"] for rep in repeats]) for name in names}
     ratio = median_range([rep["hf_lookup"]["wall_s"] / rep["kvlife_spec"]["wall_s"] for rep in repeats])
     plain_ratio = median_range([rep["hf"]["wall_s"] / rep["kvlife"]["wall_s"] for rep in repeats])
-    last = repeats[-1]
-    accept = {n: last[n]["accepted"] / last[n]["drafts"] if last[n]["drafts"] else 0.0 for n in ("hf_lookup", "kvlife_spec")}
-    per_step = tokens / last["kvlife_spec"]["steps"] if last["kvlife_spec"]["steps"] else 0.0
+    total = {n: {k: sum(rep[n][k] for rep in repeats) for k in ("drafts", "accepted")} for n in ("hf_lookup", "kvlife_spec")}
+    accept = {n: total[n]["accepted"] / total[n]["drafts"] if total[n]["drafts"] else 0.0 for n in total}
+    steps = sum(rep["kvlife_spec"]["steps"] for rep in repeats)
+    per_step = tokens * len(repeats) / steps if steps else 0.0
     print(f"\n| run | tok/s (median, range) | acceptance | drafts / accepted |")
     print("|---|---|---|---|")
     for name, label in (("hf", "transformers generate()"), ("hf_lookup", "transformers prompt lookup"),
                         ("kvlife", "kvlife"), ("kvlife_spec", "kvlife prompt lookup")):
-        extra = (f"{accept[name]:.2f} | {last[name]['drafts']} / {last[name]['accepted']}"
+        extra = (f"{accept[name]:.2f} | {total[name]['drafts']} / {total[name]['accepted']}"
                  if name in accept else "- | -")
         print(f"| {label} | {fmt(rows[name])} | {extra} |")
     print(f"\nkvlife prompt lookup / transformers prompt lookup: {fmt(ratio, 2)}x "
