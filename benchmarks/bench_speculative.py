@@ -2,7 +2,7 @@
 prompt-lookup assisted generation, batch 1, one checkpoint, one process.
 
     python benchmarks/bench_speculative.py [--prompts 4] [--new-tokens 128] [--draft-tokens 4]
-        [--ngram 3] [--repeat 3] [--threads 1] [--out bench-results/speculative.json]
+        [--ngram 3] [--repeat 3] [--threads 1] [--device cpu] [--out bench-results/speculative.json]
 
 1. One checkpoint, the anchor tiny Llama of `bench_engine.py` (hidden 256, 4
    layers, vocab 32,000, fp32, random weights from `torch.manual_seed(0)`),
@@ -46,7 +46,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_engine import ANCHOR, PAGE, write_checkpoint  # noqa: E402
-from benchmarks.machine import fmt, header, loadavg, machine_info, median_range  # noqa: E402
+from benchmarks.machine import add_device_option, fmt, header, loadavg, machine_info, median_range  # noqa: E402
 from engine import Engine, EngineConfig, SamplingParams, SpeculativeConfig  # noqa: E402
 from engine.logging import configure_logging  # noqa: E402
 
@@ -68,12 +68,13 @@ def templated_prompts(count: int, records: int = 8, fields: int = 6) -> list[lis
 class HFRun:
     """transformers' `generate()`, plain or with prompt lookup; counts the model's forwards."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, device: str) -> None:
         from transformers import LlamaForCausalLM
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()
-        self.model = LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+        self.device = torch.device(device)
+        self.model = LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32).to(self.device).eval()
         self.inputs: list[int] = []
         forward = self.model.forward
 
@@ -95,7 +96,7 @@ class HFRun:
         with torch.inference_mode():
             for prompt in prompts:
                 self.inputs = []
-                ids = torch.tensor([prompt])
+                ids = torch.tensor([prompt], device=self.device)
                 out = self.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
                 ids_out.append(out[0, len(prompt):].tolist())
                 decode = self.inputs[1:]  # the first forward is the prefill
@@ -121,9 +122,9 @@ async def kvlife_run(engine: Engine, prompts: list[list[int]], new_tokens: int) 
 
 
 def kvlife_config(directory: Path, prompts: list[list[int]], new_tokens: int, spec: SpeculativeConfig | None,
-                  ) -> EngineConfig:
+                  device: str = "cpu") -> EngineConfig:
     longest = max(len(p) for p in prompts) + new_tokens + 32
-    return EngineConfig(model=str(directory), max_running=1, num_kv_pages=-(-longest // PAGE) + 4,
+    return EngineConfig(model=str(directory), device=device, max_running=1, num_kv_pages=-(-longest // PAGE) + 4,
                         max_context=longest, page_size=PAGE, prefix_cache=False, use_entry_points=False,
                         speculative=spec)
 
@@ -134,15 +135,15 @@ async def main(args: argparse.Namespace) -> dict:
     prompts = templated_prompts(args.prompts)
     spec = SpeculativeConfig(num_tokens=args.draft_tokens, ngram_max=args.ngram)
     lookup = {"prompt_lookup_num_tokens": args.draft_tokens, "max_matching_ngram_size": args.ngram}
-    info = machine_info("cpu")
+    info = machine_info(args.device)
     print(header(info))
     print(f"threads {torch.get_num_threads()}; {len(prompts)} prompts x {len(prompts[0])} tokens, "
           f"{args.new_tokens} new tokens, batch 1; drafts {args.draft_tokens}, n-gram <= {args.ngram}")
     with tempfile.TemporaryDirectory() as tmp:
         directory = write_checkpoint(Path(tmp))
-        hf = HFRun(directory)
-        async with Engine(kvlife_config(directory, prompts, args.new_tokens, None)) as plain, \
-                Engine(kvlife_config(directory, prompts, args.new_tokens, spec)) as speculative:
+        hf = HFRun(directory, args.device)
+        async with Engine(kvlife_config(directory, prompts, args.new_tokens, None, args.device)) as plain, \
+                Engine(kvlife_config(directory, prompts, args.new_tokens, spec, args.device)) as speculative:
             runs = {
                 "hf": lambda ps: hf.run(ps, args.new_tokens, None),
                 "hf_lookup": lambda ps: hf.run(ps, args.new_tokens, lookup),
@@ -200,6 +201,7 @@ if __name__ == "__main__":
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("bench-results/speculative.json"))
+    add_device_option(parser)
     arguments = parser.parse_args()
     result = anyio.run(main, arguments)
     arguments.out.parent.mkdir(parents=True, exist_ok=True)
