@@ -207,3 +207,14 @@ class TestStats:
         assert samples["kvlife:spec_decode_num_drafts_total"] == stats.spec_verify_steps
         assert samples["kvlife:spec_decode_num_draft_tokens_total"] == stats.spec_draft_tokens
         assert samples["kvlife:spec_decode_num_accepted_tokens_total"] == stats.spec_accepted_tokens
+
+    @pytest.mark.asyncio
+    async def test_a_verify_step_streams_one_chunk(self):
+        """The tokens of one verify step arrive in one chunk; chunks add up to the final ids and text."""
+        async with Engine(small_config(speculative=TINY_DRAFT)) as engine:
+            chunks = [out async for out in engine.generate("abcabcabcabc", SamplingParams(max_new_tokens=20,
+                                                                                           ignore_eos=True))]
+        final = chunks[-1]
+        assert [t for c in chunks for t in c.new_token_ids] == final.token_ids
+        assert "".join(c.new_text for c in chunks) == final.text
+        assert max(len(c.new_token_ids) for c in chunks) > 1 and len(chunks) < 20

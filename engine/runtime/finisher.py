@@ -131,14 +131,23 @@ class Finisher:
             request.num_draft_tokens += result.proposed
             request.num_accepted_drafts += len(accepted)
             self.stats.on_verified(result.proposed, len(accepted))
+        hold: list[tuple[int, str]] = []  # NOTE: one output for the step's tokens, not one per token
         for draft in accepted:
-            self.accept_token(request, draft, now)
+            self.accept_token(request, draft, now, hold=hold)
             if request.state is not S.DECODING:
                 return
             request.kv_len += 1
-        self.accept_token(request, token, now)
+        self.accept_token(request, token, now, hold=hold)
         if request.state is S.DECODING:
+            self._send_held(request, hold)
             self.machine.rollback(request, request.num_tokens)
+
+    def _send_held(self, request: Request, hold: list[tuple[int, str]]) -> None:
+        submission = self.table.owner.get(request)
+        if submission is not None and hold:
+            tokens, texts = zip(*hold)
+            self._send(submission, submission.builders[request].output(list(tokens), "".join(texts), final=False))
+        hold.clear()
 
     def fail_step(self, batch: Sequence[Any], error: BaseException) -> None:
         self.stats.step_errors += 1
@@ -146,9 +155,12 @@ class Finisher:
         for s in batch:
             self.finish(s.request, FinishReason.ERROR, error=error)
 
-    def accept_token(self, request: Request, token: int, now: float, logprob: TokenLogprob | None = None) -> None:
+    def accept_token(self, request: Request, token: int, now: float, logprob: TokenLogprob | None = None,
+                     hold: list[tuple[int, str]] | None = None) -> None:
         """Append a sampled token; a completed prefill or transfer becomes PREBUILT,
-        then finishes (first-token finish) or moves on like any other."""
+        then finishes (first-token finish) or moves on like any other. With `hold`, a
+        decoding request's chunk is kept there (token, text) for one output of several
+        tokens (`_send_held`); a finish sends what is held first."""
         src = request.state
         verdict = self._check_token(request, token)
         if verdict is not None and not verdict[2]:  # a token the request cannot take ends it instead
@@ -174,10 +186,14 @@ class Finisher:
         logprobs = None if logprob is None else (logprob,)
         reason = FinishReason.STOP if stopped else (verdict[0] if verdict else self._finish_reason(request, token))
         if reason is not None:
+            if hold:
+                self._send_held(request, hold)
             self.finish(request, reason, new_tokens=[token], new_text=new_text, flush_text=not stopped,
                         logprobs=logprobs)
             return
-        if submission is not None:
+        if hold is not None and logprob is None:
+            hold.append((token, new_text))
+        elif submission is not None:
             self._send(submission, submission.builders[request].output([token], new_text, final=False,
                                                                         logprobs=logprobs))
         if request.state is S.PREBUILT:
