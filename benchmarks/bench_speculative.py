@@ -2,7 +2,7 @@
 prompt-lookup assisted generation, batch 1, one checkpoint, one process.
 
     python benchmarks/bench_speculative.py [--prompts 4] [--new-tokens 128] [--draft-tokens 4]
-        [--ngram 3] [--repeat 3] [--threads 1] [--device cpu] [--out bench-results/speculative.json]
+        [--hf-draft-tokens K] [--ngram 3] [--repeat 3] [--threads 1] [--device cpu] [--out bench-results/speculative.json]
 
 1. One checkpoint, the anchor tiny Llama of `bench_engine.py` (hidden 256, 4
    layers, vocab 32,000, fp32, random weights from `torch.manual_seed(0)`),
@@ -16,8 +16,8 @@ prompt-lookup assisted generation, batch 1, one checkpoint, one process.
    in the same tokens.
 3. Four runs per prompt and repeat, back to back in a rotating order (the pair
    of runs a ratio compares is a few hundred ms apart): transformers `generate()` plain
-   and with `prompt_lookup_num_tokens=--draft-tokens,
-   max_matching_ngram_size=--ngram`; kvlife plain and with
+   and with `prompt_lookup_num_tokens=--hf-draft-tokens` (default
+   `--draft-tokens`), `max_matching_ngram_size=--ngram`; kvlife plain and with
    `SpeculativeConfig(num_tokens=--draft-tokens, ngram_max=--ngram)`.
    tok/s = new tokens / wall time of one prompt (prefill included); each ratio
    is taken per prompt and repeat, and the table shows median and range.
@@ -134,11 +134,13 @@ async def main(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     prompts = templated_prompts(args.prompts)
     spec = SpeculativeConfig(num_tokens=args.draft_tokens, ngram_max=args.ngram)
-    lookup = {"prompt_lookup_num_tokens": args.draft_tokens, "max_matching_ngram_size": args.ngram}
+    hf_tokens = args.hf_draft_tokens or args.draft_tokens
+    lookup = {"prompt_lookup_num_tokens": hf_tokens, "max_matching_ngram_size": args.ngram}
     info = machine_info(args.device)
     print(header(info))
     print(f"threads {torch.get_num_threads()}; {len(prompts)} prompts x {len(prompts[0])} tokens, "
-          f"{args.new_tokens} new tokens, batch 1; drafts {args.draft_tokens}, n-gram <= {args.ngram}")
+          f"{args.new_tokens} new tokens, batch 1; drafts: kvlife {args.draft_tokens}, transformers {hf_tokens}; "
+          f"n-gram <= {args.ngram}")
     with tempfile.TemporaryDirectory() as tmp:
         directory = write_checkpoint(Path(tmp))
         hf = HFRun(directory, args.device)
@@ -197,6 +199,8 @@ if __name__ == "__main__":
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--draft-tokens", type=int, default=4)
+    parser.add_argument("--hf-draft-tokens", type=int, default=None,
+                        help="transformers' prompt_lookup_num_tokens (default: --draft-tokens)")
     parser.add_argument("--ngram", type=int, default=3)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
