@@ -28,6 +28,7 @@ import anyio
 
 from engine.cli.options import CLIError, add_engine_options, engine_config_from_args, int_at_least, port
 from engine.cli.options import positive_seconds
+from engine.cli.router_options import add_router_options, kv_events_from_args
 from engine.errors import InvalidConfig
 
 API_KEY_ENV = "KVLIFE_API_KEY"
@@ -53,6 +54,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction, parents: list[argpa
     server.add_argument("--health-timeout", type=positive_seconds, default=10.0,
                         help="seconds for a /health_generate probe, and without progress under load (default: 10)")
     server.add_argument("--served-model-name", default=None, help="model id in /v1 (default: --model)")
+    add_router_options(serve)
     _add_disaggregation_options(serve)
     serve.set_defaults(func=run_serve, default_log_level="info", default_log_json=True)
 
@@ -132,7 +134,9 @@ def server_settings_from_args(args: argparse.Namespace) -> Any:
 
     return ServerSettings(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                           max_inflight=args.max_inflight, health_timeout=args.health_timeout,
-                          served_model_name=args.served_model_name, api_key=api_key_from(args))
+                          served_model_name=args.served_model_name, api_key=api_key_from(args),
+                          vllm_metric_names=getattr(args, "vllm_metric_names", False),
+                          kv_events=kv_events_from_args(args))
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -2,7 +2,7 @@
 
     body, model = parse_chat(raw, limits, engine.tokenizer, template)
 
-Accepted (unknown fields are rejected, as for completions):
+Accepted (other fields as for completions: `engine.serve.field_policy`):
 
 - ``messages``: a non-empty list of ``{"role", "content", "name"?}`` with
   role ``system``, ``developer``, ``user`` or ``assistant``; ``content`` a
@@ -120,7 +120,7 @@ def parse_chat(body: dict[str, Any], limits: Limits, tokenizer: Any,
                template: ChatTemplate) -> tuple[GenerateBody, str]:
     """Validate a ``POST /v1/chat/completions`` body and render its prompt; returns it and the model name."""
     _refuse_tools(body)
-    known_fields(body, _CHAT)
+    known_fields(body, _CHAT, api="chat")
     check_default_only(body, _CHAT_DEFAULT_ONLY)
     response_format = body.get("response_format")
     if response_format not in (None, {"type": "text"}):

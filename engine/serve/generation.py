@@ -172,13 +172,15 @@ async def run_to_end(generation: Generation, receive: Callable) -> bool:
 class EventStream:
     """An ASGI response of server-sent events that aborts its request when the client leaves."""
 
-    def __init__(self, events: AsyncGenerator[bytes, None], on_close: Callable[[], None]) -> None:
+    def __init__(self, events: AsyncGenerator[bytes, None], on_close: Callable[[], None], *,
+                 headers: dict[str, str] | None = None) -> None:
         self.events = events
         self.on_close = on_close
+        self.extra_headers = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
 
     async def __call__(self, scope: Any, receive: Callable, send: Callable) -> None:
         headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-                   (b"x-accel-buffering", b"no")]
+                   (b"x-accel-buffering", b"no"), *self.extra_headers]
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_watch_disconnect, receive, tg.cancel_scope)

@@ -13,6 +13,8 @@ from engine.serve.context import ServerContext
 from engine.serve.health import health_generate
 from engine.serve.http_errors import HTTPError
 from engine.serve.metrics import EngineCollector
+from engine.serve.probes import readiness
+from engine.serve.router_metrics import router_collector
 from engine.serve.schemas import parse_abort
 from engine.serve.transfer_metrics import TransferCollector
 
@@ -22,7 +24,8 @@ log = structlog.get_logger("kvlife.http")
 def ops_routes(ctx: ServerContext) -> list[Route]:
     engine = ctx.engine
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(EngineCollector(engine, model_name=ctx.limits.model_name))
+    registry.register(router_collector(EngineCollector(engine, model_name=ctx.limits.model_name), engine,
+                                       model_name=ctx.limits.model_name, vllm_names=ctx.settings.vllm_metric_names))
     transfer_stats = getattr(engine.prefill_client, "stats", None)
     if transfer_stats is not None:  # a decode with remote prefills: its links and transfers
         registry.register(TransferCollector(transfer_stats))
@@ -45,10 +48,9 @@ def ops_routes(ctx: ServerContext) -> list[Route]:
                 "max_model_len": ctx.limits.max_context}
         return JSONResponse({"object": "list", "data": [card]})
 
-    async def health(request: Request) -> Response:
-        if ctx.draining or not engine.running:
-            return JSONResponse({"status": "stopping" if ctx.draining else "stopped"}, status_code=503)
-        return JSONResponse({"status": "ok"})
+    async def health(request: Request) -> Response:  # readiness (engine.serve.probes)
+        status, body = readiness(ctx)
+        return JSONResponse(body, status_code=status)
 
     async def health_check(request: Request) -> Response:
         status, body = await health_generate(ctx)

@@ -8,7 +8,8 @@ here allocates: a body that fails never reaches the engine's pools.
     limits = Limits.for_engine(engine)
     body = parse_generate(parse_json(raw), limits, engine.tokenizer)
 
-Accepted bodies (unknown fields are rejected):
+Accepted bodies (other fields are ignored with a warning, or refused when their loss would change
+the answer: `engine.serve.field_policy`):
 
 - ``POST /generate``: ``text`` or ``input_ids`` (exactly one),
   ``sampling_params`` (``max_new_tokens``, ``temperature``, ``top_p``,
@@ -33,6 +34,7 @@ import attrs
 
 from engine.config import SamplingParams
 from engine.errors import InvalidRequest
+from engine.serve.field_policy import unknown_field
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 64
@@ -82,10 +84,13 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     return value
 
 
-def known_fields(body: dict[str, Any], allowed: frozenset[str], prefix: str = "") -> None:
+def known_fields(body: dict[str, Any], allowed: frozenset[str], prefix: str = "", *, api: str | None = None) -> None:
+    """Fields outside `allowed` go to `engine.serve.field_policy`: ignored with one warning per field
+    name, or a 400 if vLLM or SGLang would have changed the answer with them (`api` picks the route's
+    neutral values)."""
     for key in body:
         if key not in allowed:
-            raise InvalidRequest(f"{prefix}{key}", f"a known field (one of {', '.join(sorted(allowed))})", key)
+            unknown_field(prefix, key, body[key], api=api)
 
 
 def _bool(value: Any, field: str) -> bool:
@@ -153,7 +158,7 @@ _SAMPLING = frozenset({"max_new_tokens", "temperature", "top_p", "top_k", "stop"
 
 def parse_generate(body: dict[str, Any], limits: Limits, tokenizer: Any) -> GenerateBody:
     """Validate a ``POST /generate`` body."""
-    known_fields(body, _GENERATE)
+    known_fields(body, _GENERATE, api="generate")
     if ("text" in body) == ("input_ids" in body):
         raise InvalidRequest("text", "given, or input_ids given, but not both", sorted(set(body) & {"text", "input_ids"}))
     field = "text" if "text" in body else "input_ids"
@@ -229,7 +234,7 @@ def openai_body(body: dict[str, Any], token_ids: list[int], prompt: Any, limits:
 
 def parse_completion(body: dict[str, Any], limits: Limits, tokenizer: Any) -> tuple[GenerateBody, str]:
     """Validate a ``POST /v1/completions`` body; returns it and the model name to answer with."""
-    known_fields(body, _COMPLETION)
+    known_fields(body, _COMPLETION, api="completions")
     check_default_only(body, DEFAULT_ONLY)
     model = served_model(body, limits)
     if "prompt" not in body:

@@ -52,3 +52,7 @@ class ServerSettings:
     graceful_timeout: float = attrs.field(default=10.0, validator=_positive_seconds)
     #: None: no access control; else every route but /health needs `Authorization: Bearer <key>`
     api_key: str | None = attrs.field(default=None, validator=_optional_text, repr=False)
+    #: also export the router-read metrics under vLLM's names (`vllm:num_requests_waiting`, ...)
+    vllm_metric_names: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    #: an `engine.kv_events.KVEventsConfig`: publish KV cache events (the `kv-events` extra); None: off
+    kv_events: Any = attrs.field(default=None)
