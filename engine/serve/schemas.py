@@ -169,7 +169,7 @@ def parse_generate(body: dict[str, Any], limits: Limits, tokenizer: Any) -> Gene
         raise InvalidRequest("sampling_params", "a JSON object", sp)
     known_fields(sp, _SAMPLING, "sampling_params.")
     stop = _stop_strings(sp.get("stop"), "sampling_params.stop")
-    fields = {k: v for k, v in sp.items() if k != "stop" and v is not None}
+    fields = {k: v for k, v in sp.items() if k in _SAMPLING and k != "stop" and v is not None}
     names = {name: f"sampling_params.{name}" for name in _SAMPLING}
     params = _sampling({**fields, "stop": stop}, names)
     _check_context(len(token_ids), params.max_new_tokens, "sampling_params.max_new_tokens", limits)
