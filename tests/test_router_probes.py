@@ -151,3 +151,53 @@ async def _text_of_cache_info(engine) -> str:
 
     family = cache_config_info(engine, "tiny")
     return " ".join(f'{k}="{v}"' for k, v in family.samples[0].labels.items())
+
+
+class TestKVEventsServed:
+    @pytest.mark.anyio
+    async def test_a_served_engine_publishes_its_cache(self):
+        """With ServerSettings.kv_events, /server_info names the bound endpoints and a subscriber sees the
+        pages a request leaves in the cache."""
+        from engine.kv_events import KVEventsConfig, KVEventSubscriber, block_hashes
+
+        settings = ServerSettings(kv_events=KVEventsConfig(endpoint="tcp://127.0.0.1:0",
+                                                           replay_endpoint="tcp://127.0.0.1:0", topic="kv@test"))
+        prompt = list(range(1, 30))
+        async with serving(settings) as (engine, client):
+            info = (await client.get("/server_info")).json()["kv_events"]
+            view = KVEventSubscriber(info["endpoint"], replay_endpoint=info["replay_endpoint"], topic="kv@test")
+            try:
+                await client.post("/generate", json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 2}})
+                with anyio.fail_after(10):
+                    while not set(block_hashes(prompt, engine.config.page_size)) <= view.blocks:
+                        await anyio.to_thread.run_sync(view.poll, 0.05)
+                        if not view.blocks:
+                            await anyio.to_thread.run_sync(view.replay)
+            finally:
+                view.close()
+        assert info["endpoint"].startswith("tcp://127.0.0.1:") and not info["endpoint"].endswith(":0")
+        assert info["topic"] == "kv@test" and info["block_size"] == engine.config.page_size
+
+
+class TestRouterOptions:
+    def test_options_build_the_settings(self):
+        """--vllm-metric-names and --kv-events-* become ServerSettings fields; without an endpoint, no events."""
+        from engine.cli.main import build_parser
+        from engine.cli.serve_command import server_settings_from_args
+
+        plain = server_settings_from_args(build_parser().parse_args(["serve"]))
+        assert plain.kv_events is None and plain.vllm_metric_names is False
+        args = build_parser().parse_args(["serve", "--vllm-metric-names", "--kv-events-endpoint", "tcp://127.0.0.1:6000",
+                                          "--kv-events-replay-endpoint", "none", "--kv-events-connect",
+                                          "--kv-events-topic", "kv@pod@m", "--kv-events-buffer-steps", "7"])
+        settings = server_settings_from_args(args)
+        events = settings.kv_events
+        assert settings.vllm_metric_names and events.endpoint == "tcp://127.0.0.1:6000" and events.connect
+        assert events.replay_endpoint is None and events.topic == "kv@pod@m" and events.buffer_steps == 7
+
+    def test_a_bad_endpoint_is_one_line_and_exit_2(self, capsys):
+        from engine.cli.main import main
+
+        assert main(["serve", "--kv-events-endpoint", "http://127.0.0.1:1"]) == 2
+        err = capsys.readouterr().err
+        assert "KVEventsConfig.endpoint" in err and "Traceback" not in err

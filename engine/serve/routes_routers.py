@@ -57,7 +57,7 @@ def model_info(ctx: ServerContext) -> dict[str, Any]:
 def server_info(ctx: ServerContext) -> dict[str, Any]:
     """SGLang's /server_info fields a router reads, and kvlife's limits."""
     config, info = ctx.engine.config, model_info(ctx)
-    kv_events = ctx.settings.kv_events
+    publisher = ctx.kv_events
     return {
         "engine": "kvlife", "version": _version(),
         "model_path": info["model_path"], "tokenizer_path": info["tokenizer_path"],
@@ -67,9 +67,10 @@ def server_info(ctx: ServerContext) -> dict[str, Any]:
         "max_prefill_tokens": config.max_prefill_tokens, "context_length": ctx.limits.max_context,
         "page_size": config.page_size, "max_total_num_tokens": config.num_kv_pages * config.page_size,
         "prefix_cache": config.prefix_cache,
-        "kv_events": None if kv_events is None else {"endpoint": kv_events.endpoint,
-                                                     "replay_endpoint": kv_events.replay_endpoint,
-                                                     "topic": kv_events.topic},
+        "kv_events": None if publisher is None else {"endpoint": publisher.endpoint,
+                                                     "replay_endpoint": publisher.replay_endpoint,
+                                                     "topic": publisher.config.topic,
+                                                     "block_size": config.page_size},
     }
 
 

@@ -152,10 +152,12 @@ async def running_server(engine: Engine, host: str = "127.0.0.1", port: int = 0,
     """Serve a running `engine` in this task group; yields the base URL (asyncio only)."""
     settings = settings or ServerSettings()
     sock = bind_socket(host, port)
-    server = _uvicorn_server(create_app(engine, settings), settings)
+    app = create_app(engine, settings)
+    server = _uvicorn_server(app, settings)
     done = anyio.Event()
     try:
-        async with kv_events(engine, settings), anyio.create_task_group() as tg:
+        async with kv_events(engine, settings) as publisher, anyio.create_task_group() as tg:
+            app.state.kvlife.kv_events = publisher
             await _start(tg, server, sock, done)
             try:
                 yield f"http://{host}:{sock.getsockname()[1]}"
@@ -188,7 +190,7 @@ async def serve(config: EngineConfig, host: str, port: int, *, settings: ServerS
         try:
             engine = Engine(config)
             app = create_app(engine, settings)
-            await stack.enter_async_context(kv_events(engine, settings))
+            app.state.kvlife.kv_events = await stack.enter_async_context(kv_events(engine, settings))
         except BaseException:
             sock.close()
             raise
