@@ -3,6 +3,10 @@ evictions included; replay fills the batches a subscriber missed; the radix cach
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
 import anyio
 import numpy as np
 import pytest
@@ -29,6 +33,19 @@ def _radix(engine: Engine) -> RadixCache:
     return engine.parts.kv_pool.radix
 
 
+@contextlib.asynccontextmanager
+async def _followed(**config: Any) -> AsyncIterator[tuple[Engine, Any, KVEventSubscriber]]:
+    """An engine publishing its events on loopback, and a subscriber following them."""
+    with anyio.fail_after(DEADLINE):
+        async with Engine(small_config(page_size=PAGE, **config)) as engine:
+            async with publishing(engine, LOOPBACK) as publisher:
+                view = KVEventSubscriber(publisher.endpoint, replay_endpoint=publisher.replay_endpoint)
+                try:
+                    yield engine, publisher, view
+                finally:
+                    view.close()
+
+
 def _caught_up(view: KVEventSubscriber, publisher, timeout: float = 5.0) -> None:
     assert publisher.wait_published(timeout)
     view.poll(0.2)
@@ -41,54 +58,42 @@ class TestView:
     @pytest.mark.anyio
     async def test_view_equals_the_cache_after_a_workload_with_eviction(self):
         """Every page the cache holds, and none it evicted, is in the subscriber's view."""
-        with anyio.fail_after(DEADLINE):
-            async with Engine(small_config(page_size=PAGE, num_kv_pages=48, max_running=4, max_context=64)) as engine:
-                async with publishing(engine, LOOPBACK) as publisher:
-                    view = KVEventSubscriber(publisher.endpoint, replay_endpoint=publisher.replay_endpoint)
-                    try:
-                        prompts = _prompts(30)
-                        for prompt in prompts:
-                            await engine.complete(prompt, PARAMS)
-                        _caught_up(view, publisher)
-                        expected = cache_hashes(_radix(engine), PAGE)
-                        assert view.removed > 0, "the workload was meant to evict"
-                        assert view.blocks == expected and len(expected) == _radix(engine).total_pages
-                        last = block_hashes(prompts[-1], PAGE)  # recomputed from the token ids alone
-                        assert len(last) == 5 and set(last) <= view.blocks
-                        stored = view.stored_events[-1]
-                        assert stored.block_size == PAGE and stored.medium == "CPU" and stored.lora_id is None
-                    finally:
-                        view.close()
+        async with _followed(num_kv_pages=48, max_running=4, max_context=64) as (engine, publisher, view):
+            prompts = _prompts(30)
+            for prompt in prompts:
+                await engine.complete(prompt, PARAMS)
+            _caught_up(view, publisher)
+            expected = cache_hashes(_radix(engine), PAGE)
+            assert view.removed > 0, "the workload was meant to evict"
+            assert view.blocks == expected and len(expected) == _radix(engine).total_pages
+            last = block_hashes(prompts[-1], PAGE)  # recomputed from the token ids alone
+            assert len(last) == 5 and set(last) <= view.blocks
+            stored = view.stored_events[-1]
+            assert stored.block_size == PAGE and stored.medium == "CPU" and stored.lora_id is None
 
     @pytest.mark.anyio
     async def test_replay_fills_the_gap_after_a_reconnect(self):
         """Batches sent while a subscriber was away come back by replay; the view ends equal to the cache."""
-        with anyio.fail_after(DEADLINE):
-            async with Engine(small_config(page_size=PAGE, num_kv_pages=48, max_running=4, max_context=64)) as engine:
-                async with publishing(engine, LOOPBACK) as publisher:
-                    view = KVEventSubscriber(publisher.endpoint, replay_endpoint=publisher.replay_endpoint)
-                    try:
-                        for prompt in _prompts(6):
-                            await engine.complete(prompt, PARAMS)
-                        _caught_up(view, publisher)
-                        before = view.replayed
-                        view.disconnect()
-                        missed = publisher.batches
-                        for prompt in _prompts(24, start=6):  # published while the view is away
-                            await engine.complete(prompt, PARAMS)
-                        assert publisher.wait_published()
-                        assert publisher.batches > missed + 1
-                        view.reconnect()
-                        for prompt in _prompts(20, start=40):  # a live batch shows the gap, replay fills it
-                            await engine.complete(prompt, PARAMS)
-                            assert publisher.wait_published()
-                            view.poll(0.1)
-                            if view.replayed > before and view.next_seq == publisher.batches:
-                                break
-                        assert view.replayed > before and view.next_seq == publisher.batches
-                        assert view.blocks == cache_hashes(_radix(engine), PAGE) and view.removed > 0
-                    finally:
-                        view.close()
+        async with _followed(num_kv_pages=48, max_running=4, max_context=64) as (engine, publisher, view):
+            for prompt in _prompts(6):
+                await engine.complete(prompt, PARAMS)
+            _caught_up(view, publisher)
+            before = view.replayed
+            view.disconnect()
+            missed = publisher.batches
+            for prompt in _prompts(24, start=6):  # published while the view is away
+                await engine.complete(prompt, PARAMS)
+            assert publisher.wait_published()
+            assert publisher.batches > missed + 1
+            view.reconnect()
+            for prompt in _prompts(20, start=40):  # a live batch shows the gap, replay fills it
+                await engine.complete(prompt, PARAMS)
+                assert publisher.wait_published()
+                view.poll(0.1)
+                if view.replayed > before and view.next_seq == publisher.batches:
+                    break
+            assert view.replayed > before and view.next_seq == publisher.batches
+            assert view.blocks == cache_hashes(_radix(engine), PAGE) and view.removed > 0
 
     @pytest.mark.anyio
     async def test_attach_to_a_warm_cache_then_flush(self):
