@@ -114,7 +114,8 @@ class TestThroughTheGateway:
             homes = {tuple(_served_by(fleet, f"family-{f}-{i}")) for i in range(per_family)}
             assert len(homes) == 1 and len(next(iter(homes))) == 1, (f, homes)  # every request of a family: one home
         after = [server.metrics() for server in fleet.servers]
-        hits = sum(a["kvlife:prefix_cache_hits_total"] - b["kvlife:prefix_cache_hits_total"] for a, b in zip(after, before))
+        hits = sum(a["kvlife:prefix_cache_hits_total"] - b["kvlife:prefix_cache_hits_total"]
+                   for a, b in zip(after, before))
         queries = sum(a["kvlife:prefix_cache_queries_total"] - b["kvlife:prefix_cache_queries_total"]
                       for a, b in zip(after, before))
         ideal = families * (per_family - 1) * (prefix_chars // 16 * 16) / queries  # each family misses once

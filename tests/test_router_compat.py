@@ -58,7 +58,8 @@ class TestGatewayBodies:
             chat_routed = await client.post("/v1/chat/completions", json={
                 "messages": messages, "model": "tiny", "temperature": 0, "max_completion_tokens": 6, "stream": False,
                 **CHAT_EXTRAS})
-            gen_plain = await client.post("/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 6}})
+            gen_plain = await client.post("/generate", json={"input_ids": PROMPT,
+                                                             "sampling_params": {"max_new_tokens": 6}})
             gen_routed = await client.post("/generate", json={"input_ids": PROMPT, "stream": False, **GENERATE_EXTRAS,
                                                                "sampling_params": {"max_new_tokens": 6}})
         for answer in (plain, routed, chat_plain, chat_routed, gen_plain, gen_routed):
@@ -122,7 +123,8 @@ class TestRefused:
         """add_special_tokens is neutral at each route's own behaviour (completions true, chat false)."""
         chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
         async with serving() as (_, client):
-            ok = [await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "add_special_tokens": True}),
+            ok = [await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1,
+                                                             "add_special_tokens": True}),
                   await client.post("/v1/chat/completions", json={**chat, "add_special_tokens": False})]
             refused = [await client.post("/v1/completions", json={"prompt": "x", "add_special_tokens": False}),
                        await client.post("/v1/chat/completions", json={**chat, "add_special_tokens": True})]

@@ -65,7 +65,8 @@ class TestDiscovery:
         """/model_info and /server_info (and their /get_ names) carry what the gateway registers."""
         async with serving(ServerSettings(served_model_name="tiny-served")) as (engine, client):
             info, old_info = (await client.get("/model_info")).json(), (await client.get("/get_model_info")).json()
-            server, old_server = (await client.get("/server_info")).json(), (await client.get("/get_server_info")).json()
+            server = (await client.get("/server_info")).json()
+            old_server = (await client.get("/get_server_info")).json()
         assert info == old_info and server == old_server
         assert info["served_model_name"] == server["served_model_name"] == "tiny-served"
         assert info["model_path"] is None and info["is_generation"] is True  # a built-in model has no files
@@ -168,7 +169,8 @@ class TestRouterOptions:
 
         plain = server_settings_from_args(build_parser().parse_args(["serve"]))
         assert plain.kv_events is None and plain.vllm_metric_names is False
-        args = build_parser().parse_args(["serve", "--vllm-metric-names", "--kv-events-endpoint", "tcp://127.0.0.1:6000",
+        args = build_parser().parse_args(["serve", "--vllm-metric-names",
+                                          "--kv-events-endpoint", "tcp://127.0.0.1:6000",
                                           "--kv-events-replay-endpoint", "none", "--kv-events-connect",
                                           "--kv-events-topic", "kv@pod@m", "--kv-events-buffer-steps", "7"])
         settings = server_settings_from_args(args)
@@ -182,3 +184,9 @@ class TestRouterOptions:
         assert main(["serve", "--kv-events-endpoint", "http://127.0.0.1:1"]) == 2
         err = capsys.readouterr().err
         assert "KVEventsConfig.endpoint" in err and "Traceback" not in err
+
+    def test_a_prefill_server_refuses_router_options(self, capsys):
+        from engine.cli.main import main
+
+        assert main(["serve", "--disaggregation", "prefill", "--kv-events-endpoint", "tcp://127.0.0.1:1"]) == 2
+        assert "--kv-events-endpoint: not for --disaggregation prefill" in capsys.readouterr().err

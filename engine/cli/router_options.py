@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from engine.cli.options import int_at_least
+from engine.cli.options import CLIError, int_at_least
 
 
 def add_router_options(serve: argparse.ArgumentParser) -> None:
@@ -47,3 +47,14 @@ def kv_events_from_args(args: argparse.Namespace) -> Any:
     return KVEventsConfig(endpoint=args.kv_events_endpoint, replay_endpoint=None if replay == "none" else replay,
                           connect=args.kv_events_connect, topic=args.kv_events_topic,
                           hash_seed=args.kv_events_hash_seed, buffer_steps=args.kv_events_buffer_steps)
+
+
+def refuse_router_options_for_prefill(args: argparse.Namespace) -> None:
+    """A prefill server (--disaggregation prefill) is reached by decodes, not routers: these options would
+    do nothing there, so they are refused instead of ignored."""
+    given = [flag for flag, on in (("--vllm-metric-names", getattr(args, "vllm_metric_names", False)),
+                                   ("--kv-events-endpoint", getattr(args, "kv_events_endpoint", None) is not None))
+             if on]
+    if given:
+        raise CLIError(f"{', '.join(given)}: not for --disaggregation prefill (a prefill server is reached by "
+                       "decode servers, not routers; give it to the decode server)")

@@ -28,7 +28,7 @@ import anyio
 
 from engine.cli.options import CLIError, add_engine_options, engine_config_from_args, int_at_least, port
 from engine.cli.options import positive_seconds
-from engine.cli.router_options import add_router_options, kv_events_from_args
+from engine.cli.router_options import add_router_options, kv_events_from_args, refuse_router_options_for_prefill
 from engine.errors import InvalidConfig
 
 API_KEY_ENV = "KVLIFE_API_KEY"
@@ -147,6 +147,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise CLIError(f"serve needs the `serve` extra (pip install 'kvlife[serve]'): {exc}") from None
     config = engine_config_from_serve_args(args)
     if args.disaggregation == "prefill":
+        refuse_router_options_for_prefill(args)
         from engine.cli.main import logging_choice
         from engine.serve.prefill_http import serve_prefill
 
