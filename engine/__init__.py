@@ -16,6 +16,7 @@ from engine.errors import (
 )
 from engine.logging import configure_logging
 from engine.outputs import RequestOutput, TokenLogprob
+from engine.runtime.sessions import SessionInfo
 from engine.stream import RequestStream
 from hisparse.config import HiSparseConfig
 from resources.ledger import LeakError, MemoryReport
@@ -41,6 +42,7 @@ __all__ = [
     "RequestState",
     "RequestStream",
     "SamplingParams",
+    "SessionInfo",
     "TokenLogprob",
     "configure_logging",
 ]

@@ -48,6 +48,10 @@ class SamplingParams:
     - `n`: sequences to generate from one prompt (the prompt's KV is computed
       once and shared); a seeded request draws sequence i from seed + i.
     - `detokenize`: False skips text entirely (ids only; `stop` needs text).
+    - `prompt_logprobs`: None, or how many top alternatives to report with each
+      prompt token's log probability (vLLM's field; the first entry is None).
+      They come from the forward pass that computes the prompt: such a request
+      computes its whole prompt even when the prefix cache holds it.
     """
 
     max_new_tokens: int = attrs.field(default=16, validator=int_at_least(1, InvalidRequest))
@@ -62,6 +66,7 @@ class SamplingParams:
     logprobs: int | None = attrs.field(default=None)
     n: int = attrs.field(default=1)
     detokenize: bool = attrs.field(default=True, validator=is_bool(InvalidRequest))
+    prompt_logprobs: int | None = attrs.field(default=None)
 
     def __attrs_post_init__(self) -> None:
         p = "SamplingParams"
@@ -79,6 +84,10 @@ class SamplingParams:
                 "None or an integer >= 0 and < 2**63", self.seed)
         require(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                 InvalidRequest, f"{p}.logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]", self.logprobs)
+        require(self.prompt_logprobs is None or (is_int(self.prompt_logprobs)
+                                                 and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+                InvalidRequest, f"{p}.prompt_logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]",
+                self.prompt_logprobs)
         require(is_int(self.n) and 1 <= self.n <= MAX_N, InvalidRequest, f"{p}.n", f"an integer in [1, {MAX_N}]",
                 self.n)
 
@@ -135,6 +144,15 @@ class EngineConfig:
     admission_window: float = attrs.field(default=0.0, validator=number_at_least(0))
     inline_step_tokens: int = attrs.field(default=8, validator=int_at_least(0))
     mm_cache_bytes: int = attrs.field(default=64 << 20, validator=int_at_least(1))
+    # -- issue 21: scheduling and sessions (docs/scheduling.md)
+    #: seconds of waiting worth one priority step (None: strict priority, the lowest class may starve)
+    priority_aging: float | None = attrs.field(default=60.0)
+    #: sessions open at once (0: no sessions, and no session hooks)
+    max_sessions: int = attrs.field(default=64, validator=int_at_least(0))
+    #: a session's lease: it closes this long after its latest activity (a turn or its opening)
+    session_idle_timeout: float = attrs.field(default=300.0, validator=number_above(0))
+    #: the most KV pages one session keeps locked (None: a whole max_context)
+    session_max_pages: int | None = attrs.field(default=None, validator=optional_int_at_least(0))
 
     def __attrs_post_init__(self) -> None:
         p = "EngineConfig"
@@ -145,6 +163,8 @@ class EngineConfig:
         require(self.max_context is None or self.max_context <= self.pool_tokens, InvalidConfig, f"{p}.max_context",
                 f"None or <= (num_kv_pages - 1) * page_size = {self.pool_tokens}", self.max_context)
         require(self.seed < 2**63, InvalidConfig, f"{p}.seed", "an integer < 2**63", self.seed)
+        require(self.priority_aging is None or (is_number(self.priority_aging) and self.priority_aging > 0),
+                InvalidConfig, f"{p}.priority_aging", "None or a finite number of seconds > 0", self.priority_aging)
         # NOTE: the window holds every running request back: a long one would stall them all
         require(self.admission_window <= 0.1, InvalidConfig, f"{p}.admission_window",
                 "a finite number in [0, 0.1] (seconds)", self.admission_window)

@@ -29,6 +29,8 @@ from engine.outputs import RequestOutput
 from engine.runtime.assembly import build_parts
 from engine.runtime.intake import RequestIntake
 from engine.runtime.loop import DecodeLoop
+from engine.runtime.sessions import SessionInfo
+from engine.runtime.submit_options import SubmitOptions
 from engine.stream import RequestStream
 from engine.testing import FaultInjector
 from resources.ledger import LeakError, MemoryReport, check_memory, memory_report
@@ -68,7 +70,7 @@ class Engine:
                                check_memory=self.check_memory, memory_report=self.memory_report)
         self._intake = RequestIntake(tokenizer=self.tokenizer, model=self.parts.model, model_config=self.model_config,
                                      max_context=self.max_context, mm_cache_bytes=self.parts.mm_cache_bytes,
-                                     is_live=self.loop.is_live)
+                                     is_live=self.loop.is_live, sessions=self.loop.sessions)
         self._task_group: Any = None
         self._running = False
         self._closed = False
@@ -133,11 +135,22 @@ class Engine:
         request_id: str | None = None,
         mm_inputs: Sequence[Any] | None = None,
         kind: RequestKind = RequestKind.NORMAL,
+        priority: int = 0,
+        deadline: float | None = None,
+        session: str | None = None,
+        resume_output_ids: Sequence[int] | None = None,
     ) -> RequestStream:
-        """Submit a request; returns an async iterator of RequestOutput."""
+        """Submit a request; returns an async iterator of RequestOutput.
+
+        Issue 21 (`engine.runtime.submit_options`): `priority` (lower runs first),
+        `deadline` (seconds from now; then it finishes DEADLINE), `session` (a turn of an
+        open session: `prompt` is the turn's new tokens), `resume_output_ids` (continue a
+        request from the tokens it already generated; `max_new_tokens` is what is left)."""
         if not self._running:
             raise EngineClosed("the engine is not running (use `async with Engine(...)`)")
-        request_id, requests = self._intake.build(prompt, params, request_id, mm_inputs, kind)
+        options = SubmitOptions.build(priority=priority, deadline=deadline, session=session,
+                                      resume_output_ids=resume_output_ids)
+        request_id, requests = self._intake.build(prompt, params, request_id, mm_inputs, kind, options)
         return self.loop.submit(request_id, requests)
 
     async def complete(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
@@ -156,6 +169,27 @@ class Engine:
     async def abort(self, request_id: Any) -> bool:
         """Abort a live request. False if the id is unknown, odd or already finished."""
         return self.loop.abort(request_id)
+
+    # ------------------------------------------------------------- sessions (issue 21)
+    async def open_session(self, session_id: str | None = None, *, idle_timeout: float | None = None,
+                           max_pages: int | None = None) -> str:
+        """Open a session whose KV is kept between turns; returns its id. `EngineOverloaded` when
+        `max_sessions` are open. See `engine.runtime.sessions`."""
+        if not self._running:
+            raise EngineClosed("the engine is not running (use `async with Engine(...)`)")
+        return self.loop.sessions.open(session_id, idle_timeout=idle_timeout, max_pages=max_pages)
+
+    async def close_session(self, session_id: str) -> bool:
+        """Close a session (its kept KV is released); False if it is not open. A turn in flight
+        keeps running; its KV is then not kept."""
+        found = self.loop.sessions.close(session_id)
+        if found:
+            self.loop.wake()
+        return found
+
+    def session_info(self, session_id: str) -> SessionInfo | None:
+        """An open session's conversation length, kept KV, lease and whether a turn runs."""
+        return self.loop.sessions.info(session_id)
 
     async def health_check(self, timeout: float = 10.0) -> bool:
         """Run a one-token request through the whole path; True, or HealthCheckFailed."""

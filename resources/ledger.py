@@ -9,11 +9,12 @@ requests, such as locked prefix pages); the ledger's view (what requests
 hold) is independent, which is what makes the check worth having::
 
     free + evictable + held == capacity        (always, for every pool)
-    held == quarantined                        (when the engine is idle)
+    held == quarantined + kept                 (when the engine is idle)
 
 where held = what the ledger says requests hold + what the pool holds
-shared. `LeakError` names the pool, the amount and every owner with its
-state and finish reason, so a leak says who leaked.
+shared, and kept = what the pool keeps for live sessions (issue 21).
+`LeakError` names the pool, the amount and every owner with its state and
+finish reason, so a leak says who leaked.
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ class PoolUsage:
     `evictable`: units nobody owns that the pool may evict (unlocked prefix
     pages, unreferenced cached embeddings). `shared`: units the pool holds on
     behalf of requests without any one request owning them (prefix pages a
-    running request has locked, referenced embeddings).
+    running request has locked, referenced embeddings). `kept`: of the held
+    units, those kept for live sessions (issue 21: a session's slot and its
+    kept KV), which stay held while the engine is idle.
     """
 
     capacity: int
@@ -46,6 +49,7 @@ class PoolUsage:
     evictable: int = 0
     shared: int = 0
     unit: str = "items"
+    kept: int = 0
 
 
 @attrs.frozen
@@ -59,6 +63,8 @@ class PoolStats:
     quarantined: int = 0
     suspect: bool = False
     unit: str = "items"
+    #: held for live sessions (issue 21): allowed while idle
+    kept: int = 0
 
     @property
     def adds_up(self) -> bool:
@@ -240,8 +246,8 @@ class MemoryReport:
                 problems.append(f"{name}: free {stats.free} + evictable {stats.evictable} + held {stats.held}"
                                 f" != capacity {stats.capacity} (owners: {owners}; latest releases: "
                                 f"{recent or 'none'})")
-            elif self.idle and stats.held != stats.quarantined:
-                problems.append(f"{name}: {stats.held - stats.quarantined} {stats.unit} held while idle"
+            elif self.idle and stats.held != stats.quarantined + stats.kept:
+                problems.append(f"{name}: {stats.held - stats.quarantined - stats.kept} {stats.unit} held while idle"
                                 f" (owners: {owners})")
         return problems
 
@@ -262,13 +268,15 @@ def _pool_stats(pool: Pool, ledger: Ledger) -> PoolStats:
     try:
         usage: PoolUsage = pool.stats()
         capacity, free, evictable, shared, unit = usage.capacity, usage.free, usage.evictable, usage.shared, usage.unit
+        kept = usage.kept
     except Exception as exc:  # a plugin's broken stats() is reported, never raised from the check
         log.error("memory.stats_failed", pool=name, error=repr(exc))
         ledger.mark_suspect(name)
-        capacity = free = evictable = shared = 0
+        capacity = free = evictable = shared = kept = 0
         unit = "items"
     return PoolStats(capacity=capacity, free=free, evictable=evictable, held=ledger.held(accounted) + shared,
-                     quarantined=ledger.quarantined(accounted), suspect=accounted in ledger.suspect, unit=unit)
+                     quarantined=ledger.quarantined(accounted), suspect=accounted in ledger.suspect, unit=unit,
+                     kept=kept)
 
 
 def _pool_owners(pool: Pool, ledger: Ledger) -> list[Owner]:

@@ -8,6 +8,8 @@ The fleet (two `kvlife serve`, one gateway) is shared by the module; the kill te
 
 from __future__ import annotations
 
+import contextlib
+import json
 import signal
 import time
 from pathlib import Path
@@ -20,6 +22,8 @@ import pytest
 from router_fleet import Gateway, KvlifeServer
 
 BOUND_S = 60.0  # no request through the gateway may take longer, the kill included
+MIGRATED = list(range(5, 45))  # the prompt of the streams a migrating router continues elsewhere
+MIGRATED_TOKENS = 160
 
 
 class Fleet:
@@ -127,7 +131,8 @@ class TestKilledInstance:
     async def test_an_instance_killed_under_load(self, fleet):
         """SIGKILL an instance while requests run on it: every request ends within the bound, non-streaming
         ones in flight there are retried by the gateway and succeed on the survivor, the gateway stops
-        sending to the dead one, later requests succeed, the survivor is whole and exits clean."""
+        sending to the dead one, later requests succeed, a stream cut by the kill is continued on the
+        survivor with token-level continuation, the survivor is whole and exits clean."""
         outcomes: dict[str, str] = {}
         family = "a family of prompts " + "z" * 400  # most of the load shares it: cache_aware keeps it together
         requests = [(f"load-{i}", family + f" {i}" if i % 4 else f"another prompt {i} " * 4, i % 4 == 1)
@@ -154,7 +159,22 @@ class TestKilledInstance:
         def in_flight(server: KvlifeServer) -> set[str]:
             return ids & (server.submitted() - set(server.summaries()))
 
+        streamed: dict[int, list[int]] = {}  # a migrating router's view: each instance's direct stream
+
+        async def follow(index: int) -> None:
+            body = {"input_ids": MIGRATED, "stream": True,
+                    "sampling_params": {"max_new_tokens": MIGRATED_TOKENS, "ignore_eos": True}}
+            streamed[index] = []
+            with contextlib.suppress(httpx.HTTPError), anyio.fail_after(BOUND_S):
+                async with httpx.AsyncClient(timeout=BOUND_S) as http:
+                    async with http.stream("POST", f"{fleet.servers[index].url}/generate", json=body) as answer:
+                        async for line in answer.aiter_lines():
+                            if line.startswith("data: {"):
+                                streamed[index] += json.loads(line[6:])["token_ids"]
+
         async with fleet.client() as client, anyio.create_task_group() as tg:
+            for index in range(2):
+                tg.start_soon(follow, index)
             for request_id, prompt, stream in requests:
                 tg.start_soon(one, client, request_id, prompt, stream)
             with anyio.fail_after(BOUND_S):  # kill whichever instance has non-streaming requests running
@@ -179,7 +199,22 @@ class TestKilledInstance:
                          for i in range(6)]
         assert all(answer.choices[0].text for answer in later)
         assert all(f"later-{i}" in survivor.summaries() for i in range(6))
+        await _continue_elsewhere(fleet, victim, survivor, streamed)
         await _assert_whole_and_exits_clean(survivor)
+
+
+async def _continue_elsewhere(fleet: Fleet, victim: KvlifeServer, survivor: KvlifeServer,
+                              streamed: dict[int, list[int]]) -> None:
+    """What a migrating router does with the stream the kill cut: the prompt, the ids so far and the
+    remaining budget to the survivor (token-level continuation); the ids then equal the uninterrupted
+    stream's (greedy)."""
+    cut, whole = streamed[fleet.servers.index(victim)], streamed[fleet.servers.index(survivor)]
+    assert len(whole) == MIGRATED_TOKENS and 0 < len(cut) < MIGRATED_TOKENS
+    async with httpx.AsyncClient(timeout=BOUND_S) as http:
+        rest = (await http.post(f"{survivor.url}/generate", json={
+            "input_ids": MIGRATED, "resume_output_ids": cut,
+            "sampling_params": {"max_new_tokens": MIGRATED_TOKENS - len(cut), "ignore_eos": True}})).json()
+    assert cut + rest["output_ids"] == whole
 
 
 async def _assert_whole_and_exits_clean(server: KvlifeServer) -> None:

@@ -56,7 +56,7 @@ BAD_BODIES = [
     ("/v1/completions", {"prompt": "a", "n": 0}, "n"),
     ("/v1/completions", {"prompt": "a", "n": 1000}, "n"),
     ("/v1/completions", {"prompt": "a", "n": 2, "best_of": 3}, "best_of"),
-    ("/v1/completions", {"prompt": "a", "echo": True}, "echo"),
+    ("/v1/completions", {"prompt": "a", "echo": "yes"}, "echo"),
     ("/v1/completions", {"prompt": "a", "logprobs": 21}, "logprobs"),
     ("/v1/completions", {"prompt": "a", "logprobs": True}, "logprobs"),
     ("/v1/completions", {"prompt": "a", "max_tokens": 0}, "max_tokens"),

@@ -13,7 +13,7 @@ PUBLIC = {
         "Engine", "EngineClosed", "EngineConfig", "EngineDead", "EngineOverloaded", "FinishReason",
         "HealthCheckFailed", "HealthCheckTimeout", "HealthReport", "HiSparseConfig", "InvalidConfig", "InvalidRequest", "LeakError",
         "MemoryReport", "RequestKind", "RequestOutput", "RequestState", "RequestStream", "SamplingParams",
-        "TokenLogprob", "configure_logging",
+        "SessionInfo", "TokenLogprob", "configure_logging",
     },
     "states": {
         "HELD_STATES", "LIVE_STATES", "TRANSITIONS", "DoubleRelease", "Fence", "FencePending",

@@ -90,6 +90,11 @@ ENGINE_OPTIONS: list[tuple[str, type, str]] = [
     ("disaggregation", str, "none or decode (serve: also prefill, a prefill server)"),
     ("leak_check", str, "raise, log or off"),
     ("fence_timeout", float, "seconds a fence may stay pending before its handle is quarantined"),
+    # issue 21 (docs/scheduling.md)
+    ("priority_aging", float, "seconds of waiting worth one priority step (bounds the lowest class's wait)"),
+    ("max_sessions", int, "sessions open at once (0: none)"),
+    ("session_idle_timeout", float, "seconds after its latest turn a session closes"),
+    ("session_max_pages", int, "KV pages one session may keep"),
 ]
 #: (HiSparseConfig field, help)
 HISPARSE_OPTIONS: list[tuple[str, str]] = [

@@ -54,6 +54,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction, parents: list[argpa
     server.add_argument("--health-timeout", type=positive_seconds, default=10.0,
                         help="seconds for a /health_generate probe, and without progress under load (default: 10)")
     server.add_argument("--served-model-name", default=None, help="model id in /v1 (default: --model)")
+    server.add_argument("--default-deadline", type=positive_seconds, default=None,
+                        help="seconds a generation request may take when its body gives no deadline "
+                             "(default: none)")
     add_router_options(serve)
     _add_disaggregation_options(serve)
     serve.set_defaults(func=run_serve, default_log_level="info", default_log_json=True)
@@ -135,6 +138,7 @@ def server_settings_from_args(args: argparse.Namespace) -> Any:
     return ServerSettings(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                           max_inflight=args.max_inflight, health_timeout=args.health_timeout,
                           served_model_name=args.served_model_name, api_key=api_key_from(args),
+                          default_deadline=args.default_deadline,
                           vllm_metric_names=getattr(args, "vllm_metric_names", False),
                           kv_events=kv_events_from_args(args))
 

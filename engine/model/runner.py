@@ -40,6 +40,7 @@ import torch
 
 from engine.model.attention import AttentionBackend, AttentionMetadata, PagedAttention, PagedFactory
 from engine.model.llama import LlamaModel
+from engine.model.prompt_logprobs import PromptEntries, PromptLogprobPlan
 from engine.model.decode_graphs import FIELD_ROWS, DecodeGraphs
 from engine.model.sampling import SamplingBatch, format_logprobs, logprob_tensors, sample_tokens
 from engine.model.step_upload import Sections, StepUpload
@@ -68,6 +69,8 @@ class StepOutput:
     routing: list[torch.Tensor] = attrs.field(factory=list)
     #: aligned with `tokens`: the token's `TokenLogprob` where its request asked, else None
     logprobs: list[TokenLogprob | None] = attrs.field(factory=list)
+    #: issue 21: prompt logprobs of the step's prefill chunks that asked (engine.model.prompt_logprobs)
+    prompt_logprobs: list[PromptEntries] = attrs.field(factory=list)
 
 
 @attrs.frozen
@@ -241,7 +244,8 @@ class ModelRunner:
         t0 = time.perf_counter() if timed else 0.0
         params = [s.request.params for s in seqs if s.samples]
         batch = SamplingBatch(params, [s.request.num_output_tokens for s in seqs if s.samples]) if params else None
-        if self.graphs is not None and batch is not None and len(batch) == len(seqs):
+        plan = PromptLogprobPlan.build(seqs)  # issue 21: None unless a prefill chunk asked
+        if self.graphs is not None and batch is not None and len(batch) == len(seqs) and plan is None:
             replayed = self._replay(seqs, batch)
             if replayed is not None:
                 logits, greedy, stacked, fields = replayed
@@ -254,9 +258,13 @@ class ModelRunner:
         attention = self.attention_factory(seqs, inputs.meta)
         t1 = time.perf_counter() if timed else 0.0
         routing: list[torch.Tensor] = []
-        logits = self.model(inputs.ids, inputs.positions, attention, embeds, output_rows=inputs.sample_rows,
-                            routing=routing)
+        rows = inputs.sample_rows if plan is None else plan.output_rows(inputs.sample_rows, self.device)
+        logits = self.model(inputs.ids, inputs.positions, attention, embeds, output_rows=rows, routing=routing)
+        prompt_logprobs: list[PromptEntries] = []
+        if plan is not None:  # issue 21: read back on their own (one more sync, in such steps only)
+            logits, prompt_logprobs = plan.split(logits, inputs.sample_rows, len(params))
         out = self._finish(logits, batch, inputs.fields, torch.stack(routing) if routing else None)
+        out.prompt_logprobs = prompt_logprobs
         if timed:
             self._record(seqs, t0, t1)
         return out

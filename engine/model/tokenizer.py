@@ -235,6 +235,11 @@ class HFTokenizer(_SpecialIds):
         """The ids `encode` adds around any text (e.g. ``[bos]``)."""
         return self._backend.encode("", add_special_tokens=True).ids
 
+    def id_to_token(self, token_id: int) -> str:
+        """The token's own string in the vocabulary (``Ġhello``), as transformers'
+        ``convert_ids_to_tokens`` gives it (`/tokenize`'s ``token_strs``)."""
+        return self._backend.id_to_token(token_id) or ""
+
 
 class TokenIdsOnly(_SpecialIds):
     """The tokenizer of a checkpoint without ``tokenizer.json``: prompts must

@@ -95,12 +95,17 @@ class Finisher:
                 log.error("loop.step_observer_failed", observer=repr(observer), error=repr(exc))
         tokens = iter(output.tokens)
         logprobs = iter(getattr(output, "logprobs", None) or ())
+        for request, first, entries in getattr(output, "prompt_logprobs", None) or ():  # issue 21
+            submission = self.table.owner.get(request)
+            if submission is not None:
+                submission.builders[request].add_prompt_logprobs(first, entries)
         now = time.monotonic()
         for s in batch:
             request = s.request
             request.kv_len = s.start + s.num_tokens
             if not s.samples:
                 continue
+            request.skip_prefix_match = False  # issue 21: its prompt is computed; a re-admission may match
             token = next(tokens)
             if request.state in (S.PREFILLING, S.DECODING):
                 self.accept_token(request, token, now, next(logprobs, None))

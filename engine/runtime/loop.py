@@ -34,9 +34,11 @@ import anyio.lowlevel
 import structlog
 
 from engine.errors import EngineClosed, EngineDead, EngineOverloaded
+from engine.runtime.deadlines import DeadlineTimer
 from engine.runtime.finisher import Finisher
 from engine.runtime.output_builder import OutputBuilder
 from engine.runtime.planner import Planner
+from engine.runtime.sessions import SessionManager
 from engine.runtime.stats import EngineStats
 from engine.runtime.table import RequestTable, Submission, close_stream
 from engine.stream import OutputChannel, RequestStream
@@ -80,6 +82,12 @@ class DecodeLoop:
                                starvation_timeout=config.starvation_timeout, report=memory_report,
                                transfer_unavailable=None if parts.prefill_client is None
                                else parts.prefill_client.unavailable)
+        # issue 21: deadlines and sessions, both seen on a timer even without traffic
+        self.deadlines = DeadlineTimer()
+        self.sessions = SessionManager(parts.sessions, self.machine, max_context=max_context,
+                                       idle_timeout=config.session_idle_timeout, max_pages=config.session_max_pages,
+                                       clock=self.machine.clock)
+        self.finisher.release_observers.extend((self.deadlines.discard, self.sessions.on_released))
         self.errored: BaseException | None = None
         self.last_leak: tuple[str, ...] = ()
         self.step_running = False
@@ -105,6 +113,9 @@ class DecodeLoop:
                                 {r: OutputBuilder(r, self.tokenizer, index=i, request_id=request_id)
                                  for i, r in enumerate(requests)})
         self.table.add(submission)
+        for request in requests:  # issue 21
+            self.deadlines.add(request)
+            self.sessions.bind(request)
         self.stats.submitted += 1
         if self._idle_event.is_set():
             self._idle_event = anyio.Event()
@@ -164,7 +175,8 @@ class DecodeLoop:
         return {"submissions": len(table.submissions), "owner": len(table.owner), "waiting": len(table.waiting),
                 "unstarted": len(table.unstarted), "aborts": len(table.aborts),
                 "starved": len(self.planner.starved), "prefix_locks": len(self._prefix_locks),
-                "quarantined": len(self.machine.quarantined)}
+                "quarantined": len(self.machine.quarantined), "deadlines": len(self.deadlines),
+                "session_turns": self.sessions.num_turns_in_flight()}
 
     @property
     def idle(self) -> bool:
@@ -199,10 +211,11 @@ class DecodeLoop:
             await self._wait(None)
             return
         self._intake()
+        timed_out = self._timers()  # issue 21
         reaped = self.finisher.release_finished()
         if not self.table:
             self._idle_event.set()
-            self._on_idle(recheck=bool(reaped))
+            self._on_idle(recheck=bool(reaped) or timed_out)
             # NOTE: poll while a late copy may still land or the prefill client still works
             await self._wait(0.05 if self.machine.quarantined or not self.idle else None)
             return
@@ -233,6 +246,11 @@ class DecodeLoop:
             await self._wait(self.admission_window)
 
     async def _wait(self, timeout: float | None) -> None:
+        due = None if self.closing else min(
+            (t for t in (self.deadlines.next_due(), self.sessions.next_due()) if t is not None), default=None)
+        if due is not None:  # issue 21: a deadline or a lease is seen without new traffic (shutdown owns both)
+            left = max(0.0, due - self.machine.clock())
+            timeout = left if timeout is None else min(timeout, left)
         with anyio.move_on_after(timeout):
             await self._wake.wait()
         self._wake = anyio.Event()
@@ -255,6 +273,16 @@ class DecodeLoop:
         while table.aborts:
             submission, reason = table.aborts.popleft()
             self.finisher.abort_submission(submission, reason)
+
+    def _timers(self) -> bool:
+        """Issue 21: finish requests past their deadline (through the one release path), then
+        apply session closes and expired leases; True if a session was released."""
+        now = self.machine.clock()
+        for request in self.deadlines.due(now):
+            waited = now - request.arrival_time
+            self.finisher.finish(request, FinishReason.DEADLINE,
+                                 error=TimeoutError(f"deadline passed {waited:.3f}s after submission"))
+        return self.sessions.expire(now)
 
     # ------------------------------------------------------------ idleness
     def _on_idle(self, *, recheck: bool) -> None:
@@ -286,6 +314,10 @@ class DecodeLoop:
                 self.finisher.try_release(request)
             except Exception as again:  # noqa: BLE001
                 log.error("engine.dead_release_failed", request_id=request.request_id, error=repr(again))
+        try:
+            self.sessions.shutdown()  # issue 21: their kept KV too
+        except Exception as again:  # noqa: BLE001
+            log.error("engine.dead_release_failed", request_id="sessions", error=repr(again))
 
     async def shutdown(self) -> None:
         """Finish every live request with SHUTDOWN and release all (call shielded).
@@ -307,3 +339,4 @@ class DecodeLoop:
             if self.table.finished():
                 await anyio.sleep(0.005)
         self.finisher.release_finished()
+        self.sessions.shutdown()  # issue 21: after their turns, so nothing hands KV to a closed session

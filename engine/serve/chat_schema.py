@@ -31,6 +31,7 @@ from typing import Any
 
 from engine.errors import InvalidRequest
 from engine.serve.chat_template import ChatTemplate, ChatTemplateError
+from engine.serve import scheduling_fields
 from engine.serve.schemas import (GenerateBody, Limits, check_default_only, known_fields, openai_body, prompt_ids,
                                   served_model)
 
@@ -120,7 +121,7 @@ def parse_chat(body: dict[str, Any], limits: Limits, tokenizer: Any,
                template: ChatTemplate) -> tuple[GenerateBody, str]:
     """Validate a ``POST /v1/chat/completions`` body and render its prompt; returns it and the model name."""
     _refuse_tools(body)
-    known_fields(body, _CHAT, api="chat")
+    known_fields(body, _CHAT | scheduling_fields.CHAT, api="chat")  # issue 21: priority, deadline, prompt_logprobs
     check_default_only(body, _CHAT_DEFAULT_ONLY)
     response_format = body.get("response_format")
     if response_format not in (None, {"type": "text"}):

@@ -59,6 +59,8 @@ class Choice:
     logprobs: list[TokenLogprob] = attrs.field(factory=list)
     finish_reason: str | None = None
     final: RequestOutput | None = None
+    #: issue 21: the prompt's logprobs (first entry None), from the sequence's first output
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
     @property
     def text(self) -> str:
@@ -66,14 +68,16 @@ class Choice:
 
 
 class Generation:
-    def __init__(self, engine: Any, body: GenerateBody, *, route: str, id_prefix: str = "") -> None:
+    def __init__(self, engine: Any, body: GenerateBody, *, route: str, id_prefix: str = "",
+                 default_deadline: float | None = None) -> None:
         self.request_id = body.rid or f"{id_prefix}{uuid.uuid4().hex}"
         self.body = body
         self.route = route
         self.tokenizer = engine.tokenizer  # for logprobs' token texts
         self.started = time.monotonic()
         self.created = int(time.time())
-        self.stream = engine.generate(body.token_ids, body.params, request_id=self.request_id)
+        self.stream = engine.generate(body.token_ids, body.params, request_id=self.request_id,
+                                      **body.submit.kwargs(default_deadline))  # issue 21
         self.choices = [Choice(i) for i in range(body.params.n)]
         self.first_chunk_at: float | None = None
         self.on_close: Callable[[], None] | None = None
@@ -94,6 +98,8 @@ class Generation:
             choice = next(c for c in self.choices if c.finish_reason is None)
             return self._finish(choice, "error" if isinstance(exc, EngineDead) else "abort")
         choice = self.choices[output.index]
+        if output.prompt_logprobs is not None and choice.prompt_logprobs is None:
+            choice.prompt_logprobs = output.prompt_logprobs
         choice.token_ids += output.new_token_ids
         if output.new_text:
             choice.parts.append(output.new_text)
@@ -140,6 +146,8 @@ class Generation:
 
     def usage(self) -> dict[str, int]:
         prompt, completion = len(self.body.token_ids), self.completion_tokens
+        if self.body.echo_only:  # issue 21: echo with max_tokens 0 answers the prompt alone
+            completion = 0
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def meta_info(self) -> dict[str, Any]:

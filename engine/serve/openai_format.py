@@ -26,6 +26,7 @@ from typing import Any
 
 from engine.outputs import TokenLogprob
 from engine.serve.generation import DONE, Chunk, Generation, sse_event
+from engine.serve.prompt_format import echo_choice, prompt_logprobs_json, prompt_text, stream_choice
 
 
 def _token(tokenizer: Any, token_id: int) -> str:
@@ -94,20 +95,31 @@ async def _events(generation: Generation, head: dict[str, Any], choice: Callable
 def completion_events(generation: Generation, model: str) -> AsyncGenerator[bytes, None]:
     """`/v1/completions` as server-sent events."""
     logprobs = _CompletionLogprobs(generation.tokenizer) if _wants_logprobs(generation) else None
+    started: set[int] = set()
 
     def choice(chunk: Chunk) -> dict[str, Any]:
-        return {"index": chunk.index, "text": chunk.delta,
-                "logprobs": None if logprobs is None else logprobs(chunk.index, chunk.logprobs or ()),
-                "finish_reason": chunk.finish_reason}
+        first = chunk.index not in started  # issue 21: the prompt's parts go on a choice's first chunk
+        started.add(chunk.index)
+        if first and generation.body.echo and logprobs is not None:
+            logprobs.offsets[chunk.index] = len(prompt_text(generation))
+        entry = {"index": chunk.index, "text": chunk.delta,
+                 "logprobs": None if logprobs is None else logprobs(chunk.index, chunk.logprobs or ()),
+                 "finish_reason": chunk.finish_reason}
+        return stream_choice(generation, chunk, entry, first=first)
 
     return _events(generation, _head(generation, model, "text_completion"), choice, None)
 
 
 def completion_json(generation: Generation, model: str) -> dict[str, Any]:
     logprobs = _CompletionLogprobs(generation.tokenizer) if _wants_logprobs(generation) else None
-    choices = [{"index": c.index, "text": c.text,
-                "logprobs": None if logprobs is None else logprobs(c.index, c.logprobs),
-                "finish_reason": c.finish_reason} for c in generation.choices]
+    choices: list[dict[str, Any]] = [{"index": c.index, "text": c.text,
+                                       "logprobs": None if logprobs is None else logprobs(c.index, c.logprobs),
+                                       "finish_reason": c.finish_reason} for c in generation.choices]
+    for c, entry in zip(generation.choices, choices):  # issue 21: echo and prompt logprobs
+        if generation.body.echo:
+            echo_choice(generation, c, entry)
+        if generation.body.params.prompt_logprobs is not None:
+            entry["prompt_logprobs"] = prompt_logprobs_json(generation.tokenizer, c.prompt_logprobs)
     return _head(generation, model, "text_completion") | {"choices": choices, "usage": generation.usage()}
 
 
@@ -132,4 +144,7 @@ def chat_json(generation: Generation, model: str) -> dict[str, Any]:
     choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                 "logprobs": _chat_logprobs(tokenizer, c.logprobs) if wanted else None,
                 "finish_reason": c.finish_reason} for c in generation.choices]
-    return _head(generation, model, "chat.completion") | {"choices": choices, "usage": generation.usage()}
+    answer = _head(generation, model, "chat.completion") | {"choices": choices, "usage": generation.usage()}
+    if generation.body.params.prompt_logprobs is not None:  # issue 21: vLLM puts them at the top
+        answer["prompt_logprobs"] = prompt_logprobs_json(tokenizer, generation.choices[0].prompt_logprobs)
+    return answer

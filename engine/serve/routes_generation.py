@@ -26,6 +26,7 @@ from engine.serve.http_errors import HTTPError
 from engine.serve.openai_format import chat_events, chat_json, completion_events, completion_json
 from engine.serve.request_ids import take_request_id, unique
 from engine.serve.schemas import GenerateBody, parse_completion, parse_generate
+from engine.serve.scheduling_fields import engine_field
 
 
 @attrs.frozen
@@ -71,8 +72,8 @@ def _start(ctx: ServerContext, request: Request, api: API, raw: dict[str, Any]) 
         raise ctx.unavailable(f"{ctx.max_inflight} requests already in flight; retry later")
     try:
         generation = _generation(ctx, request, api, body, wanted_id)
-    except InvalidRequest as exc:  # the engine's own checks (a rid already in flight)
-        field = "rid" if exc.field == "request_id" else exc.field
+    except InvalidRequest as exc:  # the engine's own checks (a rid already in flight, a busy session)
+        field = engine_field(exc.field)
         raise HTTPError(400, str(exc).replace(exc.field, field, 1), field, exc.limit) from None
     except EngineOverloaded as exc:
         raise ctx.unavailable(f"the engine's queue is full ({exc}); retry later") from None
@@ -85,14 +86,17 @@ def _generation(ctx: ServerContext, request: Request, api: API, body: GenerateBo
                 wanted_id: str | None) -> Generation:
     """The generation under the body's rid, else the id a header or /v1 field asked for (made unique if
     that one is already in flight: a router's retry), else a new one."""
+    deadline = ctx.settings.default_deadline
     if body.rid is not None or wanted_id is None:
-        return Generation(ctx.engine, body, route=request.url.path, id_prefix=api.id_prefix)
+        return Generation(ctx.engine, body, route=request.url.path, id_prefix=api.id_prefix, default_deadline=deadline)
     try:
-        return Generation(ctx.engine, attrs.evolve(body, rid=wanted_id), route=request.url.path)
+        return Generation(ctx.engine, attrs.evolve(body, rid=wanted_id), route=request.url.path,
+                          default_deadline=deadline)
     except InvalidRequest as exc:
         if exc.field != "request_id":
             raise
-    return Generation(ctx.engine, attrs.evolve(body, rid=unique(wanted_id)), route=request.url.path)
+    return Generation(ctx.engine, attrs.evolve(body, rid=unique(wanted_id)), route=request.url.path,
+                      default_deadline=deadline)
 
 
 async def _serve(ctx: ServerContext, request: Request, api: API) -> Response | EventStream:

@@ -19,9 +19,12 @@ the answer: `engine.serve.field_policy`):
   batch of one), ``max_tokens``, ``temperature``, ``top_p``, ``stop``
   (matched by the engine, `SamplingParams.stop`), ``seed``, ``n``,
   ``best_of`` (only equal to n), ``logprobs`` (k alternatives, 0 to 20),
-  ``stream``, ``stream_options``; ``echo``, penalties, ``suffix`` and
-  ``logit_bias`` only at their defaults; extensions ``top_k``,
-  ``ignore_eos``, ``stop_token_ids``.
+  ``echo`` (with ``max_tokens`` 0: the prompt only), ``stream``,
+  ``stream_options``; penalties, ``suffix`` and ``logit_bias`` only at
+  their defaults; extensions ``top_k``, ``ignore_eos``, ``stop_token_ids``.
+- Issue 21's fields on each generation route (`scheduling_fields`):
+  ``priority``, ``deadline``, ``prompt_logprobs``, ``session_params``,
+  ``resume_output_ids``.
 - ``POST /abort``: ``rid``.
 """
 
@@ -35,6 +38,8 @@ import attrs
 from engine.config import SamplingParams
 from engine.errors import InvalidRequest
 from engine.serve.field_policy import unknown_field
+from engine.serve import scheduling_fields
+from engine.serve.scheduling_fields import SubmitFields, parse_submit_fields
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 64
@@ -67,6 +72,11 @@ class GenerateBody:
     stream: bool = False
     rid: str | None = None
     include_usage: bool = False
+    # -- issue 21 (engine.serve.scheduling_fields)
+    submit: SubmitFields = attrs.field(factory=SubmitFields)
+    #: completions: the answer starts with the prompt (and its logprobs); `echo_only`: max_tokens was 0
+    echo: bool = False
+    echo_only: bool = False
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -151,7 +161,7 @@ def _check_context(num_prompt: int, max_new: int, field: str, limits: Limits) ->
                              max_new)
 
 
-_GENERATE = frozenset({"text", "input_ids", "sampling_params", "stream", "rid"})
+_GENERATE = frozenset({"text", "input_ids", "sampling_params", "stream", "rid"}) | scheduling_fields.GENERATE
 _SAMPLING = frozenset({"max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids",
                        "ignore_eos", "seed"})
 
@@ -177,16 +187,17 @@ def parse_generate(body: dict[str, Any], limits: Limits, tokenizer: Any) -> Gene
     if rid is not None and not (isinstance(rid, str) and 0 < len(rid) <= MAX_RID_CHARS and rid.isprintable()):
         raise InvalidRequest("rid", f"a printable string of 1 to {MAX_RID_CHARS} characters", rid)
     stream = _bool(body.get("stream", False), "stream")
-    return GenerateBody(prompt, token_ids, params, stream=stream, rid=rid)
+    return GenerateBody(prompt, token_ids, params, stream=stream, rid=rid,
+                        submit=parse_submit_fields(body))
 
 
 _OPENAI_SAMPLING = frozenset({"model", "max_tokens", "temperature", "top_p", "stop", "seed", "stream",
                               "stream_options", "n", "presence_penalty", "frequency_penalty", "user",
                               "logit_bias", "top_k", "ignore_eos", "stop_token_ids"})
-_COMPLETION = _OPENAI_SAMPLING | {"prompt", "best_of", "echo", "logprobs", "suffix"}
+_COMPLETION = _OPENAI_SAMPLING | {"prompt", "best_of", "echo", "logprobs", "suffix"} | scheduling_fields.COMPLETIONS
 #: OpenAI fields accepted only at the value that means "off"
 DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
-    "echo": (False,), "presence_penalty": (0,), "frequency_penalty": (0,), "suffix": ("",), "logit_bias": ({},),
+    "presence_penalty": (0,), "frequency_penalty": (0,), "suffix": ("",), "logit_bias": ({},),
 }
 
 
@@ -221,6 +232,8 @@ def openai_body(body: dict[str, Any], token_ids: list[int], prompt: Any, limits:
     names = {"max_new_tokens": max_tokens_field}
     if logprobs is not None:
         names["logprobs"], fields["logprobs"] = logprobs
+    if body.get("prompt_logprobs") is not None:  # issue 21: vLLM's field
+        fields["prompt_logprobs"] = body["prompt_logprobs"]
     params = _sampling(fields, names)
     _check_context(len(token_ids), params.max_new_tokens, max_tokens_field, limits)
     options = body.get("stream_options") or {}
@@ -229,7 +242,8 @@ def openai_body(body: dict[str, Any], token_ids: list[int], prompt: Any, limits:
     known_fields(options, frozenset({"include_usage", "continuous_usage_stats"}), "stream_options.")
     include_usage = _bool(options.get("include_usage", False), "stream_options.include_usage")
     stream = _bool(False if body.get("stream") is None else body["stream"], "stream")
-    return GenerateBody(prompt, token_ids, params, stream=stream, include_usage=include_usage)
+    return GenerateBody(prompt, token_ids, params, stream=stream, include_usage=include_usage,
+                        submit=parse_submit_fields(body))
 
 
 def parse_completion(body: dict[str, Any], limits: Limits, tokenizer: Any) -> tuple[GenerateBody, str]:
@@ -249,7 +263,14 @@ def parse_completion(body: dict[str, Any], limits: Limits, tokenizer: Any) -> tu
     if best_of is not None and best_of != (1 if n is None else n):
         raise InvalidRequest("best_of", "absent or equal to n (beam search is not supported)", best_of)
     logprobs = None if body.get("logprobs") is None else ("logprobs", body["logprobs"])
-    return openai_body(body, token_ids, prompt, limits, logprobs=logprobs), model
+    echo = _bool(False if body.get("echo") is None else body["echo"], "echo")
+    echo_only = echo and body.get("max_tokens") == 0  # the prompt's logprobs only (lm-eval's loglikelihood)
+    if echo_only:
+        body = {**body, "max_tokens": 1}
+    if echo and logprobs is not None and body.get("prompt_logprobs") is None:
+        body = {**body, "prompt_logprobs": body["logprobs"]}  # as vLLM: echo's logprobs cover the prompt
+    parsed = openai_body(body, token_ids, prompt, limits, logprobs=logprobs)
+    return attrs.evolve(parsed, echo=echo, echo_only=echo_only), model
 
 
 def parse_abort(body: dict[str, Any]) -> str:

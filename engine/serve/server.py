@@ -16,6 +16,8 @@ Routes (bodies and answers in docs/http.md):
     GET  /model_info, /server_info (and their /get_ names), POST /flush_cache: for routers
     GET  /metrics               Prometheus text, vLLM's names with a `kvlife:` prefix
     GET  /debug/memory          `memory_report()` as JSON, with owners
+    POST /open_session, /close_session   sessions whose KV is kept between turns (routes_sessions.py)
+    POST /tokenize, /detokenize          vLLM's shapes (routes_tokens.py)
 
 Routes live by concern in routes_generation.py and routes_ops.py; every
 error (unknown routes and wrong methods included) is JSON in OpenAI's shape
@@ -57,6 +59,8 @@ from engine.serve.http_errors import error_handlers
 from engine.serve.routes_generation import generation_routes
 from engine.serve.routes_ops import ops_routes
 from engine.serve.routes_routers import router_routes
+from engine.serve.routes_sessions import session_routes
+from engine.serve.routes_tokens import token_routes
 from engine.serve.settings import ServerSettings
 from resources import LeakError
 
@@ -69,7 +73,8 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> Starle
     """The ASGI app serving `engine` (which the caller runs, inside `async with engine`)."""
     settings = settings or ServerSettings()
     ctx = ServerContext.build(engine, settings)
-    app = Starlette(routes=[*generation_routes(ctx), *ops_routes(ctx), *router_routes(ctx)],
+    app = Starlette(routes=[*generation_routes(ctx), *ops_routes(ctx), *session_routes(ctx), *token_routes(ctx),
+                            *router_routes(ctx)],
                     exception_handlers=error_handlers())
     if settings.api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)

@@ -32,6 +32,11 @@ def _positive_seconds(inst: Any, attribute: attrs.Attribute, value: Any) -> None
         raise InvalidConfig(f"ServerSettings.{attribute.name}", "a finite number of seconds > 0", value)
 
 
+def _optional_seconds(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None:
+        _positive_seconds(inst, attribute, value)
+
+
 def _optional_text(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
     if value is not None and not (isinstance(value, str) and value):
         raise InvalidConfig(f"ServerSettings.{attribute.name}", "None or a non-empty string",
@@ -52,6 +57,8 @@ class ServerSettings:
     graceful_timeout: float = attrs.field(default=10.0, validator=_positive_seconds)
     #: None: no access control; else every route but /health needs `Authorization: Bearer <key>`
     api_key: str | None = attrs.field(default=None, validator=_optional_text, repr=False)
+    #: issue 21: seconds a generation request may take when its body gives no `deadline` (None: no deadline)
+    default_deadline: float | None = attrs.field(default=None, validator=_optional_seconds)
     #: also export the router-read metrics under vLLM's names (`vllm:num_requests_waiting`, ...)
     vllm_metric_names: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
     #: an `engine.kv_events.KVEventsConfig`: publish KV cache events (the `kv-events` extra); None: off
