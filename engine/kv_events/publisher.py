@@ -55,6 +55,7 @@ class KVEventPublisher:
         self.replay_endpoint = config.replay_endpoint
         self.batches = 0
         self.replays = 0
+        self.errors = 0  # batches that failed to build or send (logged as kv_events.batch_failed)
         self._queue: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
@@ -158,13 +159,18 @@ class KVEventPublisher:
                     items.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            events, marks, stop = self._events(items, digests)
-            if events:
-                payload = encoder.encode(EventBatch(ts=time.time(), events=events, data_parallel_rank=0))
-                pub.send_multipart([topic, seq_bytes(seq), payload])
-                history.append((seq, payload))
-                seq += 1
-                self.batches = seq
+            try:
+                events, marks, stop = self._events(items, digests)
+                if events:
+                    payload = encoder.encode(EventBatch(ts=time.time(), events=events, data_parallel_rank=0))
+                    pub.send_multipart([topic, seq_bytes(seq), payload])
+                    history.append((seq, payload))
+                    seq += 1
+                    self.batches = seq
+            except Exception as exc:  # noqa: BLE001 - the thread must outlive a bad batch: logged, counted
+                self.errors += 1
+                log.error("kv_events.batch_failed", error=repr(exc), items=len(items))
+                marks, stop = [item[1] for item in items if item[0] == _MARK], any(i[0] == _STOP for i in items)
             for mark in marks:
                 mark.set()
             if stop:
@@ -180,6 +186,10 @@ class KVEventPublisher:
             if kind == _STORED:
                 _, parent_page, tokens, pages = item
                 parent = None if parent_page is None else digests.get(int(parent_page))
+                if parent_page is not None and parent is None:  # NOTE: cannot happen while attached from the start
+                    self.errors += 1
+                    log.error("kv_events.unknown_parent", parent_page=int(parent_page), pages=len(pages))
+                    continue
                 digest = None if parent is None else parent[0]
                 hashes = []
                 for j, page in enumerate(pages.tolist()):

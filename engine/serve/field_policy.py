@@ -25,6 +25,7 @@ from engine.serve.unsupported_fields import table_for
 
 log = structlog.get_logger("kvlife.http")
 _INDEX = re.compile(r"\[\d+\]")
+_MAX_NAMES = 1024  # NOTE: clients choose the names; past this many, new names are neither counted nor warned
 _ignored: Counter[str] = Counter()
 
 
@@ -35,6 +36,8 @@ def unknown_field(prefix: str, name: str, value: Any, *, api: str | None = None)
     if unsupported is not None and not unsupported.allows(value, api):
         raise InvalidRequest(f"{prefix}{name}", unsupported.limit(api), value)
     key = _INDEX.sub("[]", f"{prefix}{name}")
+    if key not in _ignored and len(_ignored) >= _MAX_NAMES:
+        return
     _ignored[key] += 1
     if _ignored[key] == 1:
         log.warning("http.ignored_field", field=key,
