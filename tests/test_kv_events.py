@@ -183,3 +183,24 @@ class TestConfig:
         finally:
             taken.close(0)
             context.term()
+
+
+class TestPublisher:
+    def test_a_run_under_an_unknown_parent_is_skipped_and_the_rest_published(self):
+        """An inconsistent event (a parent page it never saw) is counted and skipped, never hashed wrong;
+        the events around it are still published."""
+        from engine.kv_events.publisher import KVEventPublisher
+
+        publisher = KVEventPublisher(LOOPBACK, page_size=2, medium="CPU")
+        publisher.start()
+        view = KVEventSubscriber(publisher.endpoint, replay_endpoint=publisher.replay_endpoint)
+        try:
+            publisher.stored(None, [1, 2], np.array([10]))
+            publisher.stored(99, [3, 4], np.array([11]))  # page 99 was never stored
+            publisher.stored(10, [3, 4], np.array([12]))
+            _caught_up(view, publisher)
+        finally:
+            view.close()
+            publisher.close()
+        assert publisher.errors == 1
+        assert view.blocks == set(block_hashes([1, 2, 3, 4], 2)) and len(view.blocks) == 2
