@@ -8,15 +8,20 @@
 allocated) and returns a stream; a client that stops iterating, closes the
 stream or is cancelled aborts its request. Leaving `async with` finishes
 every request still in flight with SHUTDOWN and releases it, then runs the
-leak check (raising `LeakError` itself with `leak_check="raise"`).
+leak check (raising `LeakError` itself with `leak_check="raise"`). An
+exception raised in the body leaves `async with` as itself (never wrapped in
+an ExceptionGroup), after the same shutdown. An engine may be built under
+one anyio backend (or none) and entered under another: what needs the
+running async library is created on entry.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
@@ -39,10 +44,12 @@ from states import FinishReason, RequestKind, RequestState
 
 @attrs.frozen
 class HealthReport:
-    """`healthy` unless the engine is dead, its last idle leak check failed, a
-    decode role has no prefill peer up (``no_prefill``: it admits nothing
-    then), a request is starving for memory, or requests are live but nothing
-    has progressed for `stuck_after` seconds. `reason` is "ok" or which one."""
+    """`healthy` unless the engine is dead ("dead"), a pool cannot be checked because
+    its `stats()` raises ("unchecked"), its last leak check failed, idle or busy
+    ("leaking"), a decode role has no prefill peer up ("no_prefill": it admits
+    nothing then), a request is starving for memory ("starved"), or requests are
+    live but nothing has progressed for `stuck_after` seconds ("stuck"). `reason`
+    is "ok" or which one, `detail` names the pools, peers and requests."""
 
     healthy: bool
     reason: str
@@ -70,8 +77,9 @@ class Engine:
                                check_memory=self.check_memory, memory_report=self.memory_report)
         self._intake = RequestIntake(tokenizer=self.tokenizer, model=self.parts.model, model_config=self.model_config,
                                      max_context=self.max_context, mm_cache_bytes=self.parts.mm_cache_bytes,
-                                     is_live=self.loop.is_live, sessions=self.loop.sessions)
-        self._task_group: Any = None
+                                     is_live=self.loop.is_live, sessions=self.loop.sessions,
+                                     max_queued=self.config.max_queued)
+        self._exit: Callable[..., Awaitable[bool | None]] | None = None
         self._running = False
         self._closed = False
 
@@ -79,37 +87,59 @@ class Engine:
     async def __aenter__(self) -> Engine:
         if self._running or self._closed:
             raise EngineClosed("an Engine can be entered once")
-        self._task_group = anyio.create_task_group()
-        await self._task_group.__aenter__()
-        try:
-            if self.parts.prefill_client is not None:
-                await self._task_group.start(self.parts.prefill_client.run)
-            await self._task_group.start(self.loop.run)
-        except BaseException:
-            self._task_group.cancel_scope.cancel()
-            await self._task_group.__aexit__(None, None, None)
-            raise
-        self._running = True
-        return self
+        self._closed = True  # NOTE: entered once, whether or not the start succeeds
+        lifetime = self._lifetime()
+        engine = await lifetime.__aenter__()
+        self._exit = lifetime.__aexit__
+        return engine
 
     async def __aexit__(self, *exc_info: Any) -> bool | None:
-        self._running = False
-        self._closed = True
-        try:
-            with anyio.CancelScope(shield=True):
-                await self.loop.shutdown()
-                if self.parts.prefill_client is not None:
-                    await self.parts.prefill_client.close()
-        finally:
-            self._task_group.cancel_scope.cancel()
-            await self._task_group.__aexit__(*exc_info)
-        if self.config.leak_check != "off" and exc_info[0] is None and self.loop.errored is None:
+        exit_lifetime, self._exit = self._exit, None
+        if exit_lifetime is None:
+            return None
+        return await exit_lifetime(*exc_info)
+
+    @contextlib.asynccontextmanager
+    async def _lifetime(self) -> AsyncIterator[Engine]:
+        """The engine's tasks, owned for the duration of the `async with` body (anyio's
+        `AsyncContextManagerMixin` pattern).
+
+        NOTE: the body's exception never enters the task group, so it leaves `async with` as
+        itself (not wrapped in an ExceptionGroup), after every request is finished with
+        SHUTDOWN and released, and the tasks have ended. The loop's waiting primitives are
+        created here, in the async library that enters the engine, whichever built it."""
+        error: BaseException | None = None  # the start's or the body's, re-raised as itself
+        self.loop.bind()
+        client = self.parts.prefill_client
+        async with anyio.create_task_group() as task_group:
+            try:
+                if client is not None:
+                    await task_group.start(client.run)
+                await task_group.start(self.loop.run)
+            except BaseException as exc:  # noqa: BLE001 - a start that failed: nothing ran
+                error = exc
+                task_group.cancel_scope.cancel()
+            else:
+                self._running = True
+                try:
+                    yield self
+                except BaseException as exc:  # noqa: BLE001 - the body's: re-raised once the tasks are gone
+                    error = exc
+                finally:
+                    self._running = False
+                    with anyio.CancelScope(shield=True):
+                        await self.loop.shutdown()
+                        if client is not None:
+                            await client.close()
+                    task_group.cancel_scope.cancel()
+        if error is not None:
+            raise error
+        if self.config.leak_check != "off" and self.loop.errored is None:
             try:
                 self.check_memory()
             except LeakError:
                 if self.config.leak_check == "raise":
                     raise
-        return None
 
     @property
     def running(self) -> bool:
@@ -118,7 +148,7 @@ class Engine:
     @property
     def prefill_client(self) -> Any:
         """The decode role's prefill client (in-process worker or remote links), else None;
-        a remote client's `stats` feed `engine.disagg.link.observability.TransferCollector`."""
+        a remote client's `stats` feed `engine.serve.transfer_metrics.TransferCollector`."""
         return self.parts.prefill_client
 
     @property
@@ -214,6 +244,11 @@ class Engine:
         common: dict[str, Any] = dict(last_progress_age_s=age, live_requests=live, leaks_found=stats.leak_check_failures)
         if self.loop.errored is not None:
             return HealthReport(False, "dead", repr(self.loop.errored), **common)
+        unchecked = self.memory_report().unchecked
+        if unchecked:
+            detail = "; ".join(f"pool {name} cannot be checked: its stats() raised {error}"
+                               for name, error in unchecked.items())
+            return HealthReport(False, "unchecked", detail, **common)
         if self.loop.last_leak:
             return HealthReport(False, "leaking", "; ".join(self.loop.last_leak), **common)
         no_prefill = None if self.parts.prefill_client is None else self.parts.prefill_client.unavailable()
@@ -221,7 +256,8 @@ class Engine:
             return HealthReport(False, "no_prefill", no_prefill, **common)
         starved = self.loop.starved()
         if starved:
-            waiting = ", ".join(record["request_id"] for record in starved)
+            waiting = ", ".join(f"{r['request_id']} (for {', '.join(r.get('waiting_for', ())) or 'memory'})"
+                                for r in starved)
             return HealthReport(False, "starved", f"waiting for memory: {waiting}", **common)
         if live and self.loop.num_running and (age is None or age > stuck_after):
             return HealthReport(False, "stuck", f"no step or token for {stuck_after}s", **common)

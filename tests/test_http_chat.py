@@ -7,7 +7,8 @@ import pytest
 
 from engine import SamplingParams
 from engine.serve.chat_template import DEFAULT_TEMPLATE, ChatTemplate
-from http_helpers import serving, stream_events, write_chat_checkpoint
+from http_helpers import openai_client as _client
+from http_helpers import serving, stream_events, transformers_chat_ids, write_chat_checkpoint
 
 openai = pytest.importorskip("openai")
 transformers = pytest.importorskip("transformers")
@@ -41,15 +42,6 @@ def checkpoint(tmp_path_factory):
     return write_chat_checkpoint(tmp_path_factory.mktemp("chat") / "ckpt", TEMPLATE)
 
 
-def _transformers_ids(directory, messages, **kwargs) -> list[int]:
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory))
-    out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, **kwargs)
-    return list(out["input_ids"] if hasattr(out, "keys") else out)
-
-
-def _client(client) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=str(client.base_url).rstrip("/") + "/v1", api_key="unused", max_retries=0,
-                              timeout=10)
 
 
 class TestTemplate:
@@ -61,7 +53,7 @@ class TestTemplate:
         _, _, tokenizer = load_checkpoint(checkpoint)
         ours = tokenizer.encode(template.render(MESSAGES, add_generation_prompt=True))
         assert template.origin.endswith("chat_template.jinja")
-        assert ours == _transformers_ids(checkpoint, MESSAGES)
+        assert ours == transformers_chat_ids(checkpoint, MESSAGES)
 
     def test_builtin_model_default_template(self):
         """The built-in tiny model renders role: content lines, then the assistant prompt."""
@@ -74,7 +66,7 @@ class TestChatWithTheOpenAIClient:
     @pytest.mark.asyncio
     async def test_whole_and_streamed(self, checkpoint):
         """Chat answers (whole and streamed) equal the engine's greedy output for transformers' prompt ids."""
-        prompt_ids = _transformers_ids(checkpoint, MESSAGES)
+        prompt_ids = transformers_chat_ids(checkpoint, MESSAGES)
         async with serving(model=str(checkpoint), max_context=512) as (engine, client):
             expected = await engine.complete(prompt_ids, SamplingParams(max_new_tokens=6))
             text = engine.tokenizer.decode(expected.token_ids)

@@ -30,7 +30,7 @@ GENERATE_EXTRAS = {"model": None, "return_text_in_logprobs": False, "log_metrics
 
 def _off_value(entry: Unsupported) -> Any:
     """A value that is not neutral for `entry` (what a client asking for the feature would send)."""
-    neutral = entry.neutral or next(iter(entry.by_api.values()), ())
+    neutral = entry.neutral
     if not neutral:
         return {"on": True}
     first = neutral[0]
@@ -89,7 +89,7 @@ class TestRefused:
         for prefix, table in (("", BODY), ("sampling_params.", SAMPLING_PARAMS)):
             for name, entry in table.items():
                 with pytest.raises(InvalidRequest, match="not supported by this server") as info:
-                    unknown_field(prefix, name, _off_value(entry), api="completions")
+                    unknown_field(prefix, name, _off_value(entry))
                 assert info.value.field == f"{prefix}{name}"
                 for value in (None, *entry.neutral):
                     unknown_field(prefix, name, value)
@@ -109,9 +109,9 @@ class TestRefused:
                 answer = await client.post(path, json=body)
                 assert answer.status_code == 400 and answer.json()["error"]["param"] == field, (path, answer.text)
             assert engine.stats.submitted == 0
-            for path, api, body in (("/generate", "generate", {"input_ids": PROMPT}),
-                                    ("/v1/completions", "completions", {"prompt": PROMPT, "max_tokens": 1})):
-                neutral = {name: (entry.neutral_values(api) or (None,))[0] for name, entry in BODY.items()}
+            neutral = {name: (entry.neutral or (None,))[0] for name, entry in BODY.items()}
+            for path, body in (("/generate", {"input_ids": PROMPT}),
+                               ("/v1/completions", {"prompt": PROMPT, "max_tokens": 1})):
                 answer = await client.post(path, json={**neutral, **body})  # every field at once
                 assert answer.status_code == 200, (path, answer.text)
             neutral_params = {name: (entry.neutral or (None,))[0] for name, entry in SAMPLING_PARAMS.items()}
@@ -119,17 +119,17 @@ class TestRefused:
             assert answer.status_code == 200, answer.text
 
     @pytest.mark.asyncio
-    async def test_add_special_tokens_follows_the_route(self):
-        """add_special_tokens is neutral at each route's own behaviour (completions true, chat false)."""
+    async def test_add_special_tokens_is_taken(self):
+        """vLLM's add_special_tokens is a field of completions and chat (not ignored, not refused)."""
         chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
         async with serving() as (_, client):
             ok = [await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1,
-                                                             "add_special_tokens": True}),
-                  await client.post("/v1/chat/completions", json={**chat, "add_special_tokens": False})]
-            refused = [await client.post("/v1/completions", json={"prompt": "x", "add_special_tokens": False}),
-                       await client.post("/v1/chat/completions", json={**chat, "add_special_tokens": True})]
+                                                             "add_special_tokens": False}),
+                  await client.post("/v1/chat/completions", json={**chat, "add_special_tokens": True})]
+            bad = [await client.post("/v1/completions", json={"prompt": "x", "add_special_tokens": "no"}),
+                   await client.post("/v1/chat/completions", json={**chat, "add_special_tokens": 1})]
         assert [a.status_code for a in ok] == [200, 200]
-        assert all(a.status_code == 400 and a.json()["error"]["param"] == "add_special_tokens" for a in refused)
+        assert all(a.status_code == 400 and a.json()["error"]["param"] == "add_special_tokens" for a in bad)
 
 
 class TestSGLangGenerate:

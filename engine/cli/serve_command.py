@@ -26,7 +26,7 @@ from typing import Any
 
 import anyio
 
-from engine.cli.options import CLIError, add_engine_options, engine_config_from_args, int_at_least, port
+from engine.cli.options import ROLES, CLIError, add_engine_options, engine_config_from_args, int_at_least, port
 from engine.cli.options import positive_seconds
 from engine.cli.router_options import add_router_options, kv_events_from_args, refuse_router_options_for_prefill
 from engine.errors import InvalidConfig
@@ -41,7 +41,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction, parents: list[argpa
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     serve.add_argument("--port", type=port, default=30000, help="port to listen on; 0 picks a free one "
                        "(default: 30000)")
-    add_engine_options(serve, {"leak_check": "log"})
+    add_engine_options(serve, {"leak_check": "log"}, roles=(*ROLES, "prefill"))
     server = serve.add_argument_group("server options")
     server.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer <key>' on every route "
                         f"but /health (default: ${API_KEY_ENV} if set, else no key)")

@@ -5,8 +5,9 @@
 the field and the limit. Besides each field's own limits it refuses what
 could never be admitted (a prompt plus its output beyond `max_context`, which
 the configuration keeps within the KV pool; images whose embeddings exceed
-the multimodal cache), so a request that passes can only ever wait, never
-wait forever.
+the multimodal cache; more sequences than the engine's inbox holds,
+`max_queued`), so a request that passes can only ever wait, never wait
+forever.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ if TYPE_CHECKING:
 class RequestIntake:
     def __init__(self, *, tokenizer: Any, model: Any, model_config: Any, max_context: int,
                  mm_cache_bytes: int | None, is_live: Callable[[str], bool],
-                 sessions: SessionManager | None = None) -> None:
+                 sessions: SessionManager | None = None, max_queued: int | None = None) -> None:
         self.tokenizer = tokenizer
+        self.max_queued = max_queued
         self.model = model
         self.model_config = model_config
         self.max_context = max_context
@@ -45,6 +47,9 @@ class RequestIntake:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequest("params", "a SamplingParams", params)
+        if self.max_queued is not None and params.n > self.max_queued:  # its sequences are queued together
+            raise InvalidRequest("SamplingParams.n", f"<= max_queued = {self.max_queued} (the engine queues a "
+                                 "request's sequences together)", params.n)
         options = options if options is not None else SubmitOptions()
         # issue 21: a later turn's text continues the conversation: no BOS in its middle
         continues = options.session is not None and self.sessions is not None and self.sessions.has_context(

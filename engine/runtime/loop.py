@@ -10,7 +10,8 @@ Its interface is narrow: `submit` (requests in, a stream out), `abort`,
        the batch
     -> run the model step in a worker thread
     -> apply: tokens, outputs, finishes
-    -> when idle, the leak check (logged and counted, never raised here)
+    -> the leak check when idle, and every second while busy
+       (`resources.leak_watch`: logged and counted, never raised here)
 
 NOTE: requests in a running step are never transitioned while it runs: the
 loop is the only task that transitions, and it is awaiting the step. That is
@@ -42,7 +43,8 @@ from engine.runtime.sessions import SessionManager
 from engine.runtime.stats import EngineStats
 from engine.runtime.table import RequestTable, Submission, close_stream
 from engine.stream import OutputChannel, RequestStream
-from resources.ledger import LeakError, MemoryReport
+from resources.leak_watch import LeakWatch
+from resources.ledger import MemoryReport
 from states import FinishReason, Request, RequestState, ResourceExhausted
 
 if TYPE_CHECKING:
@@ -70,6 +72,7 @@ class DecodeLoop:
         self.tokenizer = tokenizer
         self._check_memory = check_memory
         self.stats = EngineStats()
+        self.leak_watch = LeakWatch(memory_report, enabled=config.leak_check != "off", counters=self.stats)
         self.machine.transition_observers.append(self.stats.on_transition)
         self.table = RequestTable()
         self.finisher = Finisher(machine=self.machine, table=self.table, stats=self.stats,
@@ -79,7 +82,7 @@ class DecodeLoop:
         self.planner = Planner(machine=self.machine, table=self.table, finisher=self.finisher,
                                scheduler=parts.scheduler, kv_pool=parts.kv_pool, admit_into=parts.admit_into,
                                after_prefill=parts.after_prefill, transfer_job=parts.transfer_job,
-                               starvation_timeout=config.starvation_timeout, report=memory_report,
+                               starvation_timeout=config.starvation_timeout, report=self.leak_watch.check_now,
                                transfer_unavailable=None if parts.prefill_client is None
                                else parts.prefill_client.unavailable)
         # issue 21: deadlines and sessions, both seen on a timer even without traffic
@@ -89,13 +92,11 @@ class DecodeLoop:
                                        clock=self.machine.clock)
         self.finisher.release_observers.extend((self.deadlines.discard, self.sessions.on_released))
         self.errored: BaseException | None = None
-        self.last_leak: tuple[str, ...] = ()
         self.step_running = False
         self.closing = False
         self._wake = anyio.Event()
         self._idle_event = anyio.Event()
         self._idle_event.set()
-        self._checked_idle = True
         self._thread: int | None = None
 
     # ------------------------------------------------------------ interface
@@ -164,6 +165,11 @@ class DecodeLoop:
         """Admitted requests that have not finished."""
         return len(self.table.running())
 
+    @property
+    def last_leak(self) -> tuple[str, ...]:
+        """The problems the latest leak check found (idle or busy); () once one passes."""
+        return self.leak_watch.problems
+
     def starved(self) -> tuple[dict[str, Any], ...]:
         """The reports of requests now waiting past the starvation bound."""
         return tuple(self.planner.starved.values())
@@ -196,6 +202,13 @@ class DecodeLoop:
         self._wake.set()
 
     # ------------------------------------------------------------ the task
+    def bind(self) -> None:
+        """Create the waiting primitives in the async library about to run the loop (call on entry:
+        the engine may have been built under another one, or outside any)."""
+        self._wake = anyio.Event()
+        self._idle_event = anyio.Event()
+        self._idle_event.set()
+
     async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
         self._thread = threading.get_ident()
         task_status.started()
@@ -219,7 +232,7 @@ class DecodeLoop:
             # NOTE: poll while a late copy may still land or the prefill client still works
             await self._wait(0.05 if self.machine.quarantined or not self.idle else None)
             return
-        self._checked_idle = False
+        self.leak_watch.on_busy()
         self.planner.prepare()
         batch = self.planner.batch()
         if not batch:
@@ -262,6 +275,7 @@ class DecodeLoop:
             try:
                 self.machine.start(request)
             except ResourceExhausted:
+                self.planner.check_starvation(request)
                 break  # FIFO: retried next iteration
             except Exception as exc:
                 table.unstarted.popleft()
@@ -286,16 +300,8 @@ class DecodeLoop:
 
     # ------------------------------------------------------------ idleness
     def _on_idle(self, *, recheck: bool) -> None:
-        if (self._checked_idle and not recheck) or self.leak_check == "off" or not self.idle:
-            return
-        self._checked_idle = True
-        self.stats.leak_checks += 1
-        try:
-            self._check_memory()
-            self.last_leak = ()
-        except LeakError as exc:  # a diagnostic never ends service: logged, counted, reported
-            self.stats.leak_check_failures += 1
-            self.last_leak = tuple(exc.problems)
+        if self.idle:
+            self.leak_watch.on_idle(recheck=recheck)
 
     # ------------------------------------------------------------ endings
     def _die(self, exc: BaseException) -> None:

@@ -11,7 +11,9 @@ would need one finish TRANSFER_FAILED instead, holding no KV); every
 decoding request grows by one token through the machine, retracting the
 lowest priority, newest admitted under page pressure; the
 scheduler builds the batch. A request waiting past `starvation_timeout`
-while pools stay held is reported once (`memory.starved`).
+while pools stay held is reported once (`memory.starved`), after a leak
+check, naming the pools it waits for and their holders
+(`resources.leak_watch.starvation_record`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from engine.runtime.finisher import Finisher
 from engine.runtime.scheduler import ScheduledSeq, Scheduler
 from engine.runtime.table import RequestTable
 from resources.kv_pool import KVPool
+from resources.leak_watch import starvation_record
 from resources.ledger import MemoryReport
 from states import FinishReason, Request, RequestMachine, RequestState, ResourceExhausted
 
@@ -55,7 +58,7 @@ class Planner:
         #: the decode role's "why no prefill can take a job now" (PrefillClient.unavailable)
         self.transfer_unavailable = transfer_unavailable
         self.starvation_timeout = starvation_timeout
-        #: memory_report(), for naming what a starved request waits on
+        #: runs the leak check and returns its memory report, for naming what a starved request waits on
         self.report = report
         self._admissions = 0
         #: request -> what it was reported starving for (reported once per request), until it
@@ -124,7 +127,7 @@ class Planner:
         if ready and ready[0].state is S.QUEUED and self._preempt_for(ready[0]):  # issue 21: priority retraction
             self._admit_in_order([r for r in ready if r.state is S.QUEUED])
         if ready and ready[0].state is S.QUEUED:
-            self._check_starvation(ready[0])
+            self.check_starvation(ready[0])
 
     def _preempt_for(self, head: Request) -> bool:
         """Retract lower-priority running requests so `head` fits (the scheduler decides who)."""
@@ -165,17 +168,13 @@ class Planner:
                 self.finisher.finish(r, FinishReason.TRANSFER_FAILED, error=TransferFailed(why))
         return [r for r in ready if not r.is_finished]
 
-    def _check_starvation(self, head: Request) -> None:
-        queued_at = head.entered_at(S.QUEUED)
+    def check_starvation(self, head: Request) -> None:
+        """Report `head` (waiting for memory since it was queued, or since it arrived if its start
+        was refused) once it has waited past the bound."""
+        queued_at = head.entered_at(S.QUEUED) if head.history else head.arrival_time
         if head in self.starved or queued_at is None or self.machine.clock() - queued_at < self.starvation_timeout:
             return
-        report = self.report()
-        short = {name: s for name, s in report.pools.items() if s.free + s.evictable < s.capacity}
-        holders = {name: [o.describe() for o in report.owners.get(name, [])][:8] for name in short}
-        record = {"request_id": head.request_id, "waited_s": round(self.machine.clock() - queued_at, 3),
-                  "pools": {name: {"free": s.free, "evictable": s.evictable, "held": s.held,
-                                   "capacity": s.capacity} for name, s in short.items()},
-                  "holders": holders}
+        record = starvation_record(self.report(), head.request_id, self.machine.clock() - queued_at)
         self.starved[head] = record
         self.finisher.stats.starved += 1
         log.warning("memory.starved", **record)

@@ -41,6 +41,7 @@ _CHAT = frozenset({"model", "messages", "max_tokens", "max_completion_tokens", "
                    "seed", "stream", "stream_options", "n", "logprobs", "top_logprobs", "presence_penalty",
                    "frequency_penalty", "user", "logit_bias", "response_format", "tool_choice",
                    "add_generation_prompt", "chat_template_kwargs", "top_k", "ignore_eos", "stop_token_ids",
+                   "add_special_tokens",
                    *_TOOL_FIELDS})
 _CHAT_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {"presence_penalty": (0,), "frequency_penalty": (0,),
                                                   "logit_bias": ({},)}
@@ -93,7 +94,7 @@ def parse_messages(value: Any) -> list[dict[str, Any]]:
             raise InvalidRequest(f"{field}.role", "not a tool message or tool call: tool calling is not supported",
                                  role)
         known_fields(message, frozenset({"role", "content", "name"}), f"{field}.")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:
             raise InvalidRequest(f"{field}.role", f"one of {', '.join(sorted(ROLES))}", role)
         if "content" not in message:
             raise InvalidRequest(f"{field}.content", "given (a string or a list of text parts)", None)
@@ -121,7 +122,7 @@ def parse_chat(body: dict[str, Any], limits: Limits, tokenizer: Any,
                template: ChatTemplate) -> tuple[GenerateBody, str]:
     """Validate a ``POST /v1/chat/completions`` body and render its prompt; returns it and the model name."""
     _refuse_tools(body)
-    known_fields(body, _CHAT | scheduling_fields.CHAT, api="chat")  # issue 21: priority, deadline, prompt_logprobs
+    known_fields(body, _CHAT | scheduling_fields.CHAT)  # issue 21: priority, deadline, prompt_logprobs
     check_default_only(body, _CHAT_DEFAULT_ONLY)
     response_format = body.get("response_format")
     if response_format not in (None, {"type": "text"}):
@@ -140,7 +141,11 @@ def parse_chat(body: dict[str, Any], limits: Limits, tokenizer: Any,
                                  extra=_template_kwargs(body.get("chat_template_kwargs")))
     except ChatTemplateError as exc:
         raise InvalidRequest("messages", "accepted by the model's chat template", str(exc)) from None
-    token_ids = prompt_ids(prompt, "messages", limits, tokenizer)
+    special = body.get("add_special_tokens")  # vLLM's; by default as the template needs (chat_template)
+    if special is not None and not isinstance(special, bool):
+        raise InvalidRequest("add_special_tokens", "true or false", special)
+    token_ids = prompt_ids(prompt, "messages", limits, tokenizer,
+                           add_special_tokens=template.add_special_tokens if special is None else special)
     field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     room = max(1, limits.max_context - len(token_ids))
     return openai_body(body, token_ids, prompt, limits, max_tokens_field=field, default_max_tokens=room,

@@ -29,12 +29,11 @@ _MAX_NAMES = 1024  # NOTE: clients choose the names; past this many, new names a
 _ignored: Counter[str] = Counter()
 
 
-def unknown_field(prefix: str, name: str, value: Any, *, api: str | None = None) -> None:
-    """Refuse `prefix + name` if it is unsupported at a value that changes the answer, else ignore it.
-    `api` ("completions", "chat", "generate") picks route-specific neutral values."""
+def unknown_field(prefix: str, name: str, value: Any) -> None:
+    """Refuse `prefix + name` if it is unsupported at a value that changes the answer, else ignore it."""
     unsupported = table_for(prefix).get(name)
-    if unsupported is not None and not unsupported.allows(value, api):
-        raise InvalidRequest(f"{prefix}{name}", unsupported.limit(api), value)
+    if unsupported is not None and not unsupported.allows(value):
+        raise InvalidRequest(f"{prefix}{name}", unsupported.limit(), value)
     key = _INDEX.sub("[]", f"{prefix}{name}")
     if key not in _ignored and len(_ignored) >= _MAX_NAMES:
         return

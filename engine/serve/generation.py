@@ -30,6 +30,7 @@ import structlog
 
 from engine.errors import EngineDead
 from engine.outputs import RequestOutput, TokenLogprob
+from engine.serve.failures import GenerationFailed
 from engine.serve.schemas import GenerateBody
 
 log = structlog.get_logger("kvlife.http")
@@ -178,25 +179,46 @@ async def run_to_end(generation: Generation, receive: Callable) -> bool:
 
 
 class EventStream:
-    """An ASGI response of server-sent events that aborts its request when the client leaves."""
+    """An ASGI response of server-sent events that aborts its request when the client leaves.
+
+    The response starts with the first event: if the events fail before it with
+    `GenerationFailed`, the answer is `on_failure`'s response (an HTTP error) instead.
+    `headers` are added to the stream's (the request id)."""
 
     def __init__(self, events: AsyncGenerator[bytes, None], on_close: Callable[[], None], *,
+                 on_failure: Callable[[GenerationFailed], Any] | None = None,
                  headers: dict[str, str] | None = None) -> None:
         self.events = events
         self.on_close = on_close
+        self.on_failure = on_failure
         self.extra_headers = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
 
     async def __call__(self, scope: Any, receive: Callable, send: Callable) -> None:
         headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                    (b"x-accel-buffering", b"no"), *self.extra_headers]
+        refusal: Any = None
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_watch_disconnect, receive, tg.cancel_scope)
-                await send({"type": "http.response.start", "status": 200, "headers": headers})
-                async for event in self.events:
-                    await send({"type": "http.response.body", "body": event, "more_body": True})
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-                tg.cancel_scope.cancel()
+                try:
+                    first: bytes | None = await self.events.__anext__()
+                except StopAsyncIteration:
+                    first = None
+                except GenerationFailed as failed:
+                    if self.on_failure is None:
+                        raise
+                    refusal = self.on_failure(failed)
+                    tg.cancel_scope.cancel()
+                if refusal is None:
+                    await send({"type": "http.response.start", "status": 200, "headers": headers})
+                    if first is not None:
+                        await send({"type": "http.response.body", "body": first, "more_body": True})
+                        async for event in self.events:
+                            await send({"type": "http.response.body", "body": event, "more_body": True})
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                    tg.cancel_scope.cancel()
+            if refusal is not None:  # nothing was sent yet: an HTTP error instead of a stream
+                await refusal(scope, receive, send)
         except OSError:
             pass  # the client is gone; on_close aborts the request
         finally:

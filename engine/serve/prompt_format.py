@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine.outputs import TokenLogprob
+from engine.serve.logprob_format import legacy_top, text_offsets, token_text
 
 
 def prompt_logprobs_json(tokenizer: Any, entries: Sequence[TokenLogprob | None] | None) -> list[Any] | None:
@@ -51,14 +52,12 @@ def echo_logprobs(generation: Any, entries: Sequence[TokenLogprob | None] | None
     offsets run on from the prompt's: `shift` them, unless they already do)."""
     tokenizer = generation.tokenizer
     ids = generation.body.token_ids
-    tokens = [tokenizer.decode([t]) for t in ids]
-    offsets, offset = [], 0
-    for text in tokens:
-        offsets.append(offset)
-        offset += len(text)
+    tokens = [token_text(tokenizer, t) for t in ids]
+    offset = len(prompt_text(generation))
+    offsets = text_offsets(tokenizer, ids, offset)  # NOTE: the rules of engine.serve.logprob_format
     entries = list(entries or [None] * len(ids))
     token_logprobs = [None if e is None else e.logprob for e in entries]
-    top = [None if e is None else {tokenizer.decode([t]): lp for t, lp in e.top} for e in entries]
+    top = [None if e is None else legacy_top(tokenizer, text, e) for text, e in zip(tokens, entries)]
     if completion is None:
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
     return {"tokens": tokens + completion["tokens"], "token_logprobs": token_logprobs + completion["token_logprobs"],

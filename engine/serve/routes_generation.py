@@ -3,8 +3,10 @@
 One path for all three: refuse while draining, read and validate the body
 (400/413 before the engine is called), check the model name (404) and the
 in-flight bound (503), submit (a full engine inbox is 503 with
-Retry-After), then answer streamed (SSE) or whole. The API only decides how
-the body is parsed and how the answer is written.
+Retry-After), then answer streamed (SSE) or whole. The API decides how the
+body is parsed and how the answer is written, and whether a failed
+generation is answered as an error (the OpenAI routes, `engine.serve.failures`)
+or as a finish reason (``/generate``, whose `meta_info` keeps the precise one).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from engine.errors import EngineClosed, EngineOverloaded, InvalidRequest
 from engine.serve.body_conventions import openai_conventions, sglang_generate
 from engine.serve.chat_schema import parse_chat
 from engine.serve.context import ServerContext
+from engine.serve.failures import first_failure
 from engine.serve.generation import EventStream, Generation, generate_events, generate_json, run_to_end
 from engine.serve.http_errors import HTTPError
 from engine.serve.openai_format import chat_events, chat_json, completion_events, completion_json
@@ -38,6 +41,8 @@ class API:
     json: Callable[[Generation, str], dict[str, Any]]
     id_prefix: str = ""
     openai: bool = True
+    #: a failed generation is an HTTP error or an error event (OpenAI), not a finish reason
+    failures_as_errors: bool = False
 
 
 def _parse_generate(ctx: ServerContext, raw: dict[str, Any]) -> tuple[GenerateBody, str | None]:
@@ -55,8 +60,8 @@ def _parse_chat(ctx: ServerContext, raw: dict[str, Any]) -> tuple[GenerateBody, 
 
 GENERATE = API(_parse_generate, lambda g, model: generate_events(g), lambda g, model: generate_json(g),
                openai=False)
-COMPLETIONS = API(_parse_completion, completion_events, completion_json, "cmpl-")
-CHAT = API(_parse_chat, chat_events, chat_json, "chatcmpl-")
+COMPLETIONS = API(_parse_completion, completion_events, completion_json, "cmpl-", failures_as_errors=True)
+CHAT = API(_parse_chat, chat_events, chat_json, "chatcmpl-", failures_as_errors=True)
 
 
 def _start(ctx: ServerContext, request: Request, api: API, raw: dict[str, Any]) -> tuple[Generation, str]:
@@ -72,7 +77,7 @@ def _start(ctx: ServerContext, request: Request, api: API, raw: dict[str, Any]) 
         raise ctx.unavailable(f"{ctx.max_inflight} requests already in flight; retry later")
     try:
         generation = _generation(ctx, request, api, body, wanted_id)
-    except InvalidRequest as exc:  # the engine's own checks (a rid already in flight, a busy session)
+    except InvalidRequest as exc:  # the engine's own checks (a rid in flight, a busy session, n over max_queued)
         field = engine_field(exc.field)
         raise HTTPError(400, str(exc).replace(exc.field, field, 1), field, exc.limit) from None
     except EngineOverloaded as exc:
@@ -118,9 +123,13 @@ async def _serve(ctx: ServerContext, request: Request, api: API) -> Response | E
     generation.on_close = done
     id_header = {"X-Request-Id": generation.request_id}
     if generation.body.stream:
-        return EventStream(api.events(generation, model), generation.close, headers=id_header)
+        return EventStream(api.events(generation, model), generation.close,
+                           on_failure=ctx.failure_response if api.failures_as_errors else None, headers=id_header)
     if not await run_to_end(generation, request.receive):
         return Response(status_code=499)  # the client left; nobody reads this
+    failed = first_failure(c.finish_reason for c in generation.choices) if api.failures_as_errors else None
+    if failed is not None:
+        return ctx.failure_response(failed)
     return JSONResponse(api.json(generation, model), headers=id_header)
 
 

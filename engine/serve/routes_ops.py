@@ -28,7 +28,7 @@ def ops_routes(ctx: ServerContext) -> list[Route]:
                                        model_name=ctx.limits.model_name, vllm_names=ctx.settings.vllm_metric_names))
     transfer_stats = getattr(engine.prefill_client, "stats", None)
     if transfer_stats is not None:  # a decode with remote prefills: its links and transfers
-        registry.register(TransferCollector(transfer_stats))
+        registry.register(TransferCollector(transfer_stats, model_name=ctx.limits.model_name))
 
     async def abort(request: Request) -> Response:
         try:

@@ -1,13 +1,15 @@
 """``POST /tokenize`` and ``POST /detokenize`` in vLLM's request and response shapes (issue 21).
 
     POST /tokenize    {"model"?, "prompt", "add_special_tokens"? (true), "return_token_strs"? (false)}
-                   or {"model"?, "messages", "add_generation_prompt"? (true), "add_special_tokens"? (false),
+                   or {"model"?, "messages", "add_generation_prompt"? (true), "add_special_tokens"? (false*),
                        "chat_template_kwargs"?, "return_token_strs"?}
                       -> {"count", "max_model_len", "tokens", "token_strs"}
     POST /detokenize  {"model"?, "tokens"} -> {"prompt"}
 
 Messages are rendered with the model's chat template as `/v1/chat/completions`
-renders them. ``token_strs`` are the vocabulary's own token strings where the
+renders them (*and, by default, encoded as it encodes them: adding no special
+token for a checkpoint's own template, the tokenizer's own for the built-in
+default). ``token_strs`` are the vocabulary's own token strings where the
 tokenizer has them (a ``tokenizer.json``), else each token's decoded text.
 """
 
@@ -53,7 +55,9 @@ def _tokenize(ctx: ServerContext, body: dict[str, Any]) -> list[int]:
                                             extra=kwargs)
         except ChatTemplateError as exc:
             raise InvalidRequest("messages", "accepted by the model's chat template", str(exc)) from None
-        return list(tokenizer.encode(text, add_special_tokens=_flag(body, "add_special_tokens", False)))
+        # NOTE: by default as the chat route encodes it (a checkpoint's template writes its own BOS)
+        default = ctx.chat_template.add_special_tokens
+        return list(tokenizer.encode(text, add_special_tokens=_flag(body, "add_special_tokens", default)))
     known_fields(body, _TEXT)
     prompt = body.get("prompt")
     if not isinstance(prompt, str):

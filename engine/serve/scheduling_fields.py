@@ -77,4 +77,4 @@ def parse_submit_fields(body: dict[str, Any]) -> SubmitFields:
 
 def engine_field(field: str) -> str:
     """The body's name of a field an engine error names."""
-    return {"request_id": "rid", "session": "session_params.id"}.get(field, field)
+    return {"request_id": "rid", "session": "session_params.id", "SamplingParams.n": "n"}.get(field, field)

@@ -80,7 +80,8 @@ class GenerateBody:
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
-    """The body as a JSON object (no NaN or Infinity), or InvalidRequest('body', ...)."""
+    """The body as a JSON object (no NaN or Infinity, no lone UTF-16 surrogate in a string), or
+    InvalidRequest naming 'body' or the field that holds the bad string."""
 
     def reject_constant(name: str) -> None:
         raise ValueError(f"{name} is not JSON")
@@ -89,18 +90,40 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         value = json.loads(raw, parse_constant=reject_constant)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidRequest("body", "a JSON object", f"malformed JSON ({exc})") from None
+    except RecursionError:  # the decoder's own bound on nesting
+        raise InvalidRequest("body", "a JSON object nested less deeply", "nested too deeply") from None
     if not isinstance(value, dict):
         raise InvalidRequest("body", "a JSON object", value)
+    _check_text(value)
     return value
 
 
-def known_fields(body: dict[str, Any], allowed: frozenset[str], prefix: str = "", *, api: str | None = None) -> None:
+def _check_text(body: dict[str, Any]) -> None:
+    """Every string is text that can be encoded: JSON's \\ud800 escapes can spell a lone surrogate,
+    which no tokenizer (and no UTF-8 encoder) takes. Walks the body without recursion."""
+    stack: list[tuple[Any, str]] = [(body, "")]
+    while stack:
+        value, field = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidRequest(field or "body", "valid Unicode text (no lone UTF-16 surrogate such as "
+                                     "\\ud800)", value.encode("utf-8", errors="backslashreplace").decode()) from None
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                stack.append((key, field or "body"))
+                stack.append((item, f"{field}.{key}" if field else key))
+        elif isinstance(value, list):
+            stack.extend((item, f"{field}[{i}]") for i, item in enumerate(value))
+
+
+def known_fields(body: dict[str, Any], allowed: frozenset[str], prefix: str = "") -> None:
     """Fields outside `allowed` go to `engine.serve.field_policy`: ignored with one warning per field
-    name, or a 400 if vLLM or SGLang would have changed the answer with them (`api` picks the route's
-    neutral values)."""
+    name, or a 400 if vLLM or SGLang would have changed the answer with them."""
     for key in body:
         if key not in allowed:
-            unknown_field(prefix, key, body[key], api=api)
+            unknown_field(prefix, key, body[key])
 
 
 def _bool(value: Any, field: str) -> bool:
@@ -120,22 +143,23 @@ def _stop_strings(value: Any, field: str) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def prompt_ids(prompt: Any, field: str, limits: Limits, tokenizer: Any) -> list[int]:
-    """Token ids of a text or token-id prompt, checked against the vocabulary and the bound."""
+def prompt_ids(prompt: Any, field: str, limits: Limits, tokenizer: Any, *,
+               add_special_tokens: bool = True) -> list[int]:
+    """Token ids of a text or token-id prompt, checked against the vocabulary and the bound; a text is
+    encoded with the tokenizer's own special tokens (BOS) unless `add_special_tokens` is False."""
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequest(field, "a non-empty string", prompt)
         if len(prompt) > limits.max_prompt_tokens * 16:  # NOTE: bounds tokenizer work before tokenizing
             raise InvalidRequest(field, f"at most {limits.max_prompt_tokens} tokens", f"{len(prompt)} characters")
-        ids = tokenizer.encode(prompt)
+        ids = tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
     elif isinstance(prompt, list):
         ids = prompt
-        bad = next((t for t in ids if not (isinstance(t, int) and not isinstance(t, bool))), None)
-        if bad is not None:
-            raise InvalidRequest(field, "a list of integer token ids", bad)
-        bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequest(field, f"token ids in [0, {limits.vocab_size})", bad)
+        for t in ids:  # NOTE: a loop, not next(..., None): the bad value may itself be null
+            if not (isinstance(t, int) and not isinstance(t, bool)):
+                raise InvalidRequest(field, "a list of integer token ids", t)
+            if not 0 <= t < limits.vocab_size:
+                raise InvalidRequest(field, f"token ids in [0, {limits.vocab_size})", t)
     else:
         raise InvalidRequest(field, "a string or a list of token ids", prompt)
     if not ids:
@@ -168,7 +192,7 @@ _SAMPLING = frozenset({"max_new_tokens", "temperature", "top_p", "top_k", "stop"
 
 def parse_generate(body: dict[str, Any], limits: Limits, tokenizer: Any) -> GenerateBody:
     """Validate a ``POST /generate`` body."""
-    known_fields(body, _GENERATE, api="generate")
+    known_fields(body, _GENERATE)
     if ("text" in body) == ("input_ids" in body):
         raise InvalidRequest("text", "given, or input_ids given, but not both", sorted(set(body) & {"text", "input_ids"}))
     field = "text" if "text" in body else "input_ids"
@@ -194,7 +218,8 @@ def parse_generate(body: dict[str, Any], limits: Limits, tokenizer: Any) -> Gene
 _OPENAI_SAMPLING = frozenset({"model", "max_tokens", "temperature", "top_p", "stop", "seed", "stream",
                               "stream_options", "n", "presence_penalty", "frequency_penalty", "user",
                               "logit_bias", "top_k", "ignore_eos", "stop_token_ids"})
-_COMPLETION = _OPENAI_SAMPLING | {"prompt", "best_of", "echo", "logprobs", "suffix"} | scheduling_fields.COMPLETIONS
+_COMPLETION = (_OPENAI_SAMPLING | {"prompt", "best_of", "echo", "logprobs", "suffix", "add_special_tokens"}
+               | scheduling_fields.COMPLETIONS)
 #: OpenAI fields accepted only at the value that means "off"
 DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (0,), "frequency_penalty": (0,), "suffix": ("",), "logit_bias": ({},),
@@ -248,7 +273,7 @@ def openai_body(body: dict[str, Any], token_ids: list[int], prompt: Any, limits:
 
 def parse_completion(body: dict[str, Any], limits: Limits, tokenizer: Any) -> tuple[GenerateBody, str]:
     """Validate a ``POST /v1/completions`` body; returns it and the model name to answer with."""
-    known_fields(body, _COMPLETION, api="completions")
+    known_fields(body, _COMPLETION)
     check_default_only(body, DEFAULT_ONLY)
     model = served_model(body, limits)
     if "prompt" not in body:
@@ -258,7 +283,8 @@ def parse_completion(body: dict[str, Any], limits: Limits, tokenizer: Any) -> tu
         if len(prompt) != 1:
             raise InvalidRequest("prompt", "a single prompt (batches are not supported)", f"{len(prompt)} prompts")
         prompt = prompt[0]
-    token_ids = prompt_ids(prompt, "prompt", limits, tokenizer)
+    special = _bool(body.get("add_special_tokens", True), "add_special_tokens")  # vLLM's: a text prompt's BOS
+    token_ids = prompt_ids(prompt, "prompt", limits, tokenizer, add_special_tokens=special)
     n, best_of = body.get("n"), body.get("best_of")
     if best_of is not None and best_of != (1 if n is None else n):
         raise InvalidRequest("best_of", "absent or equal to n (beam search is not supported)", best_of)

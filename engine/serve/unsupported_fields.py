@@ -33,17 +33,12 @@ class Unsupported:
 
     does: str
     neutral: tuple[Any, ...] = ()
-    #: API -> neutral values where they differ by route ("completions", "chat")
-    by_api: dict[str, tuple[Any, ...]] = attrs.field(factory=dict)
 
-    def neutral_values(self, api: str | None) -> tuple[Any, ...]:
-        return self.by_api.get(api, self.neutral) if api is not None else self.neutral
+    def allows(self, value: Any) -> bool:
+        return value is None or any(_same_kind(value, n) and value == n for n in self.neutral)
 
-    def allows(self, value: Any, api: str | None = None) -> bool:
-        return value is None or any(_same_kind(value, n) and value == n for n in self.neutral_values(api))
-
-    def limit(self, api: str | None = None) -> str:
-        shown = " or ".join(repr(n) for n in self.neutral_values(api))
+    def limit(self) -> str:
+        shown = " or ".join(repr(n) for n in self.neutral)
         return f"{shown + ' or ' if shown else ''}absent (not supported by this server: {self.does})"
 
 
@@ -72,8 +67,6 @@ BODY: dict[str, Unsupported] = {
     "prompt_logprobs": Unsupported("prompt logprobs"),
     "logprob_token_ids": Unsupported("logprobs of chosen token ids"),
     "prompt_embeds": Unsupported("prompt embeddings"),
-    "add_special_tokens": Unsupported("the prompt's special tokens (completions add them, chat does not)",
-                                      by_api={"completions": (True,), "chat": _OFF}),
     # chat prompt shaping (the rendered prompt would differ)
     "echo": Unsupported("the prompt echoed in the answer", _OFF),
     "continue_final_message": Unsupported("continuing the last assistant message", _OFF),
