@@ -13,6 +13,8 @@ import attrs
 
 from engine.disagg.link.settings import RemotePrefill
 from engine.errors import InvalidConfig, InvalidRequest
+from engine.structured.config import StructuredConfig
+from engine.structured.constraint import Constraint, constraint_from
 from hisparse.config import HiSparseConfig
 from states.validation import (
     int_at_least,
@@ -52,6 +54,9 @@ class SamplingParams:
       prompt token's log probability (vLLM's field; the first entry is None).
       They come from the forward pass that computes the prompt: such a request
       computes its whole prompt even when the prefix cache holds it.
+    - `constraint`: None, or an `engine.Constraint` the output must match (a
+      JSON schema, any JSON object, a regex, a choice, a Lark grammar;
+      docs/structured.md). A dict of its fields is converted (the wire form).
     """
 
     max_new_tokens: int = attrs.field(default=16, validator=int_at_least(1, InvalidRequest))
@@ -67,6 +72,7 @@ class SamplingParams:
     n: int = attrs.field(default=1)
     detokenize: bool = attrs.field(default=True, validator=is_bool(InvalidRequest))
     prompt_logprobs: int | None = attrs.field(default=None)
+    constraint: Constraint | None = attrs.field(default=None, converter=constraint_from)
 
     def __attrs_post_init__(self) -> None:
         p = "SamplingParams"
@@ -90,6 +96,8 @@ class SamplingParams:
                 self.prompt_logprobs)
         require(is_int(self.n) and 1 <= self.n <= MAX_N, InvalidRequest, f"{p}.n", f"an integer in [1, {MAX_N}]",
                 self.n)
+        require(self.constraint is None or isinstance(self.constraint, Constraint), InvalidRequest,
+                f"{p}.constraint", "None or an engine.Constraint", self.constraint)
 
     @property
     def greedy(self) -> bool:
@@ -144,6 +152,8 @@ class EngineConfig:
     admission_window: float = attrs.field(default=0.0, validator=number_at_least(0))
     inline_step_tokens: int = attrs.field(default=8, validator=int_at_least(0))
     mm_cache_bytes: int = attrs.field(default=64 << 20, validator=int_at_least(1))
+    #: how grammars of constrained requests are compiled and bounded (docs/structured.md)
+    structured: StructuredConfig = attrs.field(factory=StructuredConfig)
     # -- issue 21: scheduling and sessions (docs/scheduling.md)
     #: seconds of waiting worth one priority step (None: strict priority, the lowest class may starve)
     priority_aging: float | None = attrs.field(default=60.0)
@@ -175,6 +185,8 @@ class EngineConfig:
                 "None or a HiSparseConfig", self.hisparse)
         if self.hisparse is not None:
             self.hisparse.validate_against(self, self.context_bound)
+        require(isinstance(self.structured, StructuredConfig), InvalidConfig, f"{p}.structured",
+                "an engine.StructuredConfig", self.structured)
         require(self.remote_prefill is None or isinstance(self.remote_prefill, RemotePrefill), InvalidConfig,
                 f"{p}.remote_prefill", "None or an engine.disagg.RemotePrefill", self.remote_prefill)
         if self.remote_prefill is not None:

@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
+from anyio.abc import TaskGroup
 import attrs
 
 from engine.config import EngineConfig, SamplingParams
@@ -37,6 +38,7 @@ from engine.runtime.loop import DecodeLoop
 from engine.runtime.sessions import SessionInfo
 from engine.runtime.submit_options import SubmitOptions
 from engine.stream import RequestStream
+from engine.structured.constraint import Constraint
 from engine.testing import FaultInjector
 from resources.ledger import LeakError, MemoryReport, check_memory, memory_report
 from states import FinishReason, RequestKind, RequestState
@@ -57,6 +59,14 @@ class HealthReport:
     last_progress_age_s: float | None = None
     live_requests: int = 0
     leaks_found: int = 0
+
+
+@attrs.frozen
+class StructuredCounts:
+    """`Engine.structured_stats`: the grammar hook's counts and the compiler's."""
+
+    grammars: Any
+    compiles: Any
 
 
 class Engine:
@@ -80,6 +90,7 @@ class Engine:
                                      is_live=self.loop.is_live, sessions=self.loop.sessions,
                                      max_queued=self.config.max_queued)
         self._exit: Callable[..., Awaitable[bool | None]] | None = None
+        self._task_group: TaskGroup | None = None
         self._running = False
         self._closed = False
 
@@ -112,6 +123,7 @@ class Engine:
         self.loop.bind()
         client = self.parts.prefill_client
         async with anyio.create_task_group() as task_group:
+            self._task_group = task_group  # NOTE: grammar compiles wait here (structured outputs)
             try:
                 if client is not None:
                     await task_group.start(client.run)
@@ -175,13 +187,45 @@ class Engine:
         Issue 21 (`engine.runtime.submit_options`): `priority` (lower runs first),
         `deadline` (seconds from now; then it finishes DEADLINE), `session` (a turn of an
         open session: `prompt` is the turn's new tokens), `resume_output_ids` (continue a
-        request from the tokens it already generated; `max_new_tokens` is what is left)."""
+        request from the tokens it already generated; `max_new_tokens` is what is left).
+
+        A request with a `SamplingParams.constraint` whose grammar is not compiled yet
+        is live at once but enters the engine when the grammar is ready (compiled in a
+        worker thread); one that cannot be compiled is refused before it holds anything,
+        and its stream raises `InvalidRequest` (`await stream.ready()` waits for either)."""
         if not self._running:
             raise EngineClosed("the engine is not running (use `async with Engine(...)`)")
         options = SubmitOptions.build(priority=priority, deadline=deadline, session=session,
                                       resume_output_ids=resume_output_ids)
         request_id, requests = self._intake.build(prompt, params, request_id, mm_inputs, kind, options)
-        return self.loop.submit(request_id, requests)
+        constraint = requests[0].params.constraint
+        if constraint is None:
+            return self.loop.submit(request_id, requests)
+        structured = self.parts.structured
+        assert structured is not None  # assembly always installs it (or says why not)
+        structured.check_supported()
+        compiler = structured.compiler
+        assert compiler is not None
+        compiler.raise_if_failed(constraint)  # a grammar known not to compile is refused at once
+        if compiler.lookup(constraint):
+            return self.loop.submit(request_id, requests)
+        stream = self.loop.submit(request_id, requests, held=True)
+        stream.hold()
+        assert self._task_group is not None  # running
+        self._task_group.start_soon(self._start_when_compiled, constraint, requests, stream)
+        return stream
+
+    async def _start_when_compiled(self, constraint: Constraint, requests: list[Any], stream: RequestStream) -> None:
+        compiler = self.parts.structured.compiler if self.parts.structured is not None else None
+        assert compiler is not None
+        error: InvalidRequest | None = None
+        try:
+            await compiler.compile(constraint, request_id=stream.request_id)
+        except InvalidRequest as exc:
+            error = exc
+        finally:  # NOTE: also when cancelled at exit: shutdown has finished the requests, the stream ends
+            self.loop.start_held(requests, error)
+            stream.mark_ready(error)
 
     async def complete(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                        **kwargs: Any) -> RequestOutput:
@@ -301,3 +345,12 @@ class Engine:
     @property
     def stats(self) -> Any:
         return self.loop.stats
+
+    @property
+    def structured_stats(self) -> Any:
+        """Structured output's counts: `grammars` (this engine's constrained sequences and how
+        they ended) and `compiles` (compiles and cache hits), or None without llguidance."""
+        structured = self.parts.structured
+        if structured is None or structured.compiler is None:
+            return None
+        return StructuredCounts(structured.stats, structured.compiler.stats)

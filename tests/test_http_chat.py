@@ -108,9 +108,13 @@ class TestChatWithTheOpenAIClient:
 class TestRefusals:
     @pytest.mark.asyncio
     @pytest.mark.parametrize(("body", "param"), [
-        ({"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        # "auto" (the default with tools) needs --tool-call-parser, which this server lacks
+        ({"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
         ({"messages": MESSAGES, "tool_choice": "auto"}, "tool_choice"),
-        ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages[0].role"),
+        ({"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "no spaces"}}]},
+         "tools[0].function.name"),
+        ({"messages": MESSAGES, "functions": [{"name": "f"}]}, "functions"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
          "messages[0].content[0]"),
         ({"messages": []}, "messages"),
@@ -119,13 +123,15 @@ class TestRefusals:
         ({"messages": MESSAGES, "logprobs": "yes"}, "logprobs"),
         ({"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
         ({"messages": MESSAGES, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
-        ({"messages": MESSAGES, "response_format": {"type": "json_object"}}, "response_format"),
+        ({"messages": MESSAGES, "response_format": {"type": "xml"}}, "response_format.type"),
+        ({"messages": MESSAGES, "response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
         ({"messages": [MESSAGES[1], MESSAGES[1]]}, "messages"),  # the template's raise_exception
         ({"messages": MESSAGES, "max_tokens": 4, "max_completion_tokens": 4}, "max_completion_tokens"),
         ({"messages": MESSAGES, "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
     ])
     async def test_refused_with_the_field(self, checkpoint, body, param):
-        """Tools, tool messages, images, bad n or logprobs and what the template refuses are 400s naming the field."""
+        """Malformed tools and tool messages, images, bad n or logprobs, unknown response formats and what the
+        template refuses are 400s naming the field."""
         async with serving(model=str(checkpoint), max_context=512) as (engine, client):
             response = await client.post("/v1/chat/completions", json=body)
         error = response.json()["error"]

@@ -250,6 +250,11 @@ class HFTokenizer(_SpecialIds):
         piece = self._backend.id_to_token(token_id)
         return b"" if piece is None else self._piece_bytes(piece)
 
+    def backend_json(self) -> str:
+        """The whole tokenizer as ``tokenizer.json`` text (the declared special tokens included),
+        for libraries that build their own view of the vocabulary (structured output's)."""
+        return self._backend.to_str()
+
     def added_by_encode(self) -> list[int]:
         """The ids `encode` adds around any text (e.g. ``[bos]``)."""
         return self._backend.encode("", add_special_tokens=True).ids

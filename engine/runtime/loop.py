@@ -79,6 +79,7 @@ class DecodeLoop:
                                  stop_ids=frozenset(parts.model_config.stop_token_ids), max_context=max_context,
                                  after_prefill=parts.after_prefill)
         self.finisher.step_observers.extend(parts.step_observers)
+        self.finisher.token_checks.extend(parts.token_checks)
         self.planner = Planner(machine=self.machine, table=self.table, finisher=self.finisher,
                                scheduler=parts.scheduler, kv_pool=parts.kv_pool, admit_into=parts.admit_into,
                                after_prefill=parts.after_prefill, transfer_job=parts.transfer_job,
@@ -98,22 +99,25 @@ class DecodeLoop:
         self._idle_event = anyio.Event()
         self._idle_event.set()
         self._thread: int | None = None
+        self._held = 0  # requests submitted held (their grammar compiles): they count as queued
 
     # ------------------------------------------------------------ interface
-    def submit(self, request_id: str, requests: Sequence[Request]) -> RequestStream:
-        """Hand requests over; the returned stream carries their outputs."""
+    def submit(self, request_id: str, requests: Sequence[Request], *, held: bool = False) -> RequestStream:
+        """Hand requests over; the returned stream carries their outputs. `held`: they are live
+        (their id is taken, abort and shutdown finish them) but start only at `start_held`."""
         if self.errored is not None:
             raise EngineDead(self.errored)
         if self.closing:
             raise EngineClosed("the engine is shutting down")
-        queued = len(self.table.unstarted) + len(self.table.waiting)
+        queued = len(self.table.unstarted) + len(self.table.waiting) + self._held
         if queued + len(requests) > self.max_queued:
             raise EngineOverloaded(f"{queued} requests already queued (max_queued = {self.max_queued})")
         channel = OutputChannel()
         submission = Submission(request_id, list(requests), channel,
                                 {r: OutputBuilder(r, self.tokenizer, index=i, request_id=request_id)
                                  for i, r in enumerate(requests)})
-        self.table.add(submission)
+        self.table.add(submission, start=not held)
+        self._held += len(requests) if held else 0
         for request in requests:  # issue 21
             self.deadlines.add(request)
             self.sessions.bind(request)
@@ -122,6 +126,24 @@ class DecodeLoop:
             self._idle_event = anyio.Event()
         self.wake()
         return RequestStream(request_id, channel, lambda: self.abandon(submission), n=len(requests))
+
+    def start_held(self, requests: Sequence[Request], error: Exception | None = None) -> None:
+        """Start requests submitted `held` (those not finished meanwhile); or, with `error`,
+        refuse them before they hold anything: their stream raises `error`. Called once per held
+        submission, whatever happened to it meanwhile."""
+        self._held -= len(requests)
+        waiting = [r for r in requests if r in self.table.owner and not r.history and not r.is_finished]
+        if not waiting:
+            return
+        if error is None:
+            self.table.unstarted.extend(waiting)
+        else:
+            submission = self.table.owner[waiting[0]]
+            if submission.send is not None:
+                submission.send.send(error)
+            for request in waiting:
+                self.finisher.finish(request, FinishReason.ERROR, error=error)
+        self.wake()
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
         """Abort a live submission by id; False if unknown or already finished."""
@@ -182,7 +204,7 @@ class DecodeLoop:
                 "unstarted": len(table.unstarted), "aborts": len(table.aborts),
                 "starved": len(self.planner.starved), "prefix_locks": len(self._prefix_locks),
                 "quarantined": len(self.machine.quarantined), "deadlines": len(self.deadlines),
-                "session_turns": self.sessions.num_turns_in_flight()}
+                "session_turns": self.sessions.num_turns_in_flight(), "held": self._held}
 
     @property
     def idle(self) -> bool:

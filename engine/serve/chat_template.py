@@ -26,7 +26,7 @@ extension; a ``tojson`` filter that does not escape HTML; the globals
 any other error the template raises on the messages, e.g. string operations
 on an assistant's ``content: null``),
 ``strftime_now``, a ``namespace`` that refuses underscore names, and the template variables ``messages``, ``tools``
-(always None: tools are refused), ``documents``, ``add_generation_prompt``
+(the request's tools, OpenAI's shape, or None), ``documents``, ``add_generation_prompt``
 and the special tokens. Chat templates from the Hub are untrusted code: the
 sandbox refuses attribute access to Python internals.
 """
@@ -160,11 +160,11 @@ class ChatTemplate:
         return cls(source, special, origin=str(config_path))
 
     def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
-               extra: dict[str, Any] | None = None) -> str:
+               extra: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None) -> str:
         """The prompt text; ChatTemplateError if the template refuses the messages."""
         variables = {**self.special_tokens, **(extra or {})}
         try:
-            return self._template.render(messages=messages, tools=None, documents=None,
+            return self._template.render(messages=messages, tools=tools, documents=None,
                                          add_generation_prompt=add_generation_prompt, **variables)
         except ChatTemplateError:
             raise

@@ -7,7 +7,9 @@ with `n` choices and logprobs.
 Streams follow OpenAI's chunk format, one choice per chunk (its `index`
 says which of the n): completions send ``text`` deltas; chat sends, for
 each choice, a first chunk with ``delta.role = "assistant"``, then
-``delta.content`` deltas, and the finish reason on the choice's last chunk.
+``delta.content`` deltas, and the finish reason on the choice's last chunk;
+with a reasoning parser or tools, ``delta.reasoning_content`` and
+``delta.tool_calls`` too (`engine.serve.chat_output`).
 With ``stream_options.include_usage`` every chunk carries ``"usage": null``
 and a last chunk with no choices carries the usage (all n choices), before
 ``[DONE]``.
@@ -30,6 +32,7 @@ from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from engine.serve.failures import GenerationFailed, is_failure
+from engine.serve.chat_output import ChatChoices
 from engine.serve.generation import DONE, Chunk, Generation, sse_event
 from engine.serve.logprob_format import CompletionLogprobs, chat_logprobs
 from engine.serve.prompt_format import echo_choice, prompt_logprobs_json, prompt_text, stream_choice
@@ -56,7 +59,7 @@ async def _started(generation: Generation) -> list[Chunk]:
     return held
 
 
-async def _events(generation: Generation, head: dict[str, Any], choice: Callable[[Chunk], dict],
+async def _events(generation: Generation, head: dict[str, Any], choice: Callable[[Chunk], dict | list[dict]],
                   first: Callable[[int], dict] | None) -> AsyncGenerator[bytes, None]:
     usage_field = {"usage": None} if generation.body.include_usage else {}
     held = deque(await _started(generation))
@@ -69,7 +72,9 @@ async def _events(generation: Generation, head: dict[str, Any], choice: Callable
             yield DONE
             return
         if chunk.delta or chunk.finished or chunk.logprobs:
-            yield sse_event(head | {"choices": [choice(chunk)]} | usage_field)
+            made = choice(chunk)  # NOTE: a list when the text is read (reasoning, tool calls): maybe none yet
+            for one in made if isinstance(made, list) else [made]:
+                yield sse_event(head | {"choices": [one]} | usage_field)
     if generation.body.include_usage:
         yield sse_event(head | {"choices": [], "usage": generation.usage()})
     yield DONE
@@ -114,19 +119,28 @@ def chat_events(generation: Generation, model: str) -> AsyncGenerator[bytes, Non
         return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                 "finish_reason": None}
 
-    def choice(chunk: Chunk) -> dict[str, Any]:
+    reader = ChatChoices(generation.body.chat) if generation.body.chat is not None else None
+
+    def choice(chunk: Chunk) -> dict[str, Any] | list[dict[str, Any]]:
+        logprobs = chat_logprobs(tokenizer, chunk.logprobs or ()) if wanted else None
+        if reader is not None:
+            return reader.chunk(chunk.index, chunk.delta, chunk.finish_reason, logprobs)
         return {"index": chunk.index, "delta": {"content": chunk.delta} if chunk.delta else {},
-                "logprobs": chat_logprobs(tokenizer, chunk.logprobs or ()) if wanted else None,
-                "finish_reason": chunk.finish_reason}
+                "logprobs": logprobs, "finish_reason": chunk.finish_reason}
 
     return _events(generation, _head(generation, model, "chat.completion.chunk"), choice, first)
 
 
 def chat_json(generation: Generation, model: str) -> dict[str, Any]:
     tokenizer, wanted = generation.tokenizer, _wants_logprobs(generation)
-    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": chat_logprobs(tokenizer, c.logprobs) if wanted else None,
-                "finish_reason": c.finish_reason} for c in generation.choices]
+    reader = ChatChoices(generation.body.chat) if generation.body.chat is not None else None
+    choices = []
+    for c in generation.choices:
+        message, finish = (reader.whole(c.index, c.text, c.finish_reason) if reader is not None
+                           else ({"role": "assistant", "content": c.text}, c.finish_reason))
+        choices.append({"index": c.index, "message": message,
+                        "logprobs": chat_logprobs(tokenizer, c.logprobs) if wanted else None,
+                        "finish_reason": finish})
     answer = _head(generation, model, "chat.completion") | {"choices": choices, "usage": generation.usage()}
     if generation.body.params.prompt_logprobs is not None:  # issue 21: vLLM puts them at the top
         answer["prompt_logprobs"] = prompt_logprobs_json(tokenizer, generation.choices[0].prompt_logprobs)

@@ -30,6 +30,7 @@ from engine.serve.openai_format import chat_events, chat_json, completion_events
 from engine.serve.request_ids import take_request_id, unique
 from engine.serve.schemas import GenerateBody, parse_completion, parse_generate
 from engine.serve.scheduling_fields import engine_field
+from engine.serve.structured_fields import renamed
 
 
 @attrs.frozen
@@ -55,7 +56,8 @@ def _parse_completion(ctx: ServerContext, raw: dict[str, Any]) -> tuple[Generate
 
 
 def _parse_chat(ctx: ServerContext, raw: dict[str, Any]) -> tuple[GenerateBody, str | None]:
-    return parse_chat(openai_conventions(raw), ctx.limits, ctx.engine.tokenizer, ctx.chat_template)
+    return parse_chat(openai_conventions(raw), ctx.limits, ctx.engine.tokenizer, ctx.chat_template,
+                      tool_parser=ctx.settings.tool_call_parser, reasoning_parser=ctx.settings.reasoning_parser)
 
 
 GENERATE = API(_parse_generate, lambda g, model: generate_events(g), lambda g, model: generate_json(g),
@@ -77,7 +79,9 @@ def _start(ctx: ServerContext, request: Request, api: API, raw: dict[str, Any]) 
         raise ctx.unavailable(f"{ctx.max_inflight} requests already in flight; retry later")
     try:
         generation = _generation(ctx, request, api, body, wanted_id)
-    except InvalidRequest as exc:  # the engine's own checks (a rid in flight, a busy session, n over max_queued)
+    except InvalidRequest as exc:  # the engine's own checks (a rid in flight, a busy session, n over max_queued,
+        # a constraint it cannot serve)
+        exc = renamed(exc, body.constraint_field or "response_format")
         field = engine_field(exc.field)
         raise HTTPError(400, str(exc).replace(exc.field, field, 1), field, exc.limit) from None
     except EngineOverloaded as exc:
@@ -104,6 +108,18 @@ def _generation(ctx: ServerContext, request: Request, api: API, body: GenerateBo
                       default_deadline=deadline)
 
 
+async def _grammar_ready(generation: Generation) -> None:
+    """A constrained request enters the engine once its grammar is compiled; one that cannot be
+    (an invalid schema or grammar, a compile past its deadline) is a 400 naming the body's field."""
+    if generation.body.params.constraint is None:
+        return
+    try:
+        await generation.stream.ready()
+    except InvalidRequest as exc:
+        generation.close()
+        raise HTTPError.invalid(renamed(exc, generation.body.constraint_field or "response_format")) from None
+
+
 async def _serve(ctx: ServerContext, request: Request, api: API) -> Response | EventStream:
     try:
         if ctx.draining:
@@ -113,6 +129,7 @@ async def _serve(ctx: ServerContext, request: Request, api: API) -> Response | E
         except InvalidRequest as exc:
             raise HTTPError.invalid(exc) from None
         generation, model = _start(ctx, request, api, raw)
+        await _grammar_ready(generation)
     except HTTPError as exc:
         return exc.response()
     ctx.inflight += 1

@@ -16,6 +16,7 @@ from engine.serve.metrics import EngineCollector
 from engine.serve.probes import readiness
 from engine.serve.router_metrics import router_collector
 from engine.serve.schemas import parse_abort
+from engine.serve.structured_metrics import StructuredCollector
 from engine.serve.transfer_metrics import TransferCollector
 
 log = structlog.get_logger("kvlife.http")
@@ -26,6 +27,7 @@ def ops_routes(ctx: ServerContext) -> list[Route]:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(router_collector(EngineCollector(engine, model_name=ctx.limits.model_name), engine,
                                        model_name=ctx.limits.model_name, vllm_names=ctx.settings.vllm_metric_names))
+    registry.register(StructuredCollector(engine, model_name=ctx.limits.model_name))
     transfer_stats = getattr(engine.prefill_client, "stats", None)
     if transfer_stats is not None:  # a decode with remote prefills: its links and transfers
         registry.register(TransferCollector(transfer_stats, model_name=ctx.limits.model_name))

@@ -13,15 +13,17 @@ the answer: `engine.serve.field_policy`):
 
 - ``POST /generate``: ``text`` or ``input_ids`` (exactly one),
   ``sampling_params`` (``max_new_tokens``, ``temperature``, ``top_p``,
-  ``top_k``, ``stop``, ``stop_token_ids``, ``ignore_eos``, ``seed``),
-  ``stream``, ``rid``.
+  ``top_k``, ``stop``, ``stop_token_ids``, ``ignore_eos``, ``seed``, and
+  SGLang's constraints ``json_schema``, ``regex``, ``ebnf``), ``stream``, ``rid``.
 - ``POST /v1/completions``: ``model``, ``prompt`` (text, token ids, or a
   batch of one), ``max_tokens``, ``temperature``, ``top_p``, ``stop``
   (matched by the engine, `SamplingParams.stop`), ``seed``, ``n``,
   ``best_of`` (only equal to n), ``logprobs`` (k alternatives, 0 to 20),
   ``echo`` (with ``max_tokens`` 0: the prompt only), ``stream``,
   ``stream_options``; penalties, ``suffix`` and ``logit_bias`` only at
-  their defaults; extensions ``top_k``, ``ignore_eos``, ``stop_token_ids``.
+  their defaults; extensions ``top_k``, ``ignore_eos``, ``stop_token_ids``;
+  a constraint as ``response_format`` or vLLM's fields
+  (`engine.serve.structured_fields`).
 - Issue 21's fields on each generation route (`scheduling_fields`):
   ``priority``, ``deadline``, ``prompt_logprobs``, ``session_params``,
   ``resume_output_ids``.
@@ -40,6 +42,7 @@ from engine.errors import InvalidRequest
 from engine.serve.field_policy import unknown_field
 from engine.serve import scheduling_fields
 from engine.serve.scheduling_fields import SubmitFields, parse_submit_fields
+from engine.serve.structured_fields import CONSTRAINT_FIELDS, GENERATE_FIELDS, chat_constraint, generate_constraint
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 64
@@ -77,6 +80,10 @@ class GenerateBody:
     #: completions: the answer starts with the prompt (and its logprobs); `echo_only`: max_tokens was 0
     echo: bool = False
     echo_only: bool = False
+    #: the body field `params.constraint` came from (named by a compile error's 400)
+    constraint_field: str | None = None
+    #: chat answers: how the text becomes the message (reasoning, tool calls); None: all content
+    chat: Any = None
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -187,7 +194,7 @@ def _check_context(num_prompt: int, max_new: int, field: str, limits: Limits) ->
 
 _GENERATE = frozenset({"text", "input_ids", "sampling_params", "stream", "rid"}) | scheduling_fields.GENERATE
 _SAMPLING = frozenset({"max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids",
-                       "ignore_eos", "seed"})
+                       "ignore_eos", "seed", *GENERATE_FIELDS})
 
 
 def parse_generate(body: dict[str, Any], limits: Limits, tokenizer: Any) -> GenerateBody:
@@ -203,15 +210,17 @@ def parse_generate(body: dict[str, Any], limits: Limits, tokenizer: Any) -> Gene
         raise InvalidRequest("sampling_params", "a JSON object", sp)
     known_fields(sp, _SAMPLING, "sampling_params.")
     stop = _stop_strings(sp.get("stop"), "sampling_params.stop")
-    fields = {k: v for k, v in sp.items() if k in _SAMPLING and k != "stop" and v is not None}
+    constraint, constraint_field = generate_constraint(sp)
+    fields = {k: v for k, v in sp.items()
+              if k in _SAMPLING and k != "stop" and k not in GENERATE_FIELDS and v is not None}
     names = {name: f"sampling_params.{name}" for name in _SAMPLING}
-    params = _sampling({**fields, "stop": stop}, names)
+    params = _sampling({**fields, "stop": stop, "constraint": constraint}, names)
     _check_context(len(token_ids), params.max_new_tokens, "sampling_params.max_new_tokens", limits)
     rid = body.get("rid")
     if rid is not None and not (isinstance(rid, str) and 0 < len(rid) <= MAX_RID_CHARS and rid.isprintable()):
         raise InvalidRequest("rid", f"a printable string of 1 to {MAX_RID_CHARS} characters", rid)
     stream = _bool(body.get("stream", False), "stream")
-    return GenerateBody(prompt, token_ids, params, stream=stream, rid=rid,
+    return GenerateBody(prompt, token_ids, params, stream=stream, rid=rid, constraint_field=constraint_field,
                         submit=parse_submit_fields(body))
 
 
@@ -219,7 +228,7 @@ _OPENAI_SAMPLING = frozenset({"model", "max_tokens", "temperature", "top_p", "st
                               "stream_options", "n", "presence_penalty", "frequency_penalty", "user",
                               "logit_bias", "top_k", "ignore_eos", "stop_token_ids"})
 _COMPLETION = (_OPENAI_SAMPLING | {"prompt", "best_of", "echo", "logprobs", "suffix", "add_special_tokens"}
-               | scheduling_fields.COMPLETIONS)
+               | scheduling_fields.COMPLETIONS | CONSTRAINT_FIELDS)
 #: OpenAI fields accepted only at the value that means "off"
 DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (0,), "frequency_penalty": (0,), "suffix": ("",), "logit_bias": ({},),
@@ -243,9 +252,11 @@ def served_model(body: dict[str, Any], limits: Limits) -> str:
 
 def openai_body(body: dict[str, Any], token_ids: list[int], prompt: Any, limits: Limits, *,
                 max_tokens_field: str = "max_tokens", default_max_tokens: int = 16,
-                logprobs: tuple[str, Any] | None = None) -> GenerateBody:
+                logprobs: tuple[str, Any] | None = None, constraint: Any = None, constraint_field: str | None = None,
+                chat: Any = None) -> GenerateBody:
     """The sampling, stop and streaming fields shared by /v1/completions and /v1/chat/completions;
-    `logprobs` is (the body field, the SamplingParams.logprobs value) when the request asks for them."""
+    `logprobs` is (the body field, the SamplingParams.logprobs value) when the request asks for them;
+    `constraint` (from `constraint_field`) and `chat` (how chat answers are read) pass through."""
     fields: dict[str, Any] = {
         "max_new_tokens": default_max_tokens if body.get(max_tokens_field) is None else body[max_tokens_field],
         "temperature": 1.0 if body.get("temperature") is None else body["temperature"],
@@ -255,6 +266,8 @@ def openai_body(body: dict[str, Any], token_ids: list[int], prompt: Any, limits:
         if body.get(name) is not None:
             fields[name] = body[name]
     names = {"max_new_tokens": max_tokens_field}
+    if constraint is not None:
+        fields["constraint"] = constraint
     if logprobs is not None:
         names["logprobs"], fields["logprobs"] = logprobs
     if body.get("prompt_logprobs") is not None:  # issue 21: vLLM's field
@@ -268,7 +281,7 @@ def openai_body(body: dict[str, Any], token_ids: list[int], prompt: Any, limits:
     include_usage = _bool(options.get("include_usage", False), "stream_options.include_usage")
     stream = _bool(False if body.get("stream") is None else body["stream"], "stream")
     return GenerateBody(prompt, token_ids, params, stream=stream, include_usage=include_usage,
-                        submit=parse_submit_fields(body))
+                        constraint_field=constraint_field, chat=chat, submit=parse_submit_fields(body))
 
 
 def parse_completion(body: dict[str, Any], limits: Limits, tokenizer: Any) -> tuple[GenerateBody, str]:
@@ -295,7 +308,9 @@ def parse_completion(body: dict[str, Any], limits: Limits, tokenizer: Any) -> tu
         body = {**body, "max_tokens": 1}
     if echo and logprobs is not None and body.get("prompt_logprobs") is None:
         body = {**body, "prompt_logprobs": body["logprobs"]}  # as vLLM: echo's logprobs cover the prompt
-    parsed = openai_body(body, token_ids, prompt, limits, logprobs=logprobs)
+    constraint, field = chat_constraint(body)
+    parsed = openai_body(body, token_ids, prompt, limits, logprobs=logprobs, constraint=constraint,
+                         constraint_field=field)
     return attrs.evolve(parsed, echo=echo, echo_only=echo_only), model
 
 

@@ -14,6 +14,8 @@ from typing import Any
 import attrs
 
 from engine.errors import InvalidConfig
+from engine.serve.reasoning import REASONING_PARSERS
+from engine.serve.tool_parsers import TOOL_PARSERS
 
 
 def _int_at_least(low: int, *, optional: bool = False):
@@ -43,6 +45,15 @@ def _optional_text(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
                             "<hidden>" if attribute.name == "api_key" else value)
 
 
+def _parser_name(choices: Any):
+    def check(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if value is not None and value not in choices:
+            raise InvalidConfig(f"ServerSettings.{attribute.name}", f"None or one of {', '.join(sorted(choices))}",
+                                value)
+
+    return check
+
+
 @attrs.frozen
 class ServerSettings:
     max_body_bytes: int = attrs.field(default=1 << 20, validator=_int_at_least(1))
@@ -59,6 +70,10 @@ class ServerSettings:
     api_key: str | None = attrs.field(default=None, validator=_optional_text, repr=False)
     #: issue 21: seconds a generation request may take when its body gives no `deadline` (None: no deadline)
     default_deadline: float | None = attrs.field(default=None, validator=_optional_seconds)
+    #: how tool calls are read from a model's text (`tool_choice` "auto"); None: "auto" is refused
+    tool_call_parser: str | None = attrs.field(default=None, validator=_parser_name(TOOL_PARSERS))
+    #: how a reasoning model's thinking is split into `reasoning_content`; None: it stays content
+    reasoning_parser: str | None = attrs.field(default=None, validator=_parser_name(REASONING_PARSERS))
     #: also export the router-read metrics under vLLM's names (`vllm:num_requests_waiting`, ...)
     vllm_metric_names: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
     #: an `engine.kv_events.KVEventsConfig`: publish KV cache events (the `kv-events` extra); None: off
