@@ -158,7 +158,7 @@ class EngineConfig:
     inline_step_tokens: int = attrs.field(default=8, validator=int_at_least(0))
     mm_cache_bytes: int = attrs.field(default=64 << 20, validator=int_at_least(1))
     #: speculative decoding (an engine.speculative.SpeculativeConfig; docs/speculative.md); None: off
-    speculative: Any = attrs.field(default=None, kw_only=True)
+    speculative: SpeculativeConfig | None = attrs.field(default=None, kw_only=True)
     #: how grammars of constrained requests are compiled and bounded (docs/structured.md)
     structured: StructuredConfig = attrs.field(factory=StructuredConfig)
     # -- issue 21: scheduling and sessions (docs/scheduling.md)

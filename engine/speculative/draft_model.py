@@ -205,6 +205,7 @@ class Draft:
 def build_draft(config: EngineConfig, *, model_config: ModelConfig, device: torch.device, max_context: int) -> Draft:
     """The draft model, its KV pool and hook, and the proposer (`config.speculative.draft_model`)."""
     spec = config.speculative
+    assert spec is not None and spec.draft_model is not None  # a draft-model config
     dtype = model_config.torch_dtype
     if spec.draft_model == "tiny":
         draft_config = attrs.evolve(ModelConfig.tiny(), dtype=model_config.dtype)
