@@ -155,3 +155,33 @@ async def test_every_finish_path_gives_every_slot_back(method):
     assert hook.units.free == hook.units.capacity
     report = assert_pools_whole(engine)
     assert report.idle and (method != "draft" or "draft_kv_pages" in report.pools)
+
+
+class ShortUnits(TokenUnits):
+    """A per-token pool that never has room for drafts (`extend` False), or whose `extend` raises."""
+
+    def __init__(self, raises: bool) -> None:
+        super().__init__()
+        self.raises = raises
+
+    def extend(self, request, handle: Handle, num_tokens: int) -> bool:
+        self.events.append((request.request_id, "extend"))
+        if self.raises:
+            raise RuntimeError("a faulty extend")
+        return False
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("raises", [False, True], ids=["short", "faulty"])
+async def test_no_room_for_drafts_decodes_plainly(raises):
+    """A pool short of room for drafts (or a hook whose extend raises) costs the speculation, never the
+    request: it decodes plainly, retracts nobody, and what grew is given back."""
+    async with Engine(small_config()) as plain_engine:
+        plain = (await plain_engine.complete(PROMPT, SamplingParams(max_new_tokens=16, ignore_eos=True))).token_ids
+    hook = ShortUnits(raises)
+    async with Engine(small_config(speculative=SPECS["ngram"], resources=[hook])) as engine:
+        out = await engine.complete(PROMPT, SamplingParams(max_new_tokens=16, ignore_eos=True))
+    assert out.token_ids == plain and out.finish_reason is FinishReason.LENGTH
+    assert engine.stats.spec_draft_tokens == 0 and engine.stats.retractions == 0
+    assert any(what == "extend" for _, what in hook.events) and any(what == "rollback" for _, what in hook.events)
+    assert hook.units.free == hook.units.capacity

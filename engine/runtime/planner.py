@@ -205,10 +205,15 @@ class Planner:
         """The draft tokens `request` may verify this step, their KV slots grown through the
         machine; 0 when it does not speculate or a pool is short (then nothing stays grown)."""
         budget = draft_budget(request, self.draft_tokens, self.max_context)
-        if budget and not self.machine.extend(request, request.kv_len + 1 + budget):
-            self.machine.rollback(request, request.kv_len + 1)
+        if not budget:
             return 0
-        return budget
+        try:
+            if self.machine.extend(request, request.kv_len + 1 + budget):
+                return budget
+        except Exception as exc:  # a faulty hook: no speculation this step, the release is the usual one
+            log.error("request.extend_failed", request_id=request.request_id, error=repr(exc))
+        self.machine.rollback(request, request.kv_len + 1)
+        return 0
 
     def _grow(self, request: Request) -> bool:
         """Cover the request's next token, retracting others under pressure; False if it
