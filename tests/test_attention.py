@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.model import attention as attention_module
+from engine.model import paged_attend
 from engine.model.attention import AttentionMetadata, PagedAttention
 from engine.model.dense_reference import dense_forward
 from engine.model.model_config import ModelConfig
@@ -145,12 +145,12 @@ def _paged_context(shapes, num_pages: int, gen: torch.Generator):
 @contextlib.contextmanager
 def _bag_path():
     """Every decode batch through the embedding-bag path (normally only large ones)."""
-    saved = attention_module._BAG_MIN_TOKENS
-    attention_module._BAG_MIN_TOKENS = 0
+    saved = paged_attend.BAG_MIN_TOKENS
+    paged_attend.BAG_MIN_TOKENS = 0
     try:
         yield
     finally:
-        attention_module._BAG_MIN_TOKENS = saved
+        paged_attend.BAG_MIN_TOKENS = saved
 
 
 class TestPagedMetadata:
