@@ -50,6 +50,11 @@ from resources.paging import pages_for, round_up
 #: most bytes of K and V one attention call may gather at once (the blocks form past it)
 GATHER_BUDGET = 128 << 20
 
+#: devices where a chunk after a cached prefix takes torch's lower-right causal bias instead of a
+#: mask (on CUDA it reaches the flash and memory-efficient kernels; on CPU it only materialises the
+#: mask, with a warning); never with grouped query heads, which that bias does not support
+LOWER_RIGHT_DEVICES = frozenset({"cuda"})
+
 #: from this many context tokens in a CPU decode batch on, the bags form (measured: batch
 #: 1 x 192 tokens is faster through SDPA, batch 8 x 192 through the bags)
 BAG_MIN_TOKENS = 1024
@@ -204,10 +209,12 @@ def _sdpa_prefill(q: Tensor, k_buf: Tensor, v_buf: Tensor, batch: ContextBatch, 
     if batch.batch == 1 and window is None and n is not None and q_len is not None:
         keys, values = keys[:, :, :n], values[:, :, :n]
         if q_len == n:  # the chunk is its sequence's whole context
-            out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, enable_gqa=gqa)
-        else:  # a chunk after a cached prefix: causal, aligned to the last key
-            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=causal_lower_right(q_len, n),
-                                                 enable_gqa=gqa)
+            return F.scaled_dot_product_attention(queries, keys, values, is_causal=True, enable_gqa=gqa).transpose(1, 2)
+        if not gqa and q.device.type in LOWER_RIGHT_DEVICES:  # after a cached prefix: causal, aligned to the last key
+            return F.scaled_dot_product_attention(queries, keys, values,
+                                                  attn_mask=causal_lower_right(q_len, n)).transpose(1, 2)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=batch.mask(window)[..., :n],
+                                             enable_gqa=gqa)
     else:
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=batch.mask(window), enable_gqa=gqa)
     return out.transpose(1, 2)
