@@ -43,10 +43,12 @@ def _naive(q, k_buf, v_buf, meta: AttentionMetadata, window: int | None) -> torc
 
 @contextlib.contextmanager
 def _form(form: str):
-    """Force every call through one form: "sdpa", "bags" (decode rows) or "blocks" (one page per block)."""
-    saved = paged_attend.BAG_MIN_TOKENS, paged_attend.GATHER_BUDGET
-    if form == "bags":
+    """Force every call through one form: "sdpa", "bags" (decode rows; "bags-rows": one row's keys at a time)
+    or "blocks" (one page per block)."""
+    saved = paged_attend.BAG_MIN_TOKENS, paged_attend.GATHER_BUDGET, paged_attend.BAG_CHUNK_BYTES
+    if form.startswith("bags"):
         paged_attend.BAG_MIN_TOKENS = 0
+        paged_attend.BAG_CHUNK_BYTES = 1 if form == "bags-rows" else saved[2]
     elif form == "sdpa":
         paged_attend.BAG_MIN_TOKENS = 1 << 40
     else:
@@ -54,7 +56,7 @@ def _form(form: str):
     try:
         yield
     finally:
-        paged_attend.BAG_MIN_TOKENS, paged_attend.GATHER_BUDGET = saved
+        paged_attend.BAG_MIN_TOKENS, paged_attend.GATHER_BUDGET, paged_attend.BAG_CHUNK_BYTES = saved
 
 
 def _step(shapes, group: int, seed: int, dtype=torch.float32, scattered: bool = True):
@@ -92,7 +94,7 @@ class TestForms:
         by_pages=st.booleans(),
         seed=st.integers(0, 2**16),
     )
-    @pytest.mark.parametrize("form", ["sdpa", "bags", "blocks"])
+    @pytest.mark.parametrize("form", ["sdpa", "bags", "bags-rows", "blocks"])
     def test_every_form_equals_the_naive_softmax(self, form, shapes, group, window, by_pages, seed):
         """Any mix of decode rows and prefill chunks, by pages or by token locations, with or without a
         window: each form's output equals a per-row float64 softmax, and the new K/V are stored."""
@@ -103,7 +105,7 @@ class TestForms:
         expected = _naive(q, kv.k[0], kv.v[0], by_locs, window)
         torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
 
-    @pytest.mark.parametrize("form", ["sdpa", "bags", "blocks"])
+    @pytest.mark.parametrize("form", ["sdpa", "bags", "bags-rows", "blocks"])
     def test_bfloat16_softmax_runs_in_float32(self, form):
         """In bfloat16 every form stays within bfloat16's rounding of the float64 softmax."""
         shapes = [(1, 30), (1, 7), (5, 9), (1, 22)]

@@ -20,11 +20,13 @@ one of four forms per call::
   that extends a cached prefix (torch's lower-right causal bias). Grouped
   query heads never copy K/V: decode queries fold each KV head's group into
   the query length; prefill uses ``enable_gqa``.
-- **bags** (CPU): q.K is one `bmm` of the gathered keys against the queries
-  laid out block-diagonally, softmax(q.K).V one `embedding_bag` over the value
-  rows in place (a fused gather and weighted sum): the values are never
-  gathered. On the development CPU it beats gathering both from 1,024 context
-  tokens per step.
+- **bags** (CPU): q.K a few rows at a time, each chunk's keys gathered into a
+  buffer that stays in cache (about `BAG_CHUNK_BYTES`), softmax(q.K).V one
+  `embedding_bag` over the value rows in place (a fused gather and weighted
+  sum): the values are never gathered. On the development CPU it beats
+  gathering both from 1,024 context tokens per step (batch 128 x 160 tokens:
+  3.0 against 6.9 ms a layer, and against 4.4 ms gathering every row's keys at
+  once).
 - **blocks**: the context in blocks of pages with an online softmax (running
   maximum and sum, as flash attention does), so the temporary K/V of a call
   never exceeds `GATHER_BUDGET` whatever the batch and context (a batch of 64
@@ -54,6 +56,9 @@ GATHER_BUDGET = 128 << 20
 #: mask (on CUDA it reaches the flash and memory-efficient kernels; on CPU it only materialises the
 #: mask, with a warning); never with grouped query heads, which that bias does not support
 LOWER_RIGHT_DEVICES = frozenset({"cuda"})
+
+#: the bags form gathers the keys of this many bytes of rows at a time (as float32), to stay in cache
+BAG_CHUNK_BYTES = 1 << 20
 
 #: from this many context tokens in a CPU decode batch on, the bags form (measured: batch
 #: 1 x 192 tokens is faster through SDPA, batch 8 x 192 through the bags)
@@ -87,7 +92,7 @@ class ContextBatch:
         #: the one query length every sequence has, when known on the host (then no query is padding)
         self.q_len = q_len
         self._masks: dict[tuple[int | None, torch.dtype | None], Tensor] = {}
-        self._bags: tuple[Tensor, Tensor] | None = None
+        self._bags: Tensor | None = None
 
     @classmethod
     def of(cls, context: Tensor, context_unit: int, page_size: int, kv_lens: Sequence[int],
@@ -116,13 +121,15 @@ class ContextBatch:
     def batch(self) -> int:
         return self.columns.shape[0]
 
-    def fetch(self, buf: Tensor, start: int = 0, stop: int | None = None) -> Tensor:
-        """``[B, (stop - start) * unit, kv_heads, head_dim]``: the rows of `buf` of
-        context columns [start, stop)."""
+    def fetch(self, buf: Tensor, start: int = 0, stop: int | None = None, rows: slice | None = None) -> Tensor:
+        """``[B, (stop - start) * unit, kv_heads, head_dim]``: the K or V rows of
+        `buf` of context columns [start, stop) (of the sequences `rows` only)."""
         columns = self.columns if start == 0 and stop is None else self.columns[:, start:stop]
-        rows = buf.view(-1, self.unit, *buf.shape[1:]) if self.unit > 1 else buf
-        gathered = rows.index_select(0, columns.reshape(-1))
-        return gathered.view(self.batch, columns.shape[1] * self.unit, *buf.shape[1:])
+        if rows is not None:
+            columns = columns[rows]
+        units = buf.view(-1, self.unit, *buf.shape[1:]) if self.unit > 1 else buf
+        gathered = units.index_select(0, columns.reshape(-1))
+        return gathered.view(columns.shape[0], columns.shape[1] * self.unit, *buf.shape[1:])
 
     def visible(self, window: int | None, start: int = 0, stop: int | None = None) -> Tensor:
         """Boolean ``[B, 1, Q, keys]``: which keys of context positions [start, stop)
@@ -146,9 +153,9 @@ class ContextBatch:
             self._masks[key] = mask
         return mask
 
-    def value_bags(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """(value-row bags ``[B * num_heads, width]``, scaled KV-head identity
-        ``[KVH, KVH]``), built on the first layer's call and reused by the others.
+    def value_bags(self, num_heads: int, num_kv_heads: int) -> Tensor:
+        """Value-row bags ``[B * num_heads, width]``, built on the first layer's
+        call and reused by the others.
 
         Bag ``b * num_heads + h`` lists, for each context column, the row of
         ``v_buf.view(-1, head_dim)`` that query head h of sequence b reads:
@@ -158,9 +165,7 @@ class ContextBatch:
             device = self.columns.device
             tokens = self.columns if self.unit == 1 else token_locations(self.columns, self.unit)
             kv_head = torch.arange(num_heads, device=device) // (num_heads // num_kv_heads)
-            bags = (tokens[:, None, :] * num_kv_heads + kv_head[None, :, None]).view(-1, self.width)
-            eye = torch.eye(num_kv_heads, dtype=dtype, device=device) * head_dim**-0.5
-            self._bags = (bags, eye)
+            self._bags = (tokens[:, None, :] * num_kv_heads + kv_head[None, :, None]).view(-1, self.width)
         return self._bags
 
 
@@ -221,21 +226,28 @@ def _sdpa_prefill(q: Tensor, k_buf: Tensor, v_buf: Tensor, batch: ContextBatch, 
 
 
 def _bags(q: Tensor, k_buf: Tensor, v_buf: Tensor, batch: ContextBatch, window: int | None) -> Tensor:
-    """One query per sequence, `q` ``[B, H, D]``: q.K as one `bmm` of the gathered
-    keys ``[B, width, KVH * D]`` against the queries laid out block-diagonally
-    ``[B, H, KVH * D]`` (head h's query in the block of its KV head, zeros
-    elsewhere: KVH times the multiply-adds of a dot product per head, which here
-    cost nothing next to the bytes), then softmax(q.K).V as one `embedding_bag`
-    over the value rows, which are never gathered."""
+    """One query per sequence, `q` ``[B, H, D]``: q.K a few rows at a time (each
+    chunk's keys gathered into a float32 buffer that stays in cache, multiplied
+    by the queries in place and summed over D), then softmax(q.K).V as one
+    `embedding_bag` over the value rows, which are never gathered."""
     rows, heads, head_dim = q.shape
     kv_heads = k_buf.shape[1]
     group, width = heads // kv_heads, batch.width
-    bags, eye = batch.value_bags(heads, kv_heads, head_dim, q.dtype)
-    keys = _same_dtype(batch.fetch(k_buf), q.dtype).view(rows, width, kv_heads * head_dim)
-    block_q = q.view(rows, kv_heads, group, 1, head_dim) * eye.view(1, kv_heads, 1, kv_heads, 1)
-    scores = torch.bmm(block_q.view(rows, heads, kv_heads * head_dim), keys.transpose(1, 2))
-    mask = batch.mask(window, torch.float32)[:, 0]  # [B, 1, width]
-    weights = torch.softmax(scores.float() + mask if scores.dtype != torch.float32 else scores.add_(mask), dim=-1)
+    bags = batch.value_bags(heads, kv_heads)
+    # NOTE: scores laid out [B, width, KVH, group]: query head h = kv_head * group + g
+    scores = torch.empty((rows, width, kv_heads, group), dtype=torch.float32, device=q.device)
+    queries = (q.float() * head_dim**-0.5).view(rows, 1, kv_heads, group, head_dim)
+    chunk = max(1, BAG_CHUNK_BYTES // (width * kv_heads * head_dim * 4))
+    for start in range(0, rows, chunk):
+        stop = min(rows, start + chunk)
+        keys = batch.fetch(k_buf, rows=slice(start, stop))
+        keys = (keys.float() if keys.dtype != torch.float32 else keys).view(stop - start, width, kv_heads, 1, head_dim)
+        if group == 1:
+            torch.sum(keys.mul_(queries[start:stop]), dim=-1, out=scores[start:stop])
+        else:
+            torch.sum(keys * queries[start:stop], dim=-1, out=scores[start:stop])
+    weights = torch.softmax(scores.view(rows, width, heads).transpose(1, 2).add_(batch.mask(window, torch.float32)[:, 0]),
+                            dim=-1)
     out = F.embedding_bag(bags, v_buf.view(-1, head_dim), per_sample_weights=_same_dtype(weights, v_buf.dtype)
                           .view(-1, width), mode="sum")
     return _same_dtype(out.view(rows, heads, head_dim), q.dtype)
