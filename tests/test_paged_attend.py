@@ -178,6 +178,18 @@ class TestCalls:
         assert type(call["attn_mask"]).__name__ == "CausalBias"
         torch.testing.assert_close(out.double(), _naive(q, kv.k[0], kv.v[0], by_locs, None), atol=1e-5, rtol=1e-5)
 
+    @pytest.mark.parametrize("window", [None, 3])
+    def test_whole_prompts_of_one_length_read_nothing_back(self, monkeypatch, window):
+        """Three prompts of 6 tokens, each whole in one chunk: attended on their own k/v (no gather from the KV
+        buffers), causal with no mask unless a window is shorter; equal to the naive softmax."""
+        kv, by_locs, paged, q, k, v = _step([(6, 0), (6, 0), (6, 0)], 2, seed=8)
+        monkeypatch.setattr(paged_attend.ContextBatch, "fetch", lambda *args, **kwargs: pytest.fail("gathered"))
+        calls = _CountCalls(monkeypatch)
+        out = PagedAttention(kv, paged, layer_windows=[window]).attend(0, q, k, v)
+        (call,) = calls.sdpa
+        assert (call["attn_mask"] is None) == (window is None) and calls.attends == []
+        torch.testing.assert_close(out.double(), _naive(q, kv.k[0], kv.v[0], by_locs, window), atol=1e-5, rtol=1e-5)
+
     def test_windows_and_unequal_lengths_keep_their_mask(self, monkeypatch):
         """Unequal decode lengths get a mask (one built per step, not per layer)."""
         kv, by_locs, paged, q, k, v = _step([(1, 3), (1, 12)], 2, seed=5)

@@ -40,7 +40,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from engine.model.paged_attend import ContextBatch, attend
+from engine.model.paged_attend import ContextBatch, attend, attend_fresh
 
 if TYPE_CHECKING:
     from resources.kv_buffers import KVBuffers
@@ -176,6 +176,12 @@ class PagedAttention:
         self._prefill: ContextBatch | None = None
         self._prefill_queries: Tensor | None = None  # rows of T, [C * Q]; None: T is exactly [C, Q]
         self._prefill_out: tuple[Tensor, Tensor | None] | None = None  # (rows of [C * Q], rows of T or None: all)
+        #: every sequence a whole prompt in one chunk, all of one length: attended on their own k/v ([C, Q])
+        self._fresh: tuple[int, int] | None = None
+        self._window_masks: dict[int, Tensor] = {}
+        if q_lens == kv_lens and min(q_lens) == max(q_lens) > 1:
+            self._fresh = (len(q_lens), q_lens[0])
+            return
         if meta.is_decode_only:
             positions = torch.tensor(kv_lens, device=device)[:, None] - 1
             self._decode = ContextBatch.of(context, unit, ps, kv_lens, positions, q_lens)
@@ -231,6 +237,7 @@ class PagedAttention:
         self = cls.__new__(cls)
         self._kv, self._out_locs, self._windows = kv, out_locs, tuple(layer_windows)
         self._decode_rows, self._prefill, self._prefill_queries, self._prefill_out = None, None, None, None
+        self._fresh, self._window_masks = None, {}
         self._decode = ContextBatch(pages, kv.page_size, kv_lens, (kv_lens - 1)[:, None], q_len=1)
         return self
 
@@ -247,6 +254,11 @@ class PagedAttention:
         k_buf.index_copy_(0, self._out_locs, k if k.dtype == k_buf.dtype else k.to(k_buf.dtype))
         v_buf.index_copy_(0, self._out_locs, v if v.dtype == v_buf.dtype else v.to(v_buf.dtype))
         window = self._windows[layer_id] if layer_id < len(self._windows) else None
+        if self._fresh is not None:
+            chunks, width = self._fresh
+            shape = (chunks, width, -1, q.shape[2])
+            out = attend_fresh(q.view(shape), k.view(shape), v.view(shape), self._window_mask(window, width, q.device))
+            return out.reshape(q.shape)
         decode, prefill, rows = self._decode, self._prefill, self._decode_rows
         if prefill is None:  # NOTE: the common case, every row decodes: no scatter into `out`
             assert decode is not None
@@ -266,6 +278,17 @@ class PagedAttention:
         if decode is not None:
             out[rows] = attend(q[rows][:, None], k_buf, v_buf, decode, window)[:, 0]
         return out
+
+
+    def _window_mask(self, window: int | None, width: int, device: torch.device) -> Tensor | None:
+        """``[Q, Q]``: query i sees keys i - window < j <= i (None without a window)."""
+        if window is None or window >= width:
+            return None
+        mask = self._window_masks.get(window)
+        if mask is None:
+            distance = torch.arange(width, device=device)[:, None] - torch.arange(width, device=device)
+            mask = self._window_masks[window] = (distance >= 0) & (distance < window)
+        return mask
 
 
 @attrs.frozen

@@ -184,6 +184,20 @@ def attend(q: Tensor, k_buf: Tensor, v_buf: Tensor, batch: ContextBatch, window:
     return _sdpa_prefill(q, k_buf, v_buf, batch, window)
 
 
+def attend_fresh(q: Tensor, k: Tensor, v: Tensor, window_mask: Tensor | None) -> Tensor:
+    """Prefill chunks that are each their sequence's whole context, all of one
+    length: `q` ``[C, Q, H, D]`` over their own new `k` and `v` ``[C, Q, KVH, D]``,
+    nothing read back from the KV buffers; causal with no mask (or
+    `window_mask` ``[Q, Q]`` for a sliding window shorter than Q)."""
+    gqa = q.shape[2] != k.shape[2]
+    queries, keys, values = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if window_mask is None:
+        out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, enable_gqa=gqa)
+    else:
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=window_mask, enable_gqa=gqa)
+    return out.transpose(1, 2)
+
+
 def _same_dtype(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
