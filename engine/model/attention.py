@@ -178,7 +178,7 @@ class PagedAttention:
         self._prefill_out: tuple[Tensor, Tensor | None] | None = None  # (rows of [C * Q], rows of T or None: all)
         #: every sequence a whole prompt in one chunk, all of one length: attended on their own k/v ([C, Q])
         self._fresh: tuple[int, int] | None = None
-        self._window_masks: dict[int, Tensor] = {}
+        self._fresh_masks: dict[int | None, Tensor] = {}
         if q_lens == kv_lens and min(q_lens) == max(q_lens) > 1:
             self._fresh = (len(q_lens), q_lens[0])
             return
@@ -237,7 +237,7 @@ class PagedAttention:
         self = cls.__new__(cls)
         self._kv, self._out_locs, self._windows = kv, out_locs, tuple(layer_windows)
         self._decode_rows, self._prefill, self._prefill_queries, self._prefill_out = None, None, None, None
-        self._fresh, self._window_masks = None, {}
+        self._fresh, self._fresh_masks = None, {}
         self._decode = ContextBatch(pages, kv.page_size, kv_lens, (kv_lens - 1)[:, None], q_len=1)
         return self
 
@@ -257,7 +257,7 @@ class PagedAttention:
         if self._fresh is not None:
             chunks, width = self._fresh
             shape = (chunks, width, -1, q.shape[2])
-            out = attend_fresh(q.view(shape), k.view(shape), v.view(shape), self._window_mask(window, width, q.device))
+            out = attend_fresh(q.view(shape), k.view(shape), v.view(shape), window, self._fresh_masks)
             return out.reshape(q.shape)
         decode, prefill, rows = self._decode, self._prefill, self._decode_rows
         if prefill is None:  # NOTE: the common case, every row decodes: no scatter into `out`
@@ -279,16 +279,6 @@ class PagedAttention:
             out[rows] = attend(q[rows][:, None], k_buf, v_buf, decode, window)[:, 0]
         return out
 
-
-    def _window_mask(self, window: int | None, width: int, device: torch.device) -> Tensor | None:
-        """``[Q, Q]``: query i sees keys i - window < j <= i (None without a window)."""
-        if window is None or window >= width:
-            return None
-        mask = self._window_masks.get(window)
-        if mask is None:
-            distance = torch.arange(width, device=device)[:, None] - torch.arange(width, device=device)
-            mask = self._window_masks[window] = (distance >= 0) & (distance < window)
-        return mask
 
 
 @attrs.frozen

@@ -13,11 +13,13 @@ one of four forms per call::
     bags        CPU decode of >= `BAG_MIN_TOKENS`       K only               additive, per row
     blocks      the gathered K/V would not fit          a block at a time    per block
 
-- **sdpa**: `scaled_dot_product_attention` over the gathered K/V. With no mask
-  where the shape says it all, so CUDA can choose its flash kernel: a decode
-  batch whose contexts are all the same length (and no window), a single
-  prefill chunk that is its sequence's whole context (``is_causal``), or one
-  that extends a cached prefix (torch's lower-right causal bias). Grouped
+- **sdpa**: `scaled_dot_product_attention` over the gathered K/V, with no
+  mask where the shape says it all, so CUDA can choose its flash kernel: a
+  decode batch whose contexts are all the same length (and no window), a
+  single prefill chunk that is its whole context (``is_causal``) or, on CUDA,
+  one that extends a cached prefix (torch's lower-right causal bias). Whole
+  prompts of one length are attended on their own new K/V (`attend_fresh`,
+  ``is_causal``): nothing is read back from the buffers. Grouped
   query heads never copy K/V: decode queries fold each KV head's group into
   the query length; prefill uses ``enable_gqa``.
 - **bags** (CPU): q.K a few rows at a time, each chunk's keys gathered into a
@@ -53,8 +55,8 @@ from resources.paging import pages_for, round_up
 GATHER_BUDGET = 128 << 20
 
 #: devices where a chunk after a cached prefix takes torch's lower-right causal bias instead of a
-#: mask (on CUDA it reaches the flash and memory-efficient kernels; on CPU it only materialises the
-#: mask, with a warning); never with grouped query heads, which that bias does not support
+#: mask (on CUDA it reaches the flash and memory-efficient kernels; on CPU it would only be
+#: materialised, with a warning); never with grouped query heads, which that bias does not support
 LOWER_RIGHT_DEVICES = frozenset({"cuda"})
 
 #: the bags form gathers the keys of this many bytes of rows at a time (as float32), to stay in cache
@@ -184,18 +186,23 @@ def attend(q: Tensor, k_buf: Tensor, v_buf: Tensor, batch: ContextBatch, window:
     return _sdpa_prefill(q, k_buf, v_buf, batch, window)
 
 
-def attend_fresh(q: Tensor, k: Tensor, v: Tensor, window_mask: Tensor | None) -> Tensor:
+def attend_fresh(q: Tensor, k: Tensor, v: Tensor, window: int | None, masks: dict[int | None, Tensor]) -> Tensor:
     """Prefill chunks that are each their sequence's whole context, all of one
     length: `q` ``[C, Q, H, D]`` over their own new `k` and `v` ``[C, Q, KVH, D]``,
-    nothing read back from the KV buffers; causal with no mask (or
-    `window_mask` ``[Q, Q]`` for a sliding window shorter than Q)."""
+    nothing read back from the KV buffers: causal with no mask, unless a window
+    shorter than Q needs one (``[Q, Q]``, kept in `masks` for the step's other layers)."""
     gqa = q.shape[2] != k.shape[2]
     queries, keys, values = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    if window_mask is None:
-        out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, enable_gqa=gqa)
-    else:
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=window_mask, enable_gqa=gqa)
-    return out.transpose(1, 2)
+    width = q.shape[1]
+    if window is not None and window >= width:
+        window = None
+    if window is None:
+        return F.scaled_dot_product_attention(queries, keys, values, is_causal=True, enable_gqa=gqa).transpose(1, 2)
+    mask = masks.get(window)
+    if mask is None:
+        distance = torch.arange(width, device=q.device)[:, None] - torch.arange(width, device=q.device)
+        mask = masks[window] = (distance >= 0) & (distance < window)
+    return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, enable_gqa=gqa).transpose(1, 2)
 
 
 def _same_dtype(t: Tensor, dtype: torch.dtype) -> Tensor:
@@ -229,7 +236,7 @@ def _sdpa_prefill(q: Tensor, k_buf: Tensor, v_buf: Tensor, batch: ContextBatch, 
         keys, values = keys[:, :, :n], values[:, :, :n]
         if q_len == n:  # the chunk is its sequence's whole context
             return F.scaled_dot_product_attention(queries, keys, values, is_causal=True, enable_gqa=gqa).transpose(1, 2)
-        if not gqa and q.device.type in LOWER_RIGHT_DEVICES:  # after a cached prefix: causal, aligned to the last key
+        if not gqa and q.device.type in LOWER_RIGHT_DEVICES:  # after a cached prefix: causal, to the last key
             return F.scaled_dot_product_attention(queries, keys, values,
                                                   attn_mask=causal_lower_right(q_len, n)).transpose(1, 2)
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=batch.mask(window)[..., :n],
