@@ -2,7 +2,7 @@
 small ops around them, and attention, replayed in one process.
 
     python benchmarks/step_profile.py [--batches 1 8 32 128] [--context 160] [--steps 60]
-        [--weight-layout auto] [--threads 1] [--out bench-results/step_profile.json] [--ops]
+        [--weight-layout auto] [--threads 1] [--device cpu] [--out bench-results/step_profile.json] [--ops]
 
 The anchor model of `bench_engine.py` (the same config and seed, built by
 kvlife with random weights, no transformers needed), packed as the engine
@@ -11,7 +11,8 @@ packs it, one decode step of B sequences of `--context` tokens on scattered
 engine: the weights stream through and evict the KV). Three replays, each
 the median of `--steps` steps of this thread's CPU time (`time.thread_time`,
 so time the scheduler gives to other processes on a shared machine is not
-counted; memory bandwidth they take still is):
+counted; memory bandwidth they take still is; on CUDA, wall time with a
+synchronize after each step):
 
 - *step*: the forward pass (attention planned for the step) and the greedy argmax;
 - *no attention*: the same with an attention that returns its queries;
@@ -34,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.machine import header, loadavg, machine_info  # noqa: E402
+from benchmarks.machine import add_device_option, header, loadavg, machine_info  # noqa: E402
 from engine.model.attention import AttentionMetadata, PagedAttention  # noqa: E402
 from engine.model.llama import LlamaModel  # noqa: E402
 from engine.model.model_config import ModelConfig  # noqa: E402
@@ -56,16 +57,17 @@ class _Queries:
 def _decode_step(model: LlamaModel, batch: int, context: int):
     """The step's inputs and a function running it (the forward and the argmax)."""
     gen = torch.Generator().manual_seed(batch)
+    device = model.device
     per = -(-context // PAGE)
     kv = KVBuffers(num_layers=ANCHOR.num_layers, num_pages=batch * per + 1, page_size=PAGE,
-                   num_kv_heads=ANCHOR.num_kv_heads, head_dim=ANCHOR.head_dim, dtype=torch.float32, device="cpu")
+                   num_kv_heads=ANCHOR.num_kv_heads, head_dim=ANCHOR.head_dim, dtype=torch.float32, device=device)
     for layer in range(ANCHOR.num_layers):
-        kv.k[layer].normal_(generator=gen)
-        kv.v[layer].normal_(generator=gen)
-    pages = (torch.randperm(batch * per, generator=gen) + 1).view(batch, per)
-    positions = torch.full((batch,), context - 1)
+        kv.k[layer].copy_(torch.randn(kv.k[layer].shape, generator=gen))
+        kv.v[layer].copy_(torch.randn(kv.v[layer].shape, generator=gen))
+    pages = (torch.randperm(batch * per, generator=gen) + 1).view(batch, per).to(device)
+    positions = torch.full((batch,), context - 1, device=device)
     out_locs = pages[:, (context - 1) // PAGE] * PAGE + (context - 1) % PAGE
-    ids = torch.randint(0, ANCHOR.vocab_size, (batch,), generator=gen)
+    ids = torch.randint(0, ANCHOR.vocab_size, (batch,), generator=gen).to(device)
     meta = AttentionMetadata(out_locs=out_locs, q_lens=[1] * batch, kv_lens=[context] * batch, kv_pages=pages,
                              page_size=PAGE)
 
@@ -80,7 +82,7 @@ def _decode_step(model: LlamaModel, batch: int, context: int):
 
 def _floor(model: LlamaModel, batch: int):
     """The step's matmuls alone, through the model's packed projections."""
-    x = torch.randn(batch, ANCHOR.hidden_size)
+    x = torch.randn(batch, ANCHOR.hidden_size, device=model.device)
     hidden, mlp = ANCHOR.num_heads * ANCHOR.head_dim, ANCHOR.intermediate_size
     layers = [(layer.self_attn.qkv, layer.self_attn.o, layer.gate_up, layer.down) for layer in model._layers]
     head = model._head
@@ -96,14 +98,19 @@ def _floor(model: LlamaModel, batch: int):
     return floor
 
 
-def _cpu_ms(fn, steps: int) -> float:
+def _ms(fn, steps: int, device: torch.device) -> float:
+    """Median ms of `fn`: this thread's CPU time, or wall time to a synchronize on CUDA."""
+    cuda = device.type == "cuda"
+    clock = time.perf_counter if cuda else time.thread_time
     for _ in range(3):
         fn()
     times = []
     for _ in range(steps):
-        t0 = time.thread_time()
+        t0 = clock()
         fn()
-        times.append(time.thread_time() - t0)
+        if cuda:
+            torch.cuda.synchronize(device)
+        times.append(clock() - t0)
     return 1e3 * statistics.median(times)
 
 
@@ -112,7 +119,7 @@ def profile_batch(model: LlamaModel, batch: int, context: int, steps: int, ops: 
     floor = _floor(model, batch)
     replays = []
     for _ in range(3):
-        replays.append({name: _cpu_ms(fn, steps) for name, fn in
+        replays.append({name: _ms(fn, steps, model.device) for name, fn in
                         (("step", step), ("no_attention", without_attention), ("floor", floor))})
     row: dict = {"batch": batch, "replays": replays, "load": loadavg()}
     for name in ("step", "no_attention", "floor"):
@@ -139,18 +146,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--weight-layout", default="auto")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--ops", action="store_true", help="also print torch.profiler's top ops of one step")
+    add_device_option(parser)
     parser.add_argument("--out", default="bench-results/step_profile.json")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    info = machine_info()
+    info = machine_info(args.device)
     print(header(info), flush=True)
-    model = LlamaModel.from_seed(ANCHOR, 0)
+    model = LlamaModel.from_seed(ANCHOR, 0, device=args.device)
     model.pack(args.weight_layout)
     rows = []
     with torch.inference_mode():
         for batch in args.batches:
             rows.append(profile_batch(model, batch, args.context, args.steps, args.ops))
-    print(f"\nweight layout {model.weight_layout}, context {args.context}; thread CPU ms per step, median of 3 replays; "
+    print(f"\nweight layout {model.weight_layout}, context {args.context}; ms per step, median of 3 replays; "
           f"load at end {loadavg()}")
     print(f"{'batch':>5} | {'step':>8} | {'floor':>8} | {'small ops':>9} | {'attention':>9} | x floor")
     for r in rows:

@@ -373,6 +373,8 @@ class LlamaModel(nn.Module):
                 layer.down_t, _ = pack_linears([layer.mlp.down_proj])
                 layer.gate_up = projection(layer.gate_up_t, layer.gate_up_bias)
                 layer.down = projection(layer.down_t, layer.mlp.down_proj.bias)
+            elif isinstance(layer.mlp, MoEFeedForward):
+                layer.mlp.pack()  # the experts' weights stacked (engine.model.moe)
         if self.lm_head is not None:
             self.head_t, _ = pack_linears([self.lm_head])
             self._head = projection(self.head_t, None)

@@ -158,7 +158,7 @@ def build_parts(config: EngineConfig, *, faults: FaultInjector | None = None,
         else:
             # NOTE: a configured hook *instance* has one pool, so it serves the decode engine only;
             # factories (and entry points) build the prefill worker a hook of its own.
-            prefill_config = attrs.evolve(config, disaggregation="none", hisparse=None,
+            prefill_config = attrs.evolve(config, disaggregation="none", hisparse=None, cuda_graphs=False,
                                           resources=tuple(r for r in config.resources if not is_hook_instance(r)))
             prefill_parts = build_parts(prefill_config, faults=faults, model_bundle=(model_config, model, tokenizer),
                                         expert_distribution=expert_distribution)
@@ -186,7 +186,8 @@ def build_parts(config: EngineConfig, *, faults: FaultInjector | None = None,
 
     runner_cls = NoComputeRunner if config.model == "null" else ModelRunner
     runner = runner_cls(model, kv_buffers, kv_pool.slots, device, slot_of=slot_of,
-                        attention_factory=attention_factory, embedder=embedder, faults=faults)
+                        attention_factory=attention_factory, embedder=embedder, faults=faults,
+                        cuda_graphs=config.cuda_graphs)
     windows = [w for w in model_config.layer_windows if w is not None]  # every layer windowed: the widest
     kv_hook = KVHook(kv_pool, scope=kv_scope,
                      window=max(windows) if windows and len(windows) == len(model_config.layer_windows) else None)

@@ -77,7 +77,9 @@ class DecodeLoop:
         self.planner = Planner(machine=self.machine, table=self.table, finisher=self.finisher,
                                scheduler=parts.scheduler, kv_pool=parts.kv_pool, admit_into=parts.admit_into,
                                after_prefill=parts.after_prefill, transfer_job=parts.transfer_job,
-                               starvation_timeout=config.starvation_timeout, report=memory_report)
+                               starvation_timeout=config.starvation_timeout, report=memory_report,
+                               transfer_unavailable=None if parts.prefill_client is None
+                               else parts.prefill_client.unavailable)
         self.errored: BaseException | None = None
         self.last_leak: tuple[str, ...] = ()
         self.step_running = False

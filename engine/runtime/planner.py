@@ -4,9 +4,11 @@ grows or is retracted, and the batch.
 In order: transfers that landed enter PREBUILT; moves that wait on memory or
 copies are retried (PREBUILT -> DECODING/STAGING, STAGING -> DECODING,
 RETRACTED -> QUEUED); the scheduler picks admissions (QUEUED ->
-PREFILLING/TRANSFERRING); every decoding request grows by one token through
-the machine, retracting the newest admitted under page pressure; the
-scheduler builds the batch. A request waiting past `starvation_timeout`
+PREFILLING/TRANSFERRING; in the decode role, while its prefill client says
+no peer can take a job, the requests that would need one finish
+TRANSFER_FAILED instead, holding no KV); every decoding request grows by
+one token through the machine, retracting the newest admitted under page
+pressure; the scheduler builds the batch. A request waiting past `starvation_timeout`
 while pools stay held is reported once (`memory.starved`).
 """
 
@@ -18,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from engine.disagg.decode.transfer import TransferFailed
 from engine.runtime.finisher import Finisher
 from engine.runtime.scheduler import ScheduledSeq, Scheduler
 from engine.runtime.table import RequestTable
@@ -36,7 +39,8 @@ class Planner:
     def __init__(self, *, machine: RequestMachine, table: RequestTable, finisher: Finisher, scheduler: Scheduler,
                  kv_pool: KVPool, admit_into: RequestState, after_prefill: RequestState,
                  transfer_job: Callable[[Request], TransferJob] | None, starvation_timeout: float,
-                 report: Callable[[], MemoryReport]) -> None:
+                 report: Callable[[], MemoryReport],
+                 transfer_unavailable: Callable[[], str | None] | None = None) -> None:
         self.machine = machine
         self.table = table
         self.finisher = finisher
@@ -46,6 +50,8 @@ class Planner:
         self.after_prefill = after_prefill
         #: the decode role's accessor of a TRANSFERRING request's job (None otherwise)
         self.transfer_job = transfer_job
+        #: the decode role's "why no prefill can take a job now" (PrefillClient.unavailable)
+        self.transfer_unavailable = transfer_unavailable
         self.starvation_timeout = starvation_timeout
         #: memory_report(), for naming what a starved request waits on
         self.report = report
@@ -110,6 +116,9 @@ class Planner:
         kv = self.kv_pool
         owner = self.table.owner
         ready = [r for r in waiting if owner[r].admissible(r)]
+        why = self.transfer_unavailable() if self.transfer_unavailable is not None and ready else None
+        if why is not None:
+            ready = self._refuse_transfers(ready, why)
         chosen = self.scheduler.select_admissions(ready, num_running=len(self.table.running()),
                                                   free_slots=kv.slots.num_free, available_pages=kv.available_pages)
         for request in chosen:
@@ -128,6 +137,15 @@ class Planner:
                 self.finisher.stats.on_admit(request, time.monotonic(), request.kv_len, queried)
         if ready and ready[0] in waiting:
             self._check_starvation(ready[0])
+
+    def _refuse_transfers(self, ready: list[Request], why: str) -> list[Request]:
+        """No prefill can take a job: every ready request that would need one (and its waiting siblings)
+        finishes TRANSFER_FAILED now, instead of pre-allocating KV that nobody can fill."""
+        owner = self.table.owner
+        for request in [r for r in ready if not (r.shares_prompt and r is not owner[r].leader)]:
+            for r in [r for r in owner[request].requests if r in self.table.waiting]:
+                self.finisher.finish(r, FinishReason.TRANSFER_FAILED, error=TransferFailed(why))
+        return [r for r in ready if not r.is_finished]
 
     def _check_starvation(self, head: Request) -> None:
         queued_at = head.entered_at(S.QUEUED)

@@ -55,6 +55,9 @@ class PrefillWorker:
         cancel_unstarted(job)  # a started job notices `cancelled` before sending
         self._wake.set()
 
+    def unavailable(self) -> str | None:
+        return None  # in process: always there
+
     @property
     def idle(self) -> bool:
         return not self.requests and not any(job.outcome is None for job in self.jobs)
