@@ -60,7 +60,7 @@ GATHER_BUDGET = 128 << 20
 LOWER_RIGHT_DEVICES = frozenset({"cuda"})
 
 #: the bags form gathers the keys of this many bytes of rows at a time (as float32), to stay in cache
-BAG_CHUNK_BYTES = 1 << 20
+BAG_CHUNK_BYTES = 2 << 20
 
 #: from this many context tokens in a CPU decode batch on, the bags form (measured: batch
 #: 1 x 192 tokens is faster through SDPA, batch 8 x 192 through the bags)
@@ -248,9 +248,9 @@ def _sdpa_prefill(q: Tensor, k_buf: Tensor, v_buf: Tensor, batch: ContextBatch, 
 
 def _bags(q: Tensor, k_buf: Tensor, v_buf: Tensor, batch: ContextBatch, window: int | None) -> Tensor:
     """One query per sequence, `q` ``[B, H, D]``: q.K a few rows at a time (each
-    chunk's keys gathered into a float32 buffer that stays in cache, multiplied
-    by the queries in place and summed over D), then softmax(q.K).V as one
-    `embedding_bag` over the value rows, which are never gathered."""
+    chunk's keys gathered into one reused buffer that stays in cache, multiplied
+    by the queries in place and summed over D, in float32), then softmax(q.K).V
+    as one `embedding_bag` over the value rows, which are never gathered."""
     rows, heads, head_dim = q.shape
     kv_heads = k_buf.shape[1]
     group, width = heads // kv_heads, batch.width
@@ -259,14 +259,18 @@ def _bags(q: Tensor, k_buf: Tensor, v_buf: Tensor, batch: ContextBatch, window: 
     scores = torch.empty((rows, width, kv_heads, group), dtype=torch.float32, device=q.device)
     queries = (q.float() * head_dim**-0.5).view(rows, 1, kv_heads, group, head_dim)
     chunk = max(1, BAG_CHUNK_BYTES // (width * kv_heads * head_dim * 4))
+    columns = batch.columns.shape[1]
+    flat = batch.columns.reshape(-1)
+    units = k_buf.view(-1, batch.unit, kv_heads, head_dim)
+    buffer = torch.empty((min(chunk, rows) * columns, batch.unit, kv_heads, head_dim), dtype=k_buf.dtype,
+                         device=q.device)
     for start in range(0, rows, chunk):
         stop = min(rows, start + chunk)
-        keys = batch.fetch(k_buf, rows=slice(start, stop))
-        keys = (keys.float() if keys.dtype != torch.float32 else keys).view(stop - start, width, kv_heads, 1, head_dim)
-        if group == 1:
-            torch.sum(keys.mul_(queries[start:stop]), dim=-1, out=scores[start:stop])
-        else:
-            torch.sum(keys * queries[start:stop], dim=-1, out=scores[start:stop])
+        keys = torch.index_select(units, 0, flat[start * columns : stop * columns],
+                                  out=buffer[: (stop - start) * columns])
+        keys = (keys if keys.dtype == torch.float32 else keys.float()).view(stop - start, width, kv_heads, 1, head_dim)
+        products = keys.mul_(queries[start:stop]) if group == 1 else keys * queries[start:stop]
+        torch.sum(products, dim=-1, out=scores[start:stop])
     weights = torch.softmax(scores.view(rows, width, heads).transpose(1, 2).add_(batch.mask(window, torch.float32)[:, 0]),
                             dim=-1)
     out = F.embedding_bag(bags, v_buf.view(-1, head_dim), per_sample_weights=_same_dtype(weights, v_buf.dtype)
