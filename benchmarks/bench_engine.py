@@ -35,7 +35,6 @@ Prints the tables and writes JSON (`--out`).
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -49,7 +48,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.machine import add_device_option, fmt, header, loadavg, machine_info, median_range  # noqa: E402
+from benchmarks.machine import (add_device_option, fmt, header, loadavg, machine_info, median_range,  # noqa: E402
+                                write_results)
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from engine.logging import configure_logging  # noqa: E402
 from engine.model.projection import Projection, onednn_applies  # noqa: E402
@@ -368,11 +368,7 @@ def main(argv: list[str] | None = None) -> dict:
                             "new_tokens": args.new_tokens, "repeat": args.repeat, "threads": args.threads,
                             "floor_weight_bytes": floor.nbytes},
                "rows": rows}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {out}")
-    return results
+    return write_results(args.out, results)
 
 
 if __name__ == "__main__":

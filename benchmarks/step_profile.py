@@ -25,7 +25,6 @@ also prints torch.profiler's top ops of one step. Prints a table, writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -35,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.machine import add_device_option, header, loadavg, machine_info  # noqa: E402
+from benchmarks.machine import add_device_option, header, loadavg, machine_info, write_results  # noqa: E402
 from engine.model.attention import AttentionMetadata, PagedAttention  # noqa: E402
 from engine.model.llama import LlamaModel  # noqa: E402
 from engine.model.model_config import ModelConfig  # noqa: E402
@@ -165,11 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{r['batch']:>5} | {r['step_ms']:>8.2f} | {r['floor_ms']:>8.2f} | {r['small_ops_ms']:>9.2f} | "
               f"{r['attention_ms']:>9.2f} | {r['floor_ms'] / r['step_ms']:.2f}")
     results = {"machine": info, "weight_layout": model.weight_layout, "context": args.context, "rows": rows}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {out}")
-    return results
+    return write_results(args.out, results)
 
 
 if __name__ == "__main__":

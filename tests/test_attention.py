@@ -18,6 +18,7 @@ from engine.model.attention import AttentionMetadata, PagedAttention
 from engine.model.dense_reference import dense_forward
 from engine.model.model_config import ModelConfig
 from engine.model.llama import LlamaModel
+from naive_attention import naive_attention as _naive_attention
 from resources.kv_buffers import KVBuffers
 
 PAGE_SIZE = 4
@@ -80,24 +81,6 @@ def _run_paged_step(
 def _assert_matches_dense(model: LlamaModel, seq: _PagedSequence, count: int, logits: torch.Tensor) -> None:
     expected = dense_forward(model, seq.tokens[: seq.cached])[seq.cached - count :]
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
-
-
-def _naive_attention(q, k_buf, v_buf, meta: AttentionMetadata) -> torch.Tensor:
-    """Per sequence, per head, explicit float64 softmax over the gathered context."""
-    out = torch.empty_like(q, dtype=torch.float64)
-    group = q.shape[1] // k_buf.shape[1]
-    row = 0
-    for b, (q_len, kv_len) in enumerate(zip(meta.q_lens, meta.kv_lens, strict=True)):
-        locs = meta.kv_locs[b, :kv_len]
-        for i in range(q_len):
-            visible = kv_len - q_len + i + 1
-            for h in range(q.shape[1]):
-                keys = k_buf[locs[:visible], h // group].double()
-                values = v_buf[locs[:visible], h // group].double()
-                scores = keys @ q[row + i, h].double() / q.shape[2] ** 0.5
-                out[row + i, h] = torch.softmax(scores, 0) @ values
-        row += q_len
-    return out
 
 
 class TestAttentionMetadata:

@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from engine import Engine, EngineConfig, SamplingParams
+from engine import Engine, SamplingParams
 from engine.model import rope as rope_module
 from engine.model.attention import AttentionMetadata, PagedAttention
 from engine.model.layers import RMSNorm

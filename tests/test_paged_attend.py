@@ -17,28 +17,11 @@ from hypothesis import strategies as st
 
 from engine.model import paged_attend
 from engine.model.attention import AttentionMetadata, PagedAttention
+from naive_attention import naive_attention as _naive
 from resources.kv_buffers import KVBuffers
 
 PAGE = 4
 KV_HEADS, HEAD_DIM = 2, 8
-
-
-def _naive(q, k_buf, v_buf, meta: AttentionMetadata, window: int | None) -> torch.Tensor:
-    """Per query, per head: float64 softmax over the last `window` positions of its context."""
-    out = torch.empty(q.shape, dtype=torch.float64)
-    group = q.shape[1] // k_buf.shape[1]
-    row = 0
-    for b, (q_len, kv_len) in enumerate(zip(meta.q_lens, meta.kv_lens)):
-        locs = meta.kv_locs[b, :kv_len]
-        for i in range(q_len):
-            pos = kv_len - q_len + i
-            first = 0 if window is None else max(0, pos - window + 1)
-            keys, values = k_buf[locs[first : pos + 1]].double(), v_buf[locs[first : pos + 1]].double()
-            for h in range(q.shape[1]):
-                scores = keys[:, h // group] @ q[row, h].double() * q.shape[2] ** -0.5
-                out[row, h] = torch.softmax(scores, 0) @ values[:, h // group]
-            row += 1
-    return out
 
 
 @contextlib.contextmanager
