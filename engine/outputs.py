@@ -21,6 +21,8 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    #: the token's rank in the distribution (1 = the most likely), where computed (prompt logprobs)
+    rank: int | None = None
 
 
 @attrs.frozen
@@ -44,6 +46,9 @@ class RequestOutput:
     _num_parts: int = attrs.field(default=0, repr=False, alias="num_parts")
     index: int = 0
     logprobs: tuple[TokenLogprob, ...] | None = None
+    #: issue 21: with `SamplingParams.prompt_logprobs`, one entry per prompt token (the first None),
+    #: on the request's first output and on its final one
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
     finished: bool = False
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0

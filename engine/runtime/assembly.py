@@ -8,7 +8,8 @@ multimodal, the decode role's prefill client) plug in here and nowhere else.
 
 Built-in registration order is the built-in release order::
 
-    moe_record, kv_transfer, hisparse..., kv, request_slot, multimodal, plugins..., timing
+    moe_record, kv_transfer, hisparse..., kv, request_slot, multimodal, session, session_turn, grammar, plugins...,
+    timing
 
 (plugins may reorder themselves with before/after; timing is always last).
 """
@@ -29,7 +30,9 @@ from engine.model.loading import load_model
 from engine.model.model_config import ModelConfig
 from engine.model.runner import AttentionFactory, ModelRunner, NoComputeRunner, StepOutput
 from engine.model.tokenizer import Tokenizer
+from engine.runtime.finisher import TokenCheck
 from engine.runtime.scheduler import ScheduledSeq, Scheduler
+from engine.structured.install import StructuredInstall, install_structured
 from engine.testing import FaultInjector
 from resources.kv_buffers import KVBuffers
 from resources.kv_hook import KVHook
@@ -44,6 +47,7 @@ from states import Request, RequestMachine, RequestState
 if TYPE_CHECKING:
     from engine.disagg.decode.kv_transfer_hook import PrefillClient, TransferJob
     from resources.moe_records import ExpertDistribution
+    from resources.session_hook import SessionStore
 
 #: called after every step with the batch and its output (the MoE record)
 StepObserver = Callable[[Sequence[ScheduledSeq], StepOutput], None]
@@ -74,6 +78,12 @@ class EngineParts:
     prefill_client: PrefillClient | None = None
     transfer_job: Callable[[Request], TransferJob] | None = None
     mm_cache_bytes: int | None = None
+    #: issue 21: open sessions' records and hooks (None when EngineConfig.max_sessions is 0)
+    sessions: SessionStore | None = None
+    #: structured output (the grammar hook, masks and compiler; or why constraints are refused)
+    structured: StructuredInstall | None = None
+    #: features' checks of each sampled token (the grammar's), run by the loop before appending it
+    token_checks: list[TokenCheck] = attrs.field(factory=list)
 
 
 def _device(config: EngineConfig) -> torch.device:
@@ -159,6 +169,7 @@ def build_parts(config: EngineConfig, *, faults: FaultInjector | None = None,
             # NOTE: a configured hook *instance* has one pool, so it serves the decode engine only;
             # factories (and entry points) build the prefill worker a hook of its own.
             prefill_config = attrs.evolve(config, disaggregation="none", hisparse=None, cuda_graphs=False,
+                                          max_sessions=0,
                                           resources=tuple(r for r in config.resources if not is_hook_instance(r)))
             prefill_parts = build_parts(prefill_config, faults=faults, model_bundle=(model_config, model, tokenizer),
                                         expert_distribution=expert_distribution)
@@ -184,10 +195,28 @@ def build_parts(config: EngineConfig, *, faults: FaultInjector | None = None,
         embedder = make_embedder(model, model_config.image_token_id, mm_hook.embeddings)
         parts_extra["mm_cache_bytes"] = config.mm_cache_bytes
 
+    if config.max_sessions:  # issue 21: a session's kept KV, a lease with its own hooks
+        from resources.session_hook import SessionStore
+
+        session_store = SessionStore(kv_pool, config.max_sessions)
+        after_kv.extend(session_store.hooks)
+        pools.append(session_store.pool)
+        parts_extra["sessions"] = session_store
+
+    structured = install_structured(config.structured, tokenizer=tokenizer, vocab_size=model_config.vocab_size,
+                                    stop_ids=model_config.stop_token_ids, device=device,
+                                    max_matchers=config.max_running + config.max_queued)
+    if structured.hook is not None:  # released after the request's memory, acquired before it
+        after_kv.append(structured.hook)
+        pools.extend(structured.hook.pools)
+        parts_extra["token_checks"] = [structured.hook.check]
+    parts_extra["structured"] = structured
+
     runner_cls = NoComputeRunner if config.model == "null" else ModelRunner
     runner = runner_cls(model, kv_buffers, kv_pool.slots, device, slot_of=slot_of,
                         attention_factory=attention_factory, embedder=embedder, faults=faults,
                         cuda_graphs=config.cuda_graphs)
+    runner.token_masks = structured.masks
     windows = [w for w in model_config.layer_windows if w is not None]  # every layer windowed: the widest
     kv_hook = KVHook(kv_pool, scope=kv_scope,
                      window=max(windows) if windows and len(windows) == len(model_config.layer_windows) else None)
@@ -205,7 +234,7 @@ def build_parts(config: EngineConfig, *, faults: FaultInjector | None = None,
     for hook in plugins:
         pools.extend(getattr(hook, "pools", ()))
     scheduler = Scheduler(max_running=config.max_running, max_prefill_tokens=config.max_prefill_tokens,
-                          page_size=config.page_size)
+                          page_size=config.page_size, priority_aging=config.priority_aging)
     return EngineParts(config, device, model_config, model, tokenizer, max_context, ledger, kv_buffers, kv_pool,
                        ordered, pools, machine, scheduler, runner, step_observers=step_observers,
                        expert_distribution=expert_distribution, **parts_extra)

@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 
 S = RequestState
 log = structlog.get_logger("kvlife.loop")
+#: (request, token) -> None, or (finish reason, error, whether the token is kept) ending the request;
+#: the token is -1 when the sampler found no allowed token for the request
+TokenCheck = Callable[[Request, int], "tuple[FinishReason, BaseException | None, bool] | None"]
 
 
 class Finisher:
@@ -41,6 +44,9 @@ class Finisher:
         self.after_prefill = after_prefill
         self.step_observers: list[Callable[[Sequence[ScheduledSeq], StepOutput], None]] = []
         self.release_observers: list[Callable[[Request], None]] = []
+        #: features' checks of each sampled token before it is appended (a grammar's: is it complete,
+        #: or at a dead end): None, or (reason, error, keep the token) to finish the request with
+        self.token_checks: list[TokenCheck] = []
 
     # ------------------------------------------------------------- moves
     def advance(self, request: Request, dst: RequestState, *, reason: str) -> bool:
@@ -95,12 +101,17 @@ class Finisher:
                 log.error("loop.step_observer_failed", observer=repr(observer), error=repr(exc))
         tokens = iter(output.tokens)
         logprobs = iter(getattr(output, "logprobs", None) or ())
+        for request, first, entries in getattr(output, "prompt_logprobs", None) or ():  # issue 21
+            submission = self.table.owner.get(request)
+            if submission is not None:
+                submission.builders[request].add_prompt_logprobs(first, entries)
         now = time.monotonic()
         for s in batch:
             request = s.request
             request.kv_len = s.start + s.num_tokens
             if not s.samples:
                 continue
+            request.skip_prefix_match = False  # issue 21: its prompt is computed; a re-admission may match
             token = next(tokens)
             if request.state in (S.PREFILLING, S.DECODING):
                 self.accept_token(request, token, now, next(logprobs, None))
@@ -115,6 +126,10 @@ class Finisher:
         """Append a sampled token; a completed prefill or transfer becomes PREBUILT,
         then finishes (first-token finish) or moves on like any other."""
         src = request.state
+        verdict = self._check_token(request, token)
+        if verdict is not None and not verdict[2]:  # a token the request cannot take ends it instead
+            self.finish(request, verdict[0], error=verdict[1])
+            return
         request.output_token_ids.append(token)
         if src in (S.PREFILLING, S.TRANSFERRING) and not self.advance(request, S.PREBUILT, reason="prefilled"):
             if not request.is_finished:  # refused for now: exactly where it was, retried later
@@ -133,7 +148,7 @@ class Finisher:
             submission.prompt_ready = True
         new_text, stopped = ("", False) if submission is None else submission.builders[request].add_tokens([token])
         logprobs = None if logprob is None else (logprob,)
-        reason = FinishReason.STOP if stopped else self._finish_reason(request, token)
+        reason = FinishReason.STOP if stopped else (verdict[0] if verdict else self._finish_reason(request, token))
         if reason is not None:
             self.finish(request, reason, new_tokens=[token], new_text=new_text, flush_text=not stopped,
                         logprobs=logprobs)
@@ -143,6 +158,17 @@ class Finisher:
                                                                         logprobs=logprobs))
         if request.state is S.PREBUILT:
             self.advance(request, self.after_prefill, reason="first token")
+
+    def _check_token(self, request: Request, token: int) -> tuple[FinishReason, BaseException | None, bool] | None:
+        for check in self.token_checks:
+            try:
+                verdict = check(request, token)
+            except Exception as exc:  # a faulty check ends its request, never the loop
+                log.error("loop.token_check_failed", request_id=request.request_id, error=repr(exc))
+                return FinishReason.ERROR, exc, False
+            if verdict is not None:
+                return verdict
+        return None
 
     def _finish_reason(self, request: Request, token: int) -> FinishReason | None:
         params = request.params

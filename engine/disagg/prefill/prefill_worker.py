@@ -73,6 +73,7 @@ class PrefillWorker:
                 await anyio.sleep(0.005)
 
     async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+        self._wake = anyio.Event()  # NOTE: of the async library running the worker, whichever built it
         task_status.started()
         while True:
             self._release_finished()
