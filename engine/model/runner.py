@@ -234,8 +234,8 @@ class ModelRunner:
             live.append(slot is not None)
             offset += n
             if s.samples:
-                if s.draft:  # a verify row: the logits after its last token and after each draft
-                    samples.extend(range(offset - 1 - len(s.draft), offset))
+                if s.draft:  # from the request's last token on (a verify row: it and each draft)
+                    samples.extend(range(offset - min(n, len(s.draft) + 1), offset))
                 else:
                     samples.append(offset - 1)
         every_row = len(samples) == offset

@@ -44,8 +44,9 @@ class ScheduledSeq:
     samples: bool
     #: speculative decoding: how many draft tokens this row may verify (its KV slots are held)
     draft_budget: int = 0
-    #: the draft tokens the row verifies after its last token (the runner's proposer fills
-    #: them in; `num_tokens` then counts them: positions past the request's tokens are drafts)
+    #: the draft tokens the row computes after the request's own tokens (the proposer fills them
+    #: in; `num_tokens` counts them). The row samples every position from the request's last
+    #: token on: a verify row's last token and each draft; a draft model's pass, its last draft
     draft: tuple[int, ...] = ()
 
 
