@@ -37,7 +37,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-import attrs
 import torch
 
 from engine.model.attention import AttentionBackend, AttentionMetadata, PagedAttention, PagedFactory
@@ -45,6 +44,7 @@ from engine.model.llama import LlamaModel
 from engine.model.prompt_logprobs import PromptEntries, PromptLogprobPlan
 from engine.model.decode_graphs import FIELD_ROWS, DecodeGraphs
 from engine.model.sampling import SamplingBatch, format_logprobs, logprob_tensors, sample_tokens
+from engine.model.step_types import StepInputs, StepMasks, StepOutput, StepTiming, TokenMasks
 from engine.model.step_upload import Sections, StepUpload
 from engine.outputs import TokenLogprob
 from engine.runtime.scheduler import ScheduledSeq
@@ -62,77 +62,10 @@ if TYPE_CHECKING:
 AttentionFactory = Callable[[Sequence[ScheduledSeq], AttentionMetadata], AttentionBackend]
 
 
-#: the masks of one step: `allowed` [S, V] bool on the logits' device, and the rows that allow nothing
-#: (they are sampled unmasked and answered -1: no token, never an unconstrained one)
-StepMasks = tuple[torch.Tensor, list[int]]
-
-
-class TokenMasks(Protocol):
-    """Per sampled row, the tokens it may take (structured output's grammars); the runner's
-    `token_masks`. Called from the step's thread with the sampled rows' requests."""
-
-    def begin(self, requests: Sequence[Request], device: torch.device,
-              vocab: int) -> Callable[[], StepMasks | None] | None:
-        """None when no row needs a mask this step (nothing computed; a CUDA graph may run); else
-        a callable, called once the forward pass is launched, giving the step's masks (or None)."""
-        ...
-
-
-@attrs.define
-class StepOutput:
-    """Tokens sampled for the sampling seqs (in batch order) and MoE routing."""
-
-    tokens: list[int]
-    #: per MoE layer, the routed expert ids [T, top_k] of the step's tokens (host tensors)
-    routing: list[torch.Tensor] = attrs.field(factory=list)
-    #: aligned with `tokens`: the token's `TokenLogprob` where its request asked, else None
-    logprobs: list[TokenLogprob | None] = attrs.field(factory=list)
-    #: speculative steps: aligned with `tokens`, each row's `Verified` (empty: none speculated)
-    verified: list[Verified] = attrs.field(factory=list)
-    #: the rows as they ran, drafts filled in (for observers that count tokens: MoE routing)
-    rows: list[ScheduledSeq] | None = None
-    #: issue 21: prompt logprobs of the step's prefill chunks that asked (engine.model.prompt_logprobs)
-    prompt_logprobs: list[PromptEntries] = attrs.field(factory=list)
-
-
-@attrs.frozen
-class Verified:
-    """A speculating row's result: drafts verified, and those accepted (emitted before its token)."""
-
-    proposed: int
-    accepted: tuple[int, ...] = ()
-
-
 class StepExtension(Protocol):
     """A step that replaces the plain one for some batches (speculation); None: the plain step runs."""
 
     def step(self, runner: ModelRunner, seqs: Sequence[ScheduledSeq]) -> StepOutput | None: ...
-
-
-@attrs.frozen
-class StepTiming:
-    """Where one step's time went (seconds): building the batch's tensors, and
-    the forward pass with sampling (the model's own work)."""
-
-    batch: int
-    decode_only: bool
-    prepare_s: float
-    forward_s: float
-
-
-@attrs.frozen(eq=False)
-class StepInputs:
-    """A batch's tensors: token ids and positions ``[T]``, attention metadata,
-    the rows of T whose logits are sampled (None: every row, in order), and
-    the sampler's fields on the device (None when it needs none)."""
-
-    ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    sample_rows: torch.Tensor | None
-    fields: torch.Tensor | None = None
-    #: the extra int64 sections a caller asked `prepare` to upload, by name
-    extra: dict[str, torch.Tensor] = attrs.field(factory=dict)
 
 
 def row_tokens(s: ScheduledSeq) -> list[int]:

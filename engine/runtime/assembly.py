@@ -28,7 +28,8 @@ from engine.model.attention import PagedAttention
 from engine.model.llama import LlamaModel
 from engine.model.loading import load_model
 from engine.model.model_config import ModelConfig
-from engine.model.runner import AttentionFactory, ModelRunner, NoComputeRunner, StepOutput
+from engine.model.runner import AttentionFactory, ModelRunner, NoComputeRunner
+from engine.model.step_types import StepOutput
 from engine.model.tokenizer import Tokenizer
 from engine.runtime.finisher import TokenCheck
 from engine.runtime.scheduler import ScheduledSeq, Scheduler

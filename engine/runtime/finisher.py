@@ -23,7 +23,7 @@ from engine.runtime.table import RequestTable, Submission, close_stream
 from states import FencePending, FinishReason, Request, RequestMachine, RequestState, ResourceExhausted
 
 if TYPE_CHECKING:
-    from engine.model.runner import StepOutput, Verified
+    from engine.model.step_types import StepOutput, Verified
     from engine.runtime.scheduler import ScheduledSeq
 
 S = RequestState

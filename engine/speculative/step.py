@@ -22,7 +22,8 @@ from collections.abc import Sequence
 import torch
 
 from engine.model.prompt_logprobs import PromptLogprobPlan
-from engine.model.runner import ModelRunner, StepOutput, Verified
+from engine.model.runner import ModelRunner
+from engine.model.step_types import StepOutput, Verified
 from engine.model.sampling import SamplingBatch, format_logprobs, logprob_tensors, sample_tokens
 from engine.outputs import TokenLogprob
 from engine.runtime.scheduler import ScheduledSeq
