@@ -4,7 +4,9 @@
 for one step. For each layer and request, with p the new token's position::
 
     1. new K/V -> the reserved slot; its index key -> the index store;
-       its K/V -> host (a side-stream copy on CUDA, fenced after the last layer)
+       its K/V -> host (a side-stream copy on CUDA, fenced after the last layer;
+       the fences are listed in `fences`, and the step's output carries them to
+       the loop, which adds them through the machine)
     2. select top_k of tokens 0..p-1 by index score (recent window included)
     3. LRU (host bookkeeping): hits keep their slot, misses are copied
        host -> least recently used slots (`hisparse.lru`)
@@ -78,6 +80,8 @@ class SparseDecodeAttention:
             # the previous step's backup must be on the host before its rows are read there
             row.host.sync_backups()
             row.buffer.stamp += 1
+        #: (request, fence) of each row's host backup, once the last layer has run
+        self.fences: list[tuple[Any, Any]] = []
         self._reserved = torch.stack([row.buffer.slots[-1] for row in self.rows])
         self._new_host = torch.cat([row.new_loc for row in self.rows])
         self._new_dev = self._new_host.to(device)
@@ -143,7 +147,7 @@ class SparseDecodeAttention:
         for row in self.rows:
             row.host.backup_event = event
             row.host.on_host = row.position + 1
-            row.request.fences.append(copier.fence(self.state.backup_protects, row.request.request_id))
+            self.fences.append((row.request, copier.fence(self.state.backup_protects, row.request.request_id)))
 
 
 def _attend_slots(q: Tensor, kv_buf: Tensor, slot_ids: list[Tensor]) -> Tensor:
@@ -173,6 +177,11 @@ class CompositeAttention:
     def __init__(self, dense: Any, sparse: SparseDecodeAttention, dense_rows: Tensor, sparse_rows: Tensor) -> None:
         self._dense, self._sparse = dense, sparse
         self._dense_rows, self._sparse_rows = dense_rows, sparse_rows
+
+    @property
+    def fences(self) -> list[tuple[Any, Any]]:
+        """The sparse rows' backup fences (see `SparseDecodeAttention.fences`)."""
+        return self._sparse.fences
 
     def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         out = torch.empty_like(q)

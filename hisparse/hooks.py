@@ -258,6 +258,6 @@ class StagingHook(_HiSparseHook):
     acquire_on = frozenset({S.STAGING})
     scope = frozenset({S.STAGING})
 
-    def acquire(self, request: Request, into: RequestState) -> Handle:
-        self.state.stage(request)
-        return Handle(self.name, request.request_id)
+    def acquire(self, request: Request, into: RequestState) -> Handle[None]:
+        fence = self.state.stage(request)
+        return Handle(self.name, request.request_id, fences=(fence,))

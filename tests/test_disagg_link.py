@@ -16,7 +16,7 @@ import disagg_helpers  # noqa: F401 - GLOO_SOCKET_IFNAME=lo
 from engine.disagg.link import bootstrap
 from engine import SamplingParams
 from engine.disagg.decode.decode_link import DecodeLink, LinkJob
-from engine.disagg.decode.kv_transfer_hook import TransferCancelled, TransferJob
+from engine.disagg.decode.kv_transfer_hook import FirstToken, TransferCancelled, TransferJob
 from engine.disagg.decode.destination import PagedDestination
 from engine.disagg.link.observability import TransferStats
 from engine.disagg.link.settings import LinkSettings
@@ -152,7 +152,7 @@ class TestLanding:
         for kv in chunks:
             prefill.chunk(kv)
         _wait(lj.job.fence.done)
-        assert lj.job.outcome == ("ok", 42) and lj.job.fence.outcome_first
+        assert lj.job.outcome == ("ok", FirstToken(42)) and lj.job.fence.outcome_first
         locs = torch.arange(16, 16 + TOKENS)
         for chunk, kv in zip(lj.plan, chunks):
             for i in range(chunk.num_layers):
@@ -172,7 +172,7 @@ class TestLanding:
             prefill.chunk(kv)
         _wait(second.job.fence.done)
         assert first.job.outcome[0] == "failed" and first.job.outcome[1].cause == "prefill_failed"
-        assert second.job.outcome == ("ok", 7) and link.up
+        assert second.job.outcome == ("ok", FirstToken(7)) and link.up
 
 
 class TestLinkFailures:

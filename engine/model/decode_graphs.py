@@ -40,7 +40,7 @@ from engine.config import SamplingParams
 from engine.model.attention import PagedAttention
 from engine.model.llama import LlamaModel
 from engine.model.sampling import argmax_rows, sample
-from engine.runtime.scheduler import ScheduledSeq
+from engine.model.batch import ScheduledSeq
 from resources.kv_buffers import KVBuffers
 from resources.request_slots import RequestSlots
 from states import Request

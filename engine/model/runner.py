@@ -1,8 +1,12 @@
 """The model runner: turns a scheduled batch into one forward pass and tokens.
 
-It runs in a worker thread while the event loop stays responsive. It only
-reads requests and the request -> token table; it never transitions a
-request or touches a pool's bookkeeping (the loop does that after the step).
+It runs in a worker thread (or, for a small step, on the event loop's own
+thread) while the event loop stays responsive. It only reads requests and the
+request -> token table; it never transitions a request, writes its progress
+or touches a pool's bookkeeping: the step's output (tokens, logprobs, MoE
+routing, and the fences of copies the step started, such as HiSparse's host
+backups) goes back to the runtime's step applier, which applies it after the
+step.
 
 A step, from the loop's `step(seqs)` call::
 
@@ -27,20 +31,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import attrs
 import torch
 
 from engine.model.attention import AttentionBackend, AttentionMetadata, PagedAttention, PagedFactory
+from engine.model.batch import ScheduledSeq
 from engine.model.llama import LlamaModel
 from engine.model.sampling import sample, token_logprobs
-from engine.outputs import TokenLogprob
-from engine.runtime.scheduler import ScheduledSeq
 from resources.kv_buffers import KVBuffers
-from resources.request_slots import RequestSlots
-from states import Request
 from resources.paging import round_up
+from resources.request_slots import RequestSlots
+from states import Fence, Request, TokenLogprob
 
 if TYPE_CHECKING:
     from engine.model.decode_graphs import DecodeGraphs
@@ -51,15 +54,27 @@ if TYPE_CHECKING:
 AttentionFactory = Callable[[Sequence[ScheduledSeq], AttentionMetadata], AttentionBackend]
 
 
+@runtime_checkable
+class MakesFences(Protocol):
+    """An attention backend whose step starts copies (HiSparse's host backups): it lists each
+    copy's fence with its request, and the step's output carries them back to the loop."""
+
+    @property
+    def fences(self) -> Sequence[tuple[Request, Fence]]: ...
+
+
 @attrs.define
 class StepOutput:
-    """Tokens sampled for the sampling seqs (in batch order) and MoE routing."""
+    """Tokens sampled for the sampling seqs (in batch order), MoE routing, and the fences of
+    the copies the step started (the step applier adds them through the machine)."""
 
     tokens: list[int]
     #: per MoE layer, the routed expert ids [T, top_k] of the step's tokens
     routing: list[torch.Tensor] = attrs.field(factory=list)
     #: aligned with `tokens`: the token's `TokenLogprob` where its request asked, else None
     logprobs: list[TokenLogprob | None] = attrs.field(factory=list)
+    #: (request, fence) of every copy the step started that may still be in flight
+    fences: Sequence[tuple[Request, Fence]] = ()
 
 
 @attrs.frozen
@@ -212,7 +227,8 @@ class ModelRunner:
         logprobs = token_logprobs(logits, tokens, params) if wants_logprobs else []
         if timed:
             self._record(seqs, t0, t1)
-        return StepOutput(tokens, routing, logprobs)
+        fences = attention.fences if isinstance(attention, MakesFences) else ()
+        return StepOutput(tokens, routing, logprobs, fences)
 
     def _record(self, seqs: Sequence[ScheduledSeq], t0: float, t1: float) -> None:
         if self.device.type == "cuda":

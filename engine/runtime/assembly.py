@@ -29,10 +29,12 @@ from engine.model.loading import load_model
 from engine.model.model_config import ModelConfig
 from engine.model.runner import AttentionFactory, ModelRunner, NoComputeRunner, StepOutput
 from engine.model.tokenizer import Tokenizer
-from engine.runtime.scheduler import ScheduledSeq, Scheduler
+from engine.model.batch import ScheduledSeq
+from engine.runtime.role import Role
+from engine.runtime.scheduler import Scheduler
 from engine.testing import FaultInjector
 from resources.kv_buffers import KVBuffers
-from resources.kv_hook import KVHook
+from resources.kv_hook import KVHook, SlidingWindowKVHook
 from resources.kv_pool import KVPool
 from resources.ledger import Ledger, Pool
 from resources.plugins import PluginContext, build_plugin_hooks, is_hook_instance
@@ -66,13 +68,11 @@ class EngineParts:
     machine: RequestMachine
     scheduler: Scheduler
     runner: ModelRunner
-    after_prefill: RequestState = RequestState.DECODING
-    admit_into: RequestState = RequestState.PREFILLING
+    role: Role = Role()
     step_observers: list[StepObserver] = attrs.field(factory=list)
     expert_distribution: ExpertDistribution | None = None
-    #: the decode role's prefill client, and the accessor of a TRANSFERRING request's job
+    #: the decode role's prefill client
     prefill_client: PrefillClient | None = None
-    transfer_job: Callable[[Request], TransferJob] | None = None
     mm_cache_bytes: int | None = None
 
 
@@ -122,6 +122,7 @@ def build_parts(config: EngineConfig, *, faults: FaultInjector | None = None,
     pools: list[Pool] = [kv_pool, kv_pool.slots]
     step_observers: list[StepObserver] = []
     parts_extra: dict[str, Any] = {}
+    role_fields: dict[str, Any] = {}
 
     if model_config.is_moe:
         from resources.moe_records import ExpertDistribution, MoERecordHook, record_step
@@ -143,7 +144,7 @@ def build_parts(config: EngineConfig, *, faults: FaultInjector | None = None,
         kv_scope = hisparse.kv_scope
         slot_of = hisparse.slot_of(slot_of)
         attention_factory = hisparse.attention_factory(attention_factory)
-        parts_extra["after_prefill"] = RequestState.STAGING
+        role_fields["after_prefill"] = RequestState.STAGING
 
     if config.disaggregation == "decode":
         from engine.disagg.decode.kv_transfer_hook import KVTransferHook
@@ -170,8 +171,8 @@ def build_parts(config: EngineConfig, *, faults: FaultInjector | None = None,
             landing = lambda request, n: host_landing(hisparse.state, request, n)  # noqa: E731
         transfer_hooks.append(KVTransferHook(client, kv_pool, config.fence_timeout, landing=landing))
         pools.extend(client.pools)
-        parts_extra.update(prefill_client=client, transfer_job=KVTransferHook.job,
-                           admit_into=RequestState.TRANSFERRING)
+        parts_extra.update(prefill_client=client)
+        role_fields.update(name="decode", transfer_job=KVTransferHook.job, admit_into=RequestState.TRANSFERRING)
 
     if getattr(model, "vision_projector", None) is not None and model_config.image_token_id is not None:
         from engine.model.vision import make_embedder, projector
@@ -188,8 +189,8 @@ def build_parts(config: EngineConfig, *, faults: FaultInjector | None = None,
     runner = runner_cls(model, kv_buffers, kv_pool.slots, device, slot_of=slot_of,
                         attention_factory=attention_factory, embedder=embedder, faults=faults)
     windows = [w for w in model_config.layer_windows if w is not None]  # every layer windowed: the widest
-    kv_hook = KVHook(kv_pool, scope=kv_scope,
-                     window=max(windows) if windows and len(windows) == len(model_config.layer_windows) else None)
+    kv_hook = (SlidingWindowKVHook(kv_pool, scope=kv_scope, window=max(windows))
+               if windows and len(windows) == len(model_config.layer_windows) else KVHook(kv_pool, scope=kv_scope))
     slot_hook = RequestSlotHook(kv_pool.slots, scope=kv_scope)
     plugins = build_plugin_hooks(config.resources, PluginContext(device, config),
                                  use_entry_points=config.use_entry_points)
@@ -207,4 +208,4 @@ def build_parts(config: EngineConfig, *, faults: FaultInjector | None = None,
                           page_size=config.page_size)
     return EngineParts(config, device, model_config, model, tokenizer, max_context, ledger, kv_buffers, kv_pool,
                        ordered, pools, machine, scheduler, runner, step_observers=step_observers,
-                       expert_distribution=expert_distribution, **parts_extra)
+                       expert_distribution=expert_distribution, role=Role(**role_fields), **parts_extra)

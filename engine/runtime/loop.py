@@ -1,16 +1,21 @@
-"""The decode loop: one task that moves every request, one iteration at a time.
+"""The runtime loop: one task that moves every request of one runtime, one
+iteration at a time, in every role (a single engine, the decode role, and
+the prefill role that `engine.runtime.prefill_runtime` wraps for the
+in-process decode role and for `PrefillServer`).
 
 Its interface is narrow: `submit` (requests in, a stream out), `abort`,
 `abandon`, `wait_idle`, `shutdown`, `run`. Each iteration::
 
-    intake: start submitted requests (QUEUED), apply aborts
-    -> release finished requests whose fences are done (and quarantined
-       handles whose fences completed late)
-    -> plan: landed transfers, retried moves, admission, growth/retraction,
-       the batch
-    -> run the model step in a worker thread
-    -> apply: tokens, outputs, finishes
-    -> when idle, the leak check (logged and counted, never raised here)
+    intake (gateway): start submitted requests (QUEUED), apply aborts
+    -> release (gateway): finished requests whose fences are done, and
+       quarantined handles whose fences completed late
+    -> plan (planner): landed transfers, retried moves, admission,
+       growth/retraction, the batch
+    -> run the model step (in a worker thread unless it is small)
+    -> apply (step applier): progress, tokens, outputs, finishes
+    -> when idle, the leak check (logged and counted, never raised here);
+       while a quarantined handle or a prefill client's job is left, it
+       polls, so a late fence is reaped with no new request
 
 NOTE: requests in a running step are never transitioned while it runs: the
 loop is the only task that transitions, and it is awaiting the step. That is
@@ -34,14 +39,16 @@ import anyio.lowlevel
 import structlog
 
 from engine.errors import EngineClosed, EngineDead, EngineOverloaded
-from engine.runtime.finisher import Finisher
+from engine.runtime.gateway import RequestGateway
 from engine.runtime.output_builder import OutputBuilder
+from engine.runtime.output_sender import OutputSender
 from engine.runtime.planner import Planner
 from engine.runtime.stats import EngineStats
-from engine.runtime.table import RequestTable, Submission, close_stream
+from engine.runtime.step_applier import StepApplier, StepObserver
+from engine.runtime.table import OutputSink, RequestTable, Submission, close_stream
 from engine.stream import OutputChannel, RequestStream
 from resources.ledger import LeakError, MemoryReport
-from states import FinishReason, Request, RequestState, ResourceExhausted
+from states import FinishReason, Request, RequestState
 
 if TYPE_CHECKING:
     from engine.model.tokenizer import Tokenizer
@@ -51,12 +58,13 @@ S = RequestState
 log = structlog.get_logger("kvlife.loop")
 
 
-class DecodeLoop:
+class RuntimeLoop:
     def __init__(self, parts: EngineParts, *, tokenizer: Tokenizer, max_context: int,
                  check_memory: Callable[[], MemoryReport], memory_report: Callable[[], MemoryReport]) -> None:
         config = parts.config
         self.machine = parts.machine
         self.runner = parts.runner
+        self.role = parts.role
         self.prefill_client = parts.prefill_client
         self.leak_check = config.leak_check
         self.max_queued = config.max_queued
@@ -70,14 +78,17 @@ class DecodeLoop:
         self.stats = EngineStats()
         self.machine.transition_observers.append(self.stats.on_transition)
         self.table = RequestTable()
-        self.finisher = Finisher(machine=self.machine, table=self.table, stats=self.stats,
-                                 stop_ids=frozenset(parts.model_config.stop_token_ids), max_context=max_context,
-                                 after_prefill=parts.after_prefill)
-        self.finisher.step_observers.extend(parts.step_observers)
-        self.planner = Planner(machine=self.machine, table=self.table, finisher=self.finisher,
-                               scheduler=parts.scheduler, kv_pool=parts.kv_pool, admit_into=parts.admit_into,
-                               after_prefill=parts.after_prefill, transfer_job=parts.transfer_job,
-                               starvation_timeout=config.starvation_timeout, report=memory_report)
+        self.outputs = OutputSender(self.table)
+        self.gateway = RequestGateway(machine=self.machine, table=self.table, outputs=self.outputs)
+        self.applier = StepApplier(gateway=self.gateway, outputs=self.outputs, table=self.table, stats=self.stats,
+                                   role=parts.role, stop_ids=frozenset(parts.model_config.stop_token_ids),
+                                   max_context=max_context)
+        self.applier.step_observers.extend(parts.step_observers)
+        self.planner = Planner(gateway=self.gateway, applier=self.applier, table=self.table, stats=self.stats,
+                               scheduler=parts.scheduler, kv_pool=parts.kv_pool, role=parts.role,
+                               starvation_timeout=config.starvation_timeout, clock=self.machine.clock,
+                               report=memory_report)
+        self.gateway.release_observers.append(self.planner.forget_starved)
         self.errored: BaseException | None = None
         self.last_leak: tuple[str, ...] = ()
         self.step_running = False
@@ -91,6 +102,13 @@ class DecodeLoop:
     # ------------------------------------------------------------ interface
     def submit(self, request_id: str, requests: Sequence[Request]) -> RequestStream:
         """Hand requests over; the returned stream carries their outputs."""
+        channel = OutputChannel()
+        submission = self.submit_to(request_id, requests, channel)
+        return RequestStream(request_id, channel, lambda: self.abandon(submission), n=len(requests))
+
+    def submit_to(self, request_id: str, requests: Sequence[Request], sink: OutputSink | None) -> Submission:
+        """Hand requests over with their outputs going to `sink` (None: nobody streams them, as
+        for the prefill role's jobs, which their hooks answer); returns the submission."""
         if self.errored is not None:
             raise EngineDead(self.errored)
         if self.closing:
@@ -98,8 +116,7 @@ class DecodeLoop:
         queued = len(self.table.unstarted) + len(self.table.waiting)
         if queued + len(requests) > self.max_queued:
             raise EngineOverloaded(f"{queued} requests already queued (max_queued = {self.max_queued})")
-        channel = OutputChannel()
-        submission = Submission(request_id, list(requests), channel,
+        submission = Submission(request_id, list(requests), sink,
                                 {r: OutputBuilder(r, self.tokenizer, index=i, request_id=request_id)
                                  for i, r in enumerate(requests)})
         self.table.add(submission)
@@ -107,7 +124,7 @@ class DecodeLoop:
         if self._idle_event.is_set():
             self._idle_event = anyio.Event()
         self.wake()
-        return RequestStream(request_id, channel, lambda: self.abandon(submission), n=len(requests))
+        return submission
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
         """Abort a live submission by id; False if unknown or already finished."""
@@ -130,9 +147,9 @@ class DecodeLoop:
             self.wake()
 
     @property
-    def step_observers(self) -> list[Any]:
+    def step_observers(self) -> list[StepObserver]:
         """Called as `observer(batch, step_output)` after every model step (isolated)."""
-        return self.finisher.step_observers
+        return self.applier.step_observers
 
     def is_live(self, request_id: str) -> bool:
         return request_id in self.table.submissions
@@ -196,8 +213,8 @@ class DecodeLoop:
         if self.closing:  # shutdown owns the requests now
             await self._wait(None)
             return
-        self._intake()
-        reaped = self.finisher.release_finished()
+        self.gateway.intake()
+        reaped = self.gateway.release_finished()
         if not self.table:
             self._idle_event.set()
             self._on_idle(recheck=bool(reaped))
@@ -218,9 +235,9 @@ class DecodeLoop:
             else:
                 output = await anyio.to_thread.run_sync(self.runner.step, batch)
         except Exception as exc:  # the batch fails, the engine keeps serving
-            self.finisher.fail_step(batch, exc)
+            self.applier.fail_step(batch, exc)
         else:
-            self.finisher.apply_step(batch, output)
+            self.applier.apply_step(batch, output)
         finally:
             self.step_running = False
             self.stats.on_step(time.monotonic())
@@ -234,25 +251,6 @@ class DecodeLoop:
         with anyio.move_on_after(timeout):
             await self._wake.wait()
         self._wake = anyio.Event()
-
-    def _intake(self) -> None:
-        table = self.table
-        while table.unstarted:
-            request = table.unstarted[0]
-            try:
-                self.machine.start(request)
-            except ResourceExhausted:
-                break  # FIFO: retried next iteration
-            except Exception as exc:
-                table.unstarted.popleft()
-                log.error("request.start_failed", request_id=request.request_id, error=repr(exc))
-                self.finisher.finish(request, FinishReason.ERROR, error=exc)
-                continue
-            table.unstarted.popleft()
-            table.waiting.append(request)
-        while table.aborts:
-            submission, reason = table.aborts.popleft()
-            self.finisher.abort_submission(submission, reason)
 
     # ------------------------------------------------------------ idleness
     def _on_idle(self, *, recheck: bool) -> None:
@@ -276,14 +274,7 @@ class DecodeLoop:
             if submission.send is not None:
                 submission.send.send(dead)
                 close_stream(submission)
-        for request in self.table.requests():  # best effort: release what can be released
-            try:
-                if not request.history:
-                    self.machine.start(request, acquire=False)
-                self.machine.finish(request, FinishReason.ERROR, error=exc)
-                self.finisher.try_release(request)
-            except Exception as again:  # noqa: BLE001
-                log.error("engine.dead_release_failed", request_id=request.request_id, error=repr(again))
+        self.gateway.release_what_can_be(exc)  # best effort: release what can be released
 
     async def shutdown(self) -> None:
         """Finish every live request with SHUTDOWN and release all (call shielded).
@@ -299,9 +290,13 @@ class DecodeLoop:
             return
         self.table.aborts.clear()
         for request in self.table.requests():
-            self.finisher.finish(request, FinishReason.SHUTDOWN)
+            self.gateway.finish(request, FinishReason.SHUTDOWN)
         while self.table.finished():
-            self.finisher.release_finished()
+            self.gateway.release_finished()
             if self.table.finished():
                 await anyio.sleep(0.005)
-        self.finisher.release_finished()
+        self.gateway.release_finished()
+
+
+#: the name before the prefill role ran on it too
+DecodeLoop = RuntimeLoop

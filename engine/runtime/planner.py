@@ -1,106 +1,104 @@
 """Planning one step: what moved since the last one, who is admitted, who
 grows or is retracted, and the batch.
 
-In order: transfers that landed enter PREBUILT; moves that wait on memory or
-copies are retried (PREBUILT -> DECODING/STAGING, STAGING -> DECODING,
-RETRACTED -> QUEUED); the scheduler picks admissions (QUEUED ->
+In order: transfers that landed enter PREBUILT (decode role); moves that wait
+on memory or copies are retried (PREBUILT -> DECODING/STAGING, STAGING ->
+DECODING, RETRACTED -> QUEUED); the scheduler picks admissions (QUEUED ->
 PREFILLING/TRANSFERRING); every decoding request grows by one token through
 the machine, retracting the newest admitted under page pressure; the
 scheduler builds the batch. A request waiting past `starvation_timeout`
 while pools stay held is reported once (`memory.starved`).
+
+The planner decides; moves go through the gateway, progress through the step
+applier.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 
-from engine.runtime.finisher import Finisher
-from engine.runtime.scheduler import ScheduledSeq, Scheduler
+from engine.model.batch import ScheduledSeq
+from engine.runtime.gateway import RequestGateway
+from engine.runtime.role import Role
+from engine.runtime.scheduler import Scheduler
+from engine.runtime.stats import EngineStats
+from engine.runtime.step_applier import StepApplier
 from engine.runtime.table import RequestTable
 from resources.kv_pool import KVPool
 from resources.ledger import MemoryReport
-from states import FinishReason, Request, RequestMachine, RequestState, ResourceExhausted
-
-if TYPE_CHECKING:
-    from engine.disagg.decode.kv_transfer_hook import TransferJob
+from states import FinishReason, Request, RequestState, ResourceExhausted
 
 S = RequestState
 log = structlog.get_logger("kvlife.loop")
 
 
 class Planner:
-    def __init__(self, *, machine: RequestMachine, table: RequestTable, finisher: Finisher, scheduler: Scheduler,
-                 kv_pool: KVPool, admit_into: RequestState, after_prefill: RequestState,
-                 transfer_job: Callable[[Request], TransferJob] | None, starvation_timeout: float,
-                 report: Callable[[], MemoryReport]) -> None:
-        self.machine = machine
+    def __init__(self, *, gateway: RequestGateway, applier: StepApplier, table: RequestTable, stats: EngineStats,
+                 scheduler: Scheduler, kv_pool: KVPool, role: Role, starvation_timeout: float,
+                 clock: Callable[[], float], report: Callable[[], MemoryReport]) -> None:
+        self.gateway = gateway
+        self.applier = applier
         self.table = table
-        self.finisher = finisher
+        self.stats = stats
         self.scheduler = scheduler
         self.kv_pool = kv_pool
-        self.admit_into = admit_into
-        self.after_prefill = after_prefill
-        #: the decode role's accessor of a TRANSFERRING request's job (None otherwise)
-        self.transfer_job = transfer_job
+        self.role = role
         self.starvation_timeout = starvation_timeout
+        self.clock = clock
         #: memory_report(), for naming what a starved request waits on
         self.report = report
         self._admissions = 0
         #: request -> what it was reported starving for (reported once per request), until it
         #: is admitted or released
         self.starved: dict[Request, dict[str, Any]] = {}
-        finisher.release_observers.append(self._forget_starved)
 
-    def _forget_starved(self, request: Request) -> None:
+    def forget_starved(self, request: Request) -> None:
+        """`request` was released (a release observer of the gateway)."""
         self.starved.pop(request, None)
 
     def prepare(self) -> None:
-        if self.transfer_job is not None:
-            self._land_transfers(self.transfer_job)
+        if self.role.transfer_job is not None:
+            self._land_transfers(self.role.transfer_job)
         self._retry_moves()
         self._admit()
 
     # ---------------------------------------------------------- transfers
-    def _land_transfers(self, transfer_job: Callable[[Request], TransferJob]) -> None:
+    def _land_transfers(self, transfer_job: Callable[[Request], Any]) -> None:
         """TRANSFERRING requests whose KV has landed: PREBUILT with the first token."""
         for request in self.table.in_state(S.TRANSFERRING):
             job = transfer_job(request)
             if job.outcome is None or not job.fence.done():
-                missed = self._missed_fence(request)
+                missed = self.gateway.missed_fence(request)
                 if missed is not None:  # presumed lost: fail it; its pages quarantine
-                    self.finisher.finish(request, FinishReason.TRANSFER_FAILED,
-                                         error=TimeoutError(f"{missed.name} missed its deadline"))
+                    self.gateway.finish(request, FinishReason.TRANSFER_FAILED,
+                                        error=TimeoutError(f"{missed.name} missed its deadline"))
                 continue
             status, value = job.outcome
             if status != "ok":
-                self.finisher.finish(request, FinishReason.TRANSFER_FAILED, error=value)
+                self.gateway.finish(request, FinishReason.TRANSFER_FAILED, error=value)
                 continue
-            request.kv_len = request.num_tokens
-            self.finisher.accept_token(request, value, time.monotonic())
-
-    def _missed_fence(self, request: Request) -> Any:
-        now = self.machine.clock()
-        return next((f for f in request.fences if not f.done() and f.deadline <= now), None)
+            self.applier.land(request, value)
 
     # ------------------------------------------------------- retried moves
     def _retry_moves(self) -> None:
+        after_prefill = self.role.after_prefill
         for request in self.table.in_state(S.PREBUILT, S.STAGING, S.RETRACTED):
             if request.state is S.PREBUILT:
-                self.finisher.advance(request, self.after_prefill, reason="first token")
+                if after_prefill is not None:
+                    self.gateway.advance(request, after_prefill, reason="first token")
             elif request.state is S.RETRACTED:
-                if self.finisher.advance(request, S.QUEUED, reason="requeued"):
-                    self.table.waiting.appendleft(request)
+                self.gateway.requeue(request)
             else:
-                missed = self._missed_fence(request)
+                missed = self.gateway.missed_fence(request)
                 if missed is not None:  # staging can never complete: finish (the memory quarantines)
-                    self.finisher.finish(request, FinishReason.ERROR,
-                                         error=TimeoutError(f"{missed.name} missed its deadline"))
+                    self.gateway.finish(request, FinishReason.ERROR,
+                                        error=TimeoutError(f"{missed.name} missed its deadline"))
                 elif all(f.done() for f in request.fences):
-                    self.finisher.advance(request, S.DECODING, reason="staged")
+                    self.gateway.advance(request, S.DECODING, reason="staged")
 
     # ----------------------------------------------------------- admission
     def _admit(self) -> None:
@@ -109,39 +107,40 @@ class Planner:
             return
         kv = self.kv_pool
         owner = self.table.owner
+        role = self.role
         ready = [r for r in waiting if owner[r].admissible(r)]
-        chosen = self.scheduler.select_admissions(ready, num_running=len(self.table.running()),
-                                                  free_slots=kv.slots.num_free, available_pages=kv.available_pages)
+        chosen = self.scheduler.select_admissions(
+            ready, num_running=len(self.table.running()), free_slots=kv.slots.num_free,
+            available_pages=kv.available_pages, takes_pages=lambda r: role.takes_pages(r, owner[r].leader))
         for request in chosen:
-            # NOTE: a sequence sharing an already computed prompt prefills only its tail here,
-            # in the decode role too: a transfer would resend the pages it shares
-            into = S.PREFILLING if request.shares_prompt and request is not owner[request].leader else self.admit_into
-            if not self.finisher.advance(request, into, reason="admitted"):
+            into = role.admits(request, owner[request].leader)
+            if not self.gateway.advance(request, into, reason="admitted"):
                 break
             waiting.remove(request)
+            self.applier.admitted(request)
             self._admissions += 1
             request.admitted_seq = self._admissions
             self.starved.pop(request, None)
             if request.num_cached_tokens is None:  # the first admission
                 request.num_cached_tokens = request.kv_len
                 queried = request.num_prompt_tokens - 1 if into is S.PREFILLING else 0
-                self.finisher.stats.on_admit(request, time.monotonic(), request.kv_len, queried)
+                self.stats.on_admit(request, time.monotonic(), request.kv_len, queried)
         if ready and ready[0] in waiting:
             self._check_starvation(ready[0])
 
     def _check_starvation(self, head: Request) -> None:
         queued_at = head.entered_at(S.QUEUED)
-        if head in self.starved or queued_at is None or self.machine.clock() - queued_at < self.starvation_timeout:
+        if head in self.starved or queued_at is None or self.clock() - queued_at < self.starvation_timeout:
             return
         report = self.report()
         short = {name: s for name, s in report.pools.items() if s.free + s.evictable < s.capacity}
         holders = {name: [o.describe() for o in report.owners.get(name, [])][:8] for name in short}
-        record = {"request_id": head.request_id, "waited_s": round(self.machine.clock() - queued_at, 3),
+        record = {"request_id": head.request_id, "waited_s": round(self.clock() - queued_at, 3),
                   "pools": {name: {"free": s.free, "evictable": s.evictable, "held": s.held,
                                    "capacity": s.capacity} for name, s in short.items()},
                   "holders": holders}
         self.starved[head] = record
-        self.finisher.stats.starved += 1
+        self.stats.starved += 1
         log.warning("memory.starved", **record)
 
     # --------------------------------------------------------------- batch
@@ -150,8 +149,7 @@ class Planner:
         for request in self.table.in_state(S.DECODING):
             if request.state is not S.DECODING:  # retracted as a victim meanwhile
                 continue
-            if request.fences:  # a long decode must not keep one completed backup fence per token
-                request.fences[:] = [f for f in request.fences if not f.done()]
+            self.gateway.prune_fences(request)  # a long decode must not keep one completed backup fence per token
             if not self._grow(request):
                 skipped.add(request)
         decoding = [r for r in self.table.in_state(S.DECODING) if r not in skipped]
@@ -161,17 +159,14 @@ class Planner:
         """Cover the request's next token, retracting others under pressure; False if it
         cannot decode this step (finished, or a retraction was refused: retried next step)."""
         while request.state is S.DECODING:
-            try:
-                if self.machine.grow(request, request.kv_len + 1):
-                    return True
-            except Exception as exc:
-                log.error("request.grow_failed", request_id=request.request_id, error=repr(exc))
-                self.finisher.finish(request, FinishReason.ERROR, error=exc)
+            grown = self.gateway.grow(request, request.kv_len + 1)
+            if grown is None:  # a hook failed: the gateway finished it
                 return False
+            if grown:
+                return True
             victim = self.scheduler.select_victim(self.table.in_state(S.DECODING), retractable=_retractable)
             if victim is None:
-                self.finisher.finish(request, FinishReason.ERROR,
-                                     error=ResourceExhausted("no page to decode into"))
+                self.gateway.finish(request, FinishReason.ERROR, error=ResourceExhausted("no page to decode into"))
                 return False
             if not self.retract(victim):
                 return False
@@ -180,11 +175,10 @@ class Planner:
     def retract(self, request: Request) -> bool:
         """DECODING -> RETRACTED -> QUEUED at the head of the queue; output is kept.
         False if the machine refused (the request stays where it was)."""
-        if not self.finisher.advance(request, S.RETRACTED, reason="page pressure"):
+        if not self.gateway.advance(request, S.RETRACTED, reason="page pressure"):
             return False
-        request.kv_len = 0
-        if self.finisher.advance(request, S.QUEUED, reason="requeued"):
-            self.table.waiting.appendleft(request)
+        self.applier.retracted(request)
+        self.gateway.requeue(request)
         return True
 
 

@@ -24,7 +24,7 @@ from resources import ManualFence, ResourceHook
 from resources.kv_pool import KVPool
 from resources.ledger import Pool
 from resources.request_slots import RequestSlotHook
-from states import Handle, Request, RequestState
+from states import Handle, Request, RequestState, TokenLogprob
 
 S = RequestState
 TRANSFER_FENCE = "kv_transfer"
@@ -32,6 +32,15 @@ TRANSFER_FENCE = "kv_transfer"
 
 class TransferCancelled(RuntimeError):
     """The decode side gave the job up (abort, shutdown) before it landed."""
+
+
+@attrs.frozen
+class FirstToken:
+    """What a prefill sends with the KV: the next token, and its logprob when the request
+    asked for logprobs (so the decode side's output has one entry per token on every path)."""
+
+    token: int
+    logprob: TokenLogprob | None = None
 
 
 @attrs.define(eq=False)
@@ -70,7 +79,10 @@ class TransferJob:
         self.fence.arm(self.fence_timeout)
 
     def resolve(self, status: str, value: Any, *, landed: bool = True) -> None:
-        """Record the outcome; `landed=False` leaves the fence pending (a copy that may still write)."""
+        """Record the outcome, ("ok", FirstToken) or ("failed", error); `landed=False` leaves
+        the fence pending (a copy that may still write)."""
+        if status == "ok" and not isinstance(value, FirstToken):
+            value = FirstToken(int(value))
         if self.outcome is None:
             self.outcome = (status, value)
         if landed:
@@ -140,9 +152,8 @@ class KVTransferHook(ResourceHook):
         job = TransferJob(request.request_id, list(request.prompt_token_ids), list(request.output_token_ids),
                           request.params, list(request.mm_inputs), dst_locs, fence, self.fence_timeout,
                           destination=destination)
-        request.fences.append(fence)
         self.client.submit(job)
-        return Handle(self.name, request.request_id, job)
+        return Handle(self.name, request.request_id, job, fences=(fence,))
 
     def release(self, request: Request, handle: Handle) -> None:
         job: TransferJob = handle.payload

@@ -54,7 +54,7 @@ class ServerJob:
             return FAILED, 0, self.error
         status, value = self.job.outcome
         if status == "ok" and self.staged:
-            return OK, int(value), ""
+            return OK, int(value.token), ""
         if self.cancelled:
             return CANCELLED, 0, "cancelled by the decode"
         if self.expired:

@@ -20,7 +20,7 @@ import structlog
 
 from engine.disagg.decode.kv_transfer_hook import TRANSFER_FENCE, TransferCancelled, TransferJob, cancel_unstarted
 from engine.disagg.decode.transfer import TransferBackend
-from engine.runtime.scheduler import ScheduledSeq
+from engine.model.batch import ScheduledSeq
 from resources.request_slots import RequestSlotHook
 from resources.ledger import Pool
 from states import FinishReason, Request, RequestState, ResourceExhausted
@@ -134,7 +134,7 @@ class PrefillWorker:
             raise
         stuck = self.faults is not None and self.faults.fence_stuck(TRANSFER_FENCE, job.request_id)
         if stuck:  # the copy does not land in time: both sides' fences miss their deadlines
-            request.fences.append(self.faults.stuck_fence("kv_send", {"kv"}, timeout=job.fence_timeout))
+            self.machine.add_fence(request, self.faults.stuck_fence("kv_send", {"kv"}, timeout=job.fence_timeout))
             self.faults.stuck.append(job.fence)  # `unstick()` lands it on the decode side too
         self._finish(request, FinishReason.LENGTH)
         job.resolve("ok", first_token, landed=not stuck)
