@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from engine.logging import configure_logging  # noqa: E402
+from engine.runtime.prefill_runtime import PrefillRuntime  # noqa: E402
 from resources import LeakError  # noqa: E402
 
 ABORT, DISCONNECT = "abort", "disconnect"
@@ -66,10 +67,11 @@ def internal_tables(engine: Engine) -> dict[str, int]:
         "kv.slots_in_use": parts.kv_pool.slots.capacity - parts.kv_pool.slots.num_free,
         "kv.protected_prefix_pages": parts.kv_pool.radix.protected_pages,
     })
-    worker = parts.prefill_client
-    if worker is not None:
-        tables["prefill_worker.requests"] = len(worker.requests)
-        tables["prefill_worker.jobs"] = len(worker.jobs)
+    prefill = parts.prefill_client
+    if isinstance(prefill, PrefillRuntime):  # the in-process prefill: the same tables, on its own runtime
+        tables.update({f"prefill.loop.{name}": size for name, size in prefill.loop.table_sizes().items()})
+        tables.update({"prefill.inbox": len(prefill.inbox), "prefill.ledger.requests":
+                       prefill.parts.ledger.num_tracked_requests, "prefill.jobs": len(prefill.jobs_in_flight)})
     return tables
 
 

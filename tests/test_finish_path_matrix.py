@@ -39,13 +39,13 @@ class _Watch:
         self.released: Counter = Counter()
         self.finished_from: dict[str, str] = {}
         self.forward_tokens = 0
-        self._watch_parts(engine.parts, engine.loop.step_observers)
-        worker = engine.parts.prefill_client
-        if worker is not None:
-            self._watch_parts(worker.parts, worker.parts.step_observers)
+        self._watch(engine.parts.machine, engine.loop.step_observers)
+        prefill = engine.parts.prefill_client
+        if prefill is not None:
+            self._watch(prefill.machine, prefill.loop.step_observers)
 
-    def _watch_parts(self, parts, step_observers) -> None:
-        parts.machine.transition_observers.append(self._on_transition)
+    def _watch(self, machine, step_observers) -> None:
+        machine.transition_observers.append(self._on_transition)
         step_observers.append(self._on_step)
 
     def _on_transition(self, request, src, dst) -> None:

@@ -17,8 +17,10 @@ from typing import Any
 
 __all__ = ["PrefillServer", "PrefillServerConfig", "RemotePrefill"]
 
-_WHERE = {"PrefillServer": "prefill.prefill_server", "PrefillServerConfig": "link.settings",
-          "RemotePrefill": "link.settings"}
+#: where each name lives; the prefill server wraps a runtime, so it sits above this package
+#: (engine.prefill_server) and is only re-exported here, lazily
+_WHERE = {"PrefillServer": "engine.prefill_server", "PrefillServerConfig": "engine.disagg.link.settings",
+          "RemotePrefill": "engine.disagg.link.settings"}
 
 
 def __getattr__(name: str) -> Any:
@@ -26,4 +28,4 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'engine.disagg' has no attribute {name!r}")
     from importlib import import_module
 
-    return getattr(import_module(f"engine.disagg.{_WHERE[name]}"), name)
+    return getattr(import_module(_WHERE[name]), name)

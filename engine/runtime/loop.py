@@ -182,6 +182,11 @@ class RuntimeLoop:
                 "quarantined": len(self.machine.quarantined)}
 
     @property
+    def checked_idle(self) -> bool:
+        """Whether the leak check has run since the loop last went idle."""
+        return self._checked_idle
+
+    @property
     def idle(self) -> bool:
         client = self.prefill_client
         return not self.table and (client is None or client.idle)

@@ -28,11 +28,11 @@ import attrs
 import structlog
 import torch
 
-from engine.disagg.decode.kv_transfer_hook import TransferCancelled
+from engine.disagg.decode.kv_transfer_hook import FirstToken, TransferCancelled
 from engine.disagg.decode.transfer import TransferFailed
 from engine.disagg.link.transport import LinkError, Pair, classify
 from engine.disagg.link.wire import (BYE, CANCEL, CANCELLED, JOB, OK, PING, RESULT, STATUS_NAMES, JobSpec, KVLayout,
-                                ProtocolError, empty_header, encode_job, header)
+                                ProtocolError, decode_logprob, empty_header, encode_job, header)
 
 log = structlog.get_logger("kvlife.transfer")
 
@@ -61,8 +61,8 @@ class LinkJob:
     answered: float | None = None  # when its header arrived
     done: bool = False  # resolved: outcome set, fence completed
     cancel_sent: bool = False
-    #: how it ends, decided once: (first_token, cause, message)
-    decision: tuple[int | None, str | None, str] | None = None
+    #: how it ends, decided once: (first token, cause, message)
+    decision: tuple[FirstToken | int | None, str | None, str] | None = None
     lock: threading.Lock = attrs.field(factory=threading.Lock)  # held by the writing thread while it writes
     _deciding: threading.Lock = attrs.field(factory=threading.Lock)
 
@@ -75,7 +75,7 @@ class LinkJob:
         """Whether a chunk may still be written (call with the lock held)."""
         return self.decision is None
 
-    def end(self, first_token: int | None, cause: str | None = None, message: str = "", *,
+    def end(self, first_token: FirstToken | int | None, cause: str | None = None, message: str = "", *,
             block: bool = True) -> bool:
         """Decide how the job ends (once; True for the call that decided) and resolve it: outcome
         first, then the fence. Cause "cancelled" (the decode gave it up) resolves it with
@@ -253,7 +253,7 @@ class DecodeLink:
             self.pair.recv_ctl(hdr, self.settings.liveness_timeout)
             if not self.up:
                 return
-            op, tag, status, first_token, reason_len = hdr[:5].tolist()
+            op, tag, status, first_token, reason_len, logprob_len = hdr[:6].tolist()
             if op == PING:
                 continue
             if op == BYE:
@@ -265,11 +265,12 @@ class DecodeLink:
                 lj = self.inflight[0] if self.inflight else None
             if lj is None or lj.tag != tag:
                 raise ProtocolError(f"result for job {tag}, expected {lj.tag if lj else 'none'}")
-            reason = self._recv_reason(reason_len)
+            reason = self._recv_bytes(reason_len).decode(errors="replace")
+            first = FirstToken(first_token, decode_logprob(self._recv_bytes(logprob_len)))
             with lj.lock:
                 lj.answered = time.monotonic()
             if status == OK:
-                self._recv_chunks(lj, first_token)
+                self._recv_chunks(lj, first)
             elif lj.end(None, "prefill_failed", f"the prefill answered {STATUS_NAMES.get(status, status)}: "
                                                 f"{reason}"):
                 if status == CANCELLED:
@@ -281,14 +282,14 @@ class DecodeLink:
             with self.lock:
                 self.inflight.popleft()
 
-    def _recv_reason(self, nbytes: int) -> str:
+    def _recv_bytes(self, nbytes: int) -> bytes:
         if nbytes <= 0:
-            return ""
+            return b""
         buf = torch.empty(nbytes, dtype=torch.uint8)
         self.pair.recv_ctl(buf, self.settings.chunk_timeout(nbytes))
-        return buf.numpy().tobytes().decode(errors="replace")
+        return buf.numpy().tobytes()
 
-    def _recv_chunks(self, lj: LinkJob, first_token: int) -> None:
+    def _recv_chunks(self, lj: LinkJob, first_token: FirstToken) -> None:
         """Receive every chunk into staging (the next one posted before this one is waited for) and hand
         it to the writing thread, which writes it into the pages while the next one arrives."""
         owner = f"{lj.job.request_id}@{self.peer}#{self.epoch}"
