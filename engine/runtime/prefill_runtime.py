@@ -23,7 +23,7 @@ import anyio
 import attrs
 
 from engine.disagg.decode.kv_transfer_hook import TransferJob, cancel_unstarted
-from engine.disagg.prefill.prefill_hooks import JobInbox
+from engine.disagg.prefill.prefill_hooks import JobInbox, why_unsent
 from engine.disagg.prefill.send import KVSender
 from engine.errors import EngineClosed, EngineDead, EngineOverloaded
 from engine.runtime.loop import RuntimeLoop
@@ -115,9 +115,15 @@ class PrefillRuntime:
                     last_leak=loop.last_leak, starved=loop.starved())
 
     def _forget(self, request: Request) -> None:
+        """`request` was released (a release observer). A job its `prefill_job` hook never took (a
+        request finished before its start succeeded, or at shutdown before it started) is
+        answered here, so no job is ever left unanswered."""
         key = self._job_of.pop(request, None)
         if key is not None:
             self._submissions.pop(key, None)
+        job = self.inbox.take(request)
+        if job is not None and job.outcome is None:
+            job.resolve("failed", why_unsent(request, job))
 
 
 class PrefixedPool:

@@ -71,10 +71,11 @@ class PrefillJobHook(ResourceHook):
     def release(self, request: Request, handle: Handle[TransferJob]) -> None:
         job = handle.payload
         if job.outcome is None:
-            job.resolve("failed", _why(request, job))
+            job.resolve("failed", why_unsent(request, job))
 
 
-def _why(request: Request, job: TransferJob) -> BaseException:
+def why_unsent(request: Request, job: TransferJob) -> BaseException:
+    """The error a job nothing sent is answered with, from how its request finished."""
     if job.cancelled or request.finish_reason is FinishReason.ABORT:
         return TransferCancelled(f"{job.request_id!r} cancelled")
     if request.finish_reason is FinishReason.SHUTDOWN:
