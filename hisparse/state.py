@@ -28,7 +28,7 @@ import torch
 
 from hisparse.config import HiSparseConfig
 from hisparse.copies import HostCopier
-from hisparse.hooks import DEVICE_HOOK, HOST_HOOK, DeviceBuffer, HostPagesHook, HostRecord
+from hisparse.records import DEVICE_HOOK, HOST_HOOK, DeviceBuffer, HostRecord, host_record
 from hisparse.pools import DeviceBufferPool, HostKVPool, SlotMapPool
 from hisparse.selection import IndexProjection
 from resources.kv_buffers import KVBuffers
@@ -90,7 +90,7 @@ class HiSparseState:
         Copies only tokens not on the host yet (a decode-role transfer that
         landed in the host pages sets `HostRecord.on_host` and is not copied).
         """
-        record: HostRecord = HostPagesHook.record(request)
+        record: HostRecord = host_record(request)
         start, end = record.on_host, request.kv_len
         if end > start:
             src = self.kv_pool.slots.req_to_token[RequestSlotHook.slot(request), start:end]

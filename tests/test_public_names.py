@@ -11,7 +11,8 @@ import pytest
 PUBLIC = {
     "engine": {
         "Engine", "EngineClosed", "EngineConfig", "EngineDead", "EngineOverloaded", "FinishReason",
-        "HealthCheckFailed", "HealthCheckTimeout", "HealthReport", "HiSparseConfig", "InvalidConfig", "InvalidRequest", "LeakError",
+        "HealthCheckFailed", "HealthCheckTimeout", "HealthReport", "HiSparseConfig", "InvalidConfig", "InvalidRequest",
+        "LOG_LEVELS", "LeakError",
         "MemoryReport", "RequestKind", "RequestOutput", "RequestState", "RequestStream", "SamplingParams",
         "TokenLogprob", "configure_logging",
     },

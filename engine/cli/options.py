@@ -146,3 +146,10 @@ def writable_path(path: str) -> Path:
     if not os.access(parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
         raise CLIError(f"--json {path}: not writable")
     return target
+
+
+def logging_choice(args: argparse.Namespace) -> tuple[str, bool]:
+    """(level, json) from --log-level / --log-json wherever given, else the command's defaults."""
+    level = args.log_level or args.default_log_level
+    json_logs = args.log_json if args.log_json is not None else getattr(args, "default_log_json", False)
+    return level, json_logs

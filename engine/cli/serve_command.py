@@ -26,7 +26,7 @@ from typing import Any
 
 import anyio
 
-from engine.cli.options import CLIError, add_engine_options, engine_config_from_args, int_at_least, port
+from engine.cli.options import CLIError, add_engine_options, engine_config_from_args, int_at_least, logging_choice, port
 from engine.cli.options import positive_seconds
 from engine.errors import InvalidConfig
 
@@ -143,7 +143,6 @@ def run_serve(args: argparse.Namespace) -> int:
         raise CLIError(f"serve needs the `serve` extra (pip install 'kvlife[serve]'): {exc}") from None
     config = engine_config_from_serve_args(args)
     if args.disaggregation == "prefill":
-        from engine.cli.main import logging_choice
         from engine.serve.prefill_http import serve_prefill
 
         prefill = prefill_settings_from_args(args)

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["PrefillServer", "PrefillServerConfig", "RemotePrefill"]
+__all__ = ["Histogram", "PrefillServer", "PrefillServerConfig", "RemotePrefill", "TransferStats"]
 
 #: where each name lives; the prefill server wraps a runtime, so it sits above this package
 #: (engine.prefill_server) and is only re-exported here, lazily
 _WHERE = {"PrefillServer": "engine.prefill_server", "PrefillServerConfig": "engine.disagg.link.settings",
-          "RemotePrefill": "engine.disagg.link.settings"}
+          "RemotePrefill": "engine.disagg.link.settings", "TransferStats": "engine.disagg.link.observability",
+          "Histogram": "engine.disagg.link.observability"}
 
 
 def __getattr__(name: str) -> Any:

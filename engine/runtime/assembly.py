@@ -33,7 +33,7 @@ from engine.model.loading import load_model
 from engine.model.model_config import ModelConfig
 from engine.model.runner import AttentionFactory, ModelRunner, NoComputeRunner
 from engine.model.tokenizer import Tokenizer
-from engine.runtime.features.base import BuildContext, Install, Installed, SlotLookup, StepObserver
+from engine.runtime.features.base import BuildContext, Install, Installed, SlotLookup
 from engine.runtime.features.hisparse import install_hisparse
 from engine.runtime.features.moe import install_moe
 from engine.runtime.features.paged_kv import install_paged_kv
@@ -41,13 +41,13 @@ from engine.runtime.features.plugins import install_plugins
 from engine.runtime.features.roles import DecodeRole, PrefillRole
 from engine.runtime.features.vision import install_vision
 from engine.runtime.prefill_runtime import PrefillRuntime
-from engine.runtime.role import Role
+from engine.runtime.parts import EngineParts
 from engine.runtime.scheduler import Scheduler
 from engine.testing import FaultInjector
-from resources.contract import ResourceHookProtocol, order_hooks
+from resources.contract import order_hooks
 from resources.kv_buffers import KVBuffers
 from resources.kv_pool import KVPool
-from resources.ledger import Ledger, Pool
+from resources.ledger import Ledger
 from resources.moe_records import ExpertDistribution
 from resources.plugins import is_hook_instance
 from resources.request_slots import RequestSlotHook
@@ -55,33 +55,6 @@ from resources.timing_hook import TimingHook
 from states import RequestMachine
 
 ModelBundle = tuple[ModelConfig, LlamaModel, Tokenizer]
-
-
-@attrs.define
-class EngineParts:
-    """Everything a runtime runs on (the public seam for tests and tools: `engine.parts`)."""
-
-    config: EngineConfig
-    device: torch.device
-    model_config: ModelConfig
-    model: LlamaModel
-    tokenizer: Tokenizer
-    #: the effective limit on prompt + output tokens (see EngineConfig.max_context)
-    max_context: int
-    ledger: Ledger
-    kv_buffers: KVBuffers
-    kv_pool: KVPool
-    hooks: list[ResourceHookProtocol]
-    pools: list[Pool]
-    machine: RequestMachine
-    scheduler: Scheduler
-    runner: ModelRunner
-    role: Role = attrs.field(factory=Role)
-    step_observers: list[StepObserver] = attrs.field(factory=list)
-    expert_distribution: ExpertDistribution | None = None
-    #: the decode role's prefill client (in-process prefill runtime, or remote prefill servers)
-    prefill_client: PrefillClient | None = None
-    mm_cache_bytes: int | None = None
 
 
 def features(role: Install | None) -> list[Install]:

@@ -52,7 +52,7 @@ from states import FinishReason, Request, RequestState
 
 if TYPE_CHECKING:
     from engine.model.tokenizer import Tokenizer
-    from engine.runtime.assembly import EngineParts
+    from engine.runtime.parts import EngineParts
 
 S = RequestState
 log = structlog.get_logger("kvlife.loop")

@@ -32,6 +32,10 @@ class SampleWindow:
         self.samples.append(value)
         self.total += 1
 
+    def percentile(self, q: float) -> float | None:
+        """The q-th percentile (0..100) of the window, nearest-rank; None if empty."""
+        return percentile(self.samples, q)
+
 
 @attrs.define
 class EngineStats:

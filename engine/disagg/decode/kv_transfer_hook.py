@@ -14,7 +14,6 @@ them until it completes after all.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, Protocol
 
 import attrs

@@ -28,9 +28,10 @@ from engine.disagg.decode.kv_transfer_hook import Landing, PrefillClient
 from engine.model.batch import ScheduledSeq
 from engine.model.llama import LlamaModel
 from engine.model.model_config import ModelConfig
-from engine.model.runner import AttentionFactory, StepOutput
+from engine.model.runner import AttentionFactory
 from engine.model.tokenizer import Tokenizer
 from engine.runtime.role import Role
+from engine.runtime.step_applier import StepObserver
 from engine.testing import FaultInjector
 from resources.contract import ResourceHookProtocol
 from resources.kv_buffers import KVBuffers
@@ -43,8 +44,6 @@ from states import Request, RequestState, TransitionObserver
 SlotLookup = Callable[[Request], "int | None"]
 #: token embeddings with substitutions (images), or None for the plain lookup
 Embedder = Callable[[Sequence[ScheduledSeq], torch.Tensor], "torch.Tensor | None"]
-#: called after every step with the batch and its output, on the loop's thread (isolated)
-StepObserver = Callable[[Sequence[ScheduledSeq], StepOutput], None]
 
 
 @attrs.frozen
