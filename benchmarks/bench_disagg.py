@@ -12,8 +12,11 @@ with the real command (`kvlife serve --disaggregation prefill`), on 127.0.0.1.
 2. TTFT and end-to-end throughput of the tiny model on one workload: the single
    engine, the decode role with its in-process prefill worker, and decode + one
    remote prefill server.
-3. Failure detection: the time from a prefill's SIGKILL (and, separately, its
-   SIGSTOP) to the last affected request's TRANSFER_FAILED.
+3. Dead peers: the only prefill SIGKILLed (and, separately, SIGSTOPped) while
+   16 long prompts are in flight, with KV for half of them at once: when each
+   request answers after the signal, and how long a lone request sent after
+   that takes to fail; then the same kill with two prefills (failover: the
+   dead one's jobs move to the other, and every request should finish).
 
 Prints a table, writes JSON (figures, settings, the load average before and after).
 """
@@ -43,15 +46,19 @@ os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 LINK = dict(keepalive=0.25, first_timeout=20.0, chunk_slack=1.0, connect_timeout=20.0, reconnect_interval=0.2)
 
 
+#: the torch device every engine of the run uses (--device)
+DEVICE = "cpu"
+
+
 def _engine_fields(model: str, prompt: int, new: int, batch: int) -> dict:
     pages = batch * (-(-(prompt + new) // 16) + 1) + 16
-    return dict(model=model, page_size=16, num_kv_pages=pages, max_running=batch, max_context=prompt + new + 16,
+    return dict(model=model, device=DEVICE, page_size=16, num_kv_pages=pages, max_running=batch, max_context=prompt + new + 16,
                 max_prefill_tokens=max(prompt, 512), prefix_cache=False, use_entry_points=False, fence_timeout=60.0)
 
 
 def _cli_flags(fields: dict) -> list[str]:
     flags = []
-    for name in ("model", "page_size", "num_kv_pages", "max_running", "max_context", "max_prefill_tokens",
+    for name in ("model", "device", "page_size", "num_kv_pages", "max_running", "max_context", "max_prefill_tokens",
                  "fence_timeout"):
         flags += [f"--{name.replace('_', '-')}", str(fields[name])]
     return flags + ["--no-prefix-cache", "--transfer-keepalive", str(LINK["keepalive"]),
@@ -219,34 +226,53 @@ def _summary(wall: float, outs: list, new: int) -> dict:
             "tokens_per_s": len(outs) * new / wall, "wall_s": wall}
 
 
-# ------------------------------------------------------------ 3. failure time
-async def bench_failure(how: str, requests: int, prompt: int) -> dict:
-    """Time from SIGKILL/SIGSTOP of the prefill to the last of its requests' TRANSFER_FAILED."""
-    fields = _engine_fields("tiny", prompt, 4, requests)
-    prefill = Prefill(fields)
-    finished: list[float] = []
+# ------------------------------------------------------------ 3. dead peers
+async def bench_failure(how: str, prefills: int, requests: int, prompt: int, cap: float) -> dict:
+    """A prefill SIGKILLed (or SIGSTOPped) while `requests` long prompts are in flight, with KV for only half of
+    them at once (the rest wait in QUEUED): when each request answers after the signal (or not within `cap`
+    seconds), then one lone request sent after they all ended. With 2 prefills the first one is signalled."""
+    fields = {**_engine_fields("tiny", prompt, 4, requests // 2), "max_running": requests}
+    servers = [Prefill(fields) for _ in range(prefills)]
+    prefill = servers[0]
+    answers: list[tuple[str, float]] = []
     try:
-        async with Engine(_remote(fields, prefill.address)) as engine:
+        async with Engine(_remote(fields, *(s.address for s in servers))) as engine:
             client = engine.parts.prefill_client
             params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+            signalled = 0.0
 
             async def one(p) -> None:
-                out = await engine.complete(p, params)
-                if out.finish_reason.name == "TRANSFER_FAILED":
-                    finished.append(time.perf_counter())
+                with anyio.move_on_after(cap):  # NOTE: the scope's end abandons the stream, which aborts it
+                    out = await engine.complete(p, params)
+                    answers.append((out.finish_reason.name, time.perf_counter() - signalled))
 
             async with anyio.create_task_group() as tg:
                 for p in _prompts(requests, prompt, 7):
                     tg.start_soon(one, p)
                 while client.stats.snapshot()["jobs"]["ok"] < 1:  # the prefill is busy with the rest
                     await anyio.sleep(0.001)
-                killed = time.perf_counter()
+                signalled = time.perf_counter()
                 os.kill(prefill.proc.pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
             await engine.wait_idle(30)
             engine.check_memory()
+            lone_started = time.perf_counter()
+            lone = "no answer"
+            with anyio.move_on_after(cap):
+                lone = (await engine.complete(_prompts(1, prompt, 99)[0], params)).finish_reason.name
+            lone_s = time.perf_counter() - lone_started
+            await engine.wait_idle(30)
+            engine.check_memory()
+            failovers = sum(client.stats.snapshot().get("failovers", {}).values())
     finally:
-        prefill.close()
-    return {"how": how, "affected": len(finished), "last_failed_ms": 1000 * (max(finished) - killed)}
+        for server in servers:
+            server.close()
+    after = sorted(t for _, t in answers)
+    failed = [t for reason, t in answers if reason == "TRANSFER_FAILED"]
+    return {"how": how, "prefills": prefills, "failovers": failovers, "requests": requests, "prompt": prompt,
+            "cap_s": cap, "answered": len(answers), "transfer_failed": len(failed),
+            "finished_ok": sum(1 for r, _ in answers if r in ("LENGTH", "STOP")),
+            "no_answer": requests - len(answers), "p50_ms": 1000 * after[len(after) // 2] if after else None,
+            "max_ms": 1000 * after[-1] if after else None, "lone": lone, "lone_ms": 1000 * lone_s}
 
 
 def main() -> None:
@@ -255,8 +281,12 @@ def main() -> None:
     parser.add_argument("--out", default="bench-results/disagg.json")
     parser.add_argument("--chunk-mib", type=float, default=16.0, help="max_chunk_bytes of the transfer part, MiB")
     parser.add_argument("--parts", nargs="+", default=["transfer", "workload", "failures"])
+    parser.add_argument("--cap", type=float, default=90.0, help="failures: seconds a request may take to answer")
     parser.add_argument("--bare-sender", nargs=4, type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--device", default="cpu", help="torch device the engines run on: cpu (default), cuda, cuda:1 ... (docs/gpu.md)")
     args = parser.parse_args()
+    global DEVICE
+    DEVICE = args.device
     if args.bare_sender:
         _bare_sender(*args.bare_sender)
         return
@@ -269,12 +299,13 @@ def main() -> None:
         if "transfer" in args.parts else None
     workload = anyio.run(bench_workload, 16 if quick else 32, 256, 16 if quick else 32) \
         if "workload" in args.parts else None
-    failures = [anyio.run(bench_failure, how, 8, 1024) for how in ("kill", "stop")] if "failures" in args.parts else []
+    failures = [anyio.run(bench_failure, how, prefills, 16, 1024, args.cap)
+                for how, prefills in (("kill", 1), ("stop", 1), ("kill", 2))] if "failures" in args.parts else []
     load_after = os.getloadavg()
     _report(transfer, workload, failures, load_before, load_after)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"transfer": transfer, "workload": workload, "failures": failures, "link": LINK,
+        json.dump({"device": args.device, "transfer": transfer, "workload": workload, "failures": failures, "link": LINK,
                    "load_before": load_before, "load_after": load_after, "cpus": os.cpu_count()}, f, indent=2)
 
 
@@ -292,8 +323,11 @@ def _report(transfer, workload, failures, load_before, load_after) -> None:
             r = w[name]
             print(f"{name:>10} {r['ttft_p50_ms']:>12.1f} {r['ttft_p95_ms']:>12.1f} {r['tokens_per_s']:>8.0f}")
     for f in failures:
-        print(f"prefill {f['how']:>4}: {f['affected']} requests TRANSFER_FAILED, the last {f['last_failed_ms']:.0f} ms "
-              "after the signal")
+        times = "-" if f["max_ms"] is None else f"p50 {f['p50_ms']:.0f} ms, max {f['max_ms']:.0f} ms"
+        print(f"{f['how']} 1 of {f.get('prefills', 1)} prefill(s) under {f['requests']} x {f['prompt']}-token prompts: "
+              f"{f['transfer_failed']} TRANSFER_FAILED, {f['finished_ok']} finished, {f['no_answer']} no answer in "
+              f"{f['cap_s']:g} s, {f.get('failovers', 0)} jobs moved; answers after the signal: {times}; "
+              f"a lone request after: {f['lone']} in {f['lone_ms']:.0f} ms")
     print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} ({os.cpu_count()} CPUs)")
 
 

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.machine import fmt, header, loadavg, machine_info, median_range  # noqa: E402
+from benchmarks.machine import add_device_option, fmt, header, loadavg, machine_info, median_range  # noqa: E402
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from engine.logging import configure_logging  # noqa: E402
 
@@ -75,17 +75,18 @@ def make_prompts(batch: int, length: int, seed: int = 0) -> list[list[int]]:
 
 # ------------------------------------------------------------ transformers
 class HFGenerate:
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, device: str = "cpu") -> None:
         from transformers import LlamaForCausalLM
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()
-        self.model = LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+        self.device = torch.device(device)
+        self.model = LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32).to(self.device).eval()
 
     def run(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
         from transformers import GenerationConfig
 
-        ids = torch.tensor(prompts)
+        ids = torch.tensor(prompts, device=self.device)
         config = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                   eos_token_id=None, pad_token_id=0)
         with torch.inference_mode():
@@ -96,9 +97,9 @@ class HFGenerate:
 
 
 # ------------------------------------------------------------------ kvlife
-def engine_config(directory: Path, batch: int, prompt_len: int, new_tokens: int) -> EngineConfig:
+def engine_config(directory: Path, batch: int, prompt_len: int, new_tokens: int, device: str = "cpu") -> EngineConfig:
     per_request = -(-(prompt_len + new_tokens) // PAGE) + 1
-    return EngineConfig(model=str(directory), max_running=batch, num_kv_pages=batch * per_request + 2,
+    return EngineConfig(model=str(directory), device=device, max_running=batch, num_kv_pages=batch * per_request + 2,
                         max_context=prompt_len + new_tokens + PAGE, max_prefill_tokens=4096,
                         prefix_cache=False, leak_check="raise", use_entry_points=False)
 
@@ -137,10 +138,11 @@ async def kvlife_run(engine: Engine, prompts: list[list[int]], new_tokens: int) 
 class Floor:
     """The decode step's matmuls alone, on the checkpoint's weights."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, device: str = "cpu") -> None:
         from safetensors.torch import load_file
 
-        w = load_file(str(Path(directory) / "model.safetensors"))
+        self.device = torch.device(device)
+        w = load_file(str(Path(directory) / "model.safetensors"), device=str(self.device))
         self.linear: list[list[torch.Tensor]] = []  # checkpoint layout [out, in], one per projection
         self.packed: list[list[torch.Tensor]] = []  # q/k/v and gate/up stacked, stored [in, out]
         for i in range(ANCHOR["num_hidden_layers"]):
@@ -176,7 +178,8 @@ class Floor:
         return torch.mm(x, self.head_t)
 
     def run(self, batch: int, steps: int = 30) -> dict:
-        x = torch.randn(batch, self.hidden)
+        x = torch.randn(batch, self.hidden, device=self.device)
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         out = {}
         with torch.inference_mode():
             for name, step in (("linear", self.step_linear), ("packed", self.step_packed)):
@@ -184,8 +187,10 @@ class Floor:
                     step(x)
                 times = []
                 for _ in range(steps):
+                    sync()
                     t0 = time.perf_counter()
                     step(x)
+                    sync()
                     times.append(time.perf_counter() - t0)
                 out[f"{name}_ms"] = 1e3 * statistics.median(times)
         out["step_ms"] = min(out["linear_ms"], out["packed_ms"])
@@ -217,7 +222,7 @@ async def bench_batch(args, directory: Path, hf: HFGenerate, floor: Floor, batch
     prompts = make_prompts(batch, args.prompt_len)
     n = args.new_tokens
     runs = []
-    async with Engine(engine_config(directory, batch, args.prompt_len, n)) as engine:
+    async with Engine(engine_config(directory, batch, args.prompt_len, n, args.device)) as engine:
         await kvlife_run(engine, prompts[:1], 2)  # warm-up, both
         hf.run(prompts[:1], 2)
         for rep in range(args.repeat):
@@ -318,16 +323,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--out", default="bench-results/engine.json")
     parser.add_argument("--quick", action="store_true", help="batches 1 and 8, 2 repeats, 16 new tokens (smoke run)")
+    add_device_option(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.batches, args.repeat, args.new_tokens = [1, 8], 2, 16
     torch.set_num_threads(args.threads)
     configure_logging("warning")
-    info = machine_info()
+    info = machine_info(args.device)
     print(header(info), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         directory = write_checkpoint(Path(tmp) / "anchor-llama")
-        hf, floor = HFGenerate(directory), Floor(directory)
+        hf, floor = HFGenerate(directory, args.device), Floor(directory, args.device)
         bw = bandwidth()
         rows = [anyio.run(bench_batch, args, directory, hf, floor, batch) for batch in args.batches]
     bw_end = bandwidth()

@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.machine import fmt, header, loadavg, machine_info, median_range  # noqa: E402
+from benchmarks.machine import add_device_option, fmt, header, loadavg, machine_info, median_range  # noqa: E402
 
 ALLOCATOR_ROWS = ["kvlife PageAllocator", "kvlife page-table rows (hook as it should)", "kvlife machine + KVHook", "sglang PagedTokenToKVPoolAllocator (page 16)",
                   "sglang TokenToKVPoolAllocator (page 1)", "vllm v1 BlockPool (page 16)", "python list"]
@@ -44,9 +44,10 @@ VLLM, SGLANG_PAGED = "vllm v1 BlockPool (page 16)", "sglang PagedTokenToKVPoolAl
 SGLANG_RADIX = "sglang RadixCache (page 16)"
 
 
-def run_row(python: str, workload: str, adapter: str, quick: bool) -> dict:
+def run_row(python: str, workload: str, adapter: str, quick: bool, device: str = "cpu") -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        cmd = [python, str(ROOT / "benchmarks" / "foundation_workloads.py"), workload, adapter, "--out", out.name]
+        cmd = [python, str(ROOT / "benchmarks" / "foundation_workloads.py"), workload, adapter, "--out", out.name,
+               "--device", device]
         proc = subprocess.run(cmd + (["--quick"] if quick else []), cwd=ROOT, capture_output=True, text=True,
                               timeout=600)
         text = Path(out.name).read_text()
@@ -62,11 +63,12 @@ def main(argv: list[str] | None = None) -> dict:
                         help="python of the environment with sglang and vllm (not the project's)")
     parser.add_argument("--quick", action="store_true", help="a tenth of each workload (smoke run)")
     parser.add_argument("--out", default="bench-results/foundation.json")
+    add_device_option(parser)
     args = parser.parse_args(argv)
     import torch
 
     torch.set_num_threads(1)  # as every row does
-    info = machine_info()
+    info = machine_info(args.device)
     print(header(info), flush=True)
     peers = Path(args.peers_python).exists()
     runs: dict[str, list[dict]] = {"allocator": [], "prefix": []}
@@ -80,7 +82,7 @@ def main(argv: list[str] | None = None) -> dict:
                     results[adapter] = {"adapter": adapter, "error": f"no peer environment at {args.peers_python}"}
                     continue
                 results[adapter] = run_row(args.peers_python if is_peer else sys.executable, workload, adapter,
-                                           args.quick)
+                                           args.quick, args.device)
             runs[workload].append(results)
             print(f"  repeat {rep + 1} {workload}: load {loadavg()}", flush=True)
     info["load_at_end"] = loadavg()

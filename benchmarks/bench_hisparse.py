@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.machine import header, loadavg, machine_info  # noqa: E402
+from benchmarks.machine import add_device_option, header, loadavg, machine_info  # noqa: E402
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from engine.logging import configure_logging  # noqa: E402
 from hisparse import HiSparseConfig  # noqa: E402
@@ -49,9 +49,9 @@ from resources.kv_pool import KV_PAGES  # noqa: E402
 PAGE = 16
 
 
-def _config(context: int, steps: int, hisparse: HiSparseConfig | None) -> EngineConfig:
+def _config(context: int, steps: int, hisparse: HiSparseConfig | None, device: str = "cpu") -> EngineConfig:
     max_context = context + steps + PAGE
-    return EngineConfig(page_size=PAGE, num_kv_pages=max_context // PAGE + 8, max_running=1,
+    return EngineConfig(device=device, page_size=PAGE, num_kv_pages=max_context // PAGE + 8, max_running=1,
                         max_context=max_context, max_prefill_tokens=1024, prefix_cache=False,
                         leak_check="raise", use_entry_points=False, hisparse=hisparse)
 
@@ -61,9 +61,9 @@ def _percentile(samples: list[float], q: float) -> float:
     return data[min(len(data) - 1, int(q / 100 * len(data)))]
 
 
-async def _run(context: int, steps: int, hisparse: HiSparseConfig | None) -> dict:
+async def _run(context: int, steps: int, hisparse: HiSparseConfig | None, device: str = "cpu") -> dict:
     """Prefill one L-token request, decode `steps` tokens; time decode steps, sample device bytes."""
-    engine = Engine(_config(context, steps, hisparse))
+    engine = Engine(_config(context, steps, hisparse, device))
     state = None
     if hisparse is not None:
         state = next(h for h in engine.parts.machine.hooks if h.name == "hisparse_host").state
@@ -146,12 +146,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (1: stable on a shared 2-core VM; both engines use the same)")
     parser.add_argument("--quick", action="store_true", help="contexts 512 and 2048, 8 steps (smoke run)")
+    add_device_option(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.quick:
         args.contexts, args.steps = [512, 2048], 8
     configure_logging("warning")
-    info = machine_info()
+    info = machine_info(args.device)
     print(header(info), flush=True)
     rows = []
     for context in args.contexts:
@@ -159,8 +160,8 @@ def main(argv: list[str] | None = None) -> dict:
                                   host_pool_tokens=context + args.steps + 2 * PAGE)
         dense_runs, sparse_runs = [], []
         for _ in range(args.repeat):  # interleaved, so both see the same machine
-            dense_runs.append(anyio.run(_run, context, args.steps, None))
-            sparse_runs.append(anyio.run(_run, context, args.steps, hisparse))
+            dense_runs.append(anyio.run(_run, context, args.steps, None, args.device))
+            sparse_runs.append(anyio.run(_run, context, args.steps, hisparse, args.device))
         # NOTE: on a shared 2-core VM noise only ever slows a run down: keep each engine's best
         dense = min(dense_runs, key=lambda r: r["step_ms_median"])
         sparse = min(sparse_runs, key=lambda r: r["step_ms_median"])
@@ -182,6 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
     results = {
         "machine": info,
         "workload": {"model": "tiny (hidden 256, 4 layers, 4 heads, 2 KV heads, head_dim 64, fp32)",
+                     "device": args.device,
                      "top_k": args.top_k, "device_buffer_size": args.buffer, "decode_steps": args.steps,
                      "repeat": args.repeat, "torch_threads": args.threads,
                      "page_size": PAGE, "index_dim": HiSparseConfig().index_dim,

@@ -269,11 +269,14 @@ def main() -> int:
                         help="output lengths uniform in [n/2, 3n/2] instead of all n (clients fall out of step)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads, server and embedded (default 1)")
     parser.add_argument("--out", default="bench-results/http.json")
+    parser.add_argument("--device", default="cpu",
+                        help="torch device the engines run on: cpu (default), cuda, cuda:1 ... (docs/gpu.md)")
     args = parser.parse_args()
     configure_logging("warning")
     import torch
 
     torch.set_num_threads(args.threads)
+    ENGINE_ARGS["device"] = args.device  # the server and the embedded engine alike
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     log_path = out.parent / "http-server.log"

@@ -100,9 +100,9 @@ async def _client(engine: Engine, rng: random.Random, plan: str | None, prompt: 
                     return  # leaving `async with` closes the stream: the engine aborts it
 
 
-async def soak(model: str, total: int, clients: int, seed: int, warmup: int) -> dict:
+async def soak(model: str, total: int, clients: int, seed: int, warmup: int, device: str = "cpu") -> dict:
     # NOTE: about 4 pages per live request, so 64 clients press on 128 pages: admission queues, the cache evicts
-    config = EngineConfig(model=model, page_size=16, num_kv_pages=128, max_running=clients, max_context=128,
+    config = EngineConfig(model=model, device=device, page_size=16, num_kv_pages=128, max_running=clients, max_context=128,
                           max_prefill_tokens=1024, leak_check="raise", use_entry_points=False)
     rng = random.Random(seed)
     prefixes = [[rng.randrange(256) for _ in range(32)] for _ in range(8)]
@@ -176,6 +176,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--out", default="bench-results/soak.json")
+    parser.add_argument("--device", default="cpu", help="torch device the engines run on: cpu (default), cuda, cuda:1 ... (docs/gpu.md)")
     args = parser.parse_args()
     configure_logging("warning")
     torch.set_num_threads(args.threads)
@@ -184,7 +185,7 @@ def main() -> None:
         if total <= 0:
             continue
         warmup = min(max(total // 20, 500), total // 2)  # RSS is compared from here to the end
-        result = anyio.run(soak, model, total, args.clients, args.seed, warmup)
+        result = anyio.run(soak, model, total, args.clients, args.seed, warmup, args.device)
         runs.append(result)
         rss = result["rss_mib"]
         nonzero = {k: v for k, v in result["internal_tables_at_end"].items() if v}
@@ -196,7 +197,7 @@ def main() -> None:
              and not any(r["internal_tables_at_end"].values()) for r in runs)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"runs": runs, "ok": ok, "torch": torch.__version__, "threads": torch.get_num_threads(),
+        json.dump({"device": args.device, "runs": runs, "ok": ok, "torch": torch.__version__, "threads": torch.get_num_threads(),
                    "python": sys.version.split()[0]}, f, indent=2)
     print("soak", "PASSED" if ok else "FAILED", "->", args.out)
     sys.exit(0 if ok else 1)

@@ -24,6 +24,8 @@ Prefix rows:
 
 from __future__ import annotations
 
+import os
+
 import logging
 
 import numpy as np
@@ -122,7 +124,7 @@ class _Machine:
     def __init__(self, *, num_pages: int, live: int, prefix_cache: bool) -> None:
         self.ledger = Ledger()
         self.kv = KVPool(num_pages=num_pages, page_size=PAGE, max_running=live, max_context=MAX_CONTEXT,
-                         device="cpu", prefix_cache=prefix_cache)
+                         device=os.environ.get("KVLIFE_BENCH_DEVICE", "cpu"), prefix_cache=prefix_cache)
         self.machine = RequestMachine(order_hooks([KVHook(self.kv), RequestSlotHook(self.kv.slots)]),
                                       ledger=self.ledger)
         self.count = 0

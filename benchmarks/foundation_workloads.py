@@ -217,7 +217,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("adapter")
     parser.add_argument("--quick", action="store_true", help="a tenth of the workload")
     parser.add_argument("--out")
+    parser.add_argument("--device", default="cpu", help="device of kvlife's token table (peers ignore it)")
     args = parser.parse_args(argv)
+    os.environ["KVLIFE_BENCH_DEVICE"] = args.device
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import torch
 

@@ -8,6 +8,7 @@ run, side by side, are what the benchmarks quote.
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import time
@@ -35,8 +36,22 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def machine_info() -> dict:
+def add_device_option(parser: argparse.ArgumentParser) -> None:
+    """`--device`: the torch device the benchmark's engines (and its baselines) run on."""
+    parser.add_argument("--device", default="cpu",
+                        help="torch device the engines run on: cpu (default), cuda, cuda:1 ... (docs/gpu.md)")
+
+
+def device_name(device: str) -> str:
+    """What `device` is: the GPU's name on CUDA, else the device string."""
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return f"{device} ({torch.cuda.get_device_name(torch.device(device))})"
+    return device
+
+
+def machine_info(device: str = "cpu") -> dict:
     return {
+        "device": device_name(device),
         "cpu": cpu_model(),
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
@@ -50,7 +65,8 @@ def machine_info() -> dict:
 
 def header(info: dict) -> str:
     """One line for the top of a benchmark's printout."""
-    return (f"{info['cpu']}, {info['cpus']} CPUs, torch {info['torch']}, {info['torch_threads']} torch thread(s), "
+    on = "" if info.get("device", "cpu") == "cpu" else f"on {info['device']}, "
+    return (f"{on}{info['cpu']}, {info['cpus']} CPUs, torch {info['torch']}, {info['torch_threads']} torch thread(s), "
             f"load {info['load_at_start']} at start")
 
 

@@ -129,6 +129,9 @@ class EngineConfig:
 
     model: str = attrs.field(default="tiny")
     device: str = attrs.field(default="cpu")
+    #: on CUDA, decode steps replay CUDA graphs, one per batch bucket, captured at startup
+    #: (`engine.model.decode_graphs`, docs/gpu.md); no effect on other devices
+    cuda_graphs: bool = attrs.field(default=True, validator=is_bool(), kw_only=True)
     #: "auto": float32 for the built-in models, a checkpoint's own torch_dtype
     dtype: str = attrs.field(default="auto", validator=one_of("auto", "float32", "float16", "bfloat16"))
     seed: int = attrs.field(default=0, validator=int_at_least(0))

@@ -38,8 +38,9 @@ from states import FinishReason, RequestKind, RequestState
 @attrs.frozen
 class HealthReport:
     """`healthy` unless the engine is dead, its last idle leak check failed, a
-    request is starving for memory, or requests are live but nothing has
-    progressed for `stuck_after` seconds. `reason` is "ok" or which one."""
+    decode role has no prefill peer up (``no_prefill``: it admits nothing
+    then), a request is starving for memory, or requests are live but nothing
+    has progressed for `stuck_after` seconds. `reason` is "ok" or which one."""
 
     healthy: bool
     reason: str
@@ -181,6 +182,9 @@ class Engine:
             return HealthReport(False, "dead", repr(self.loop.errored), **common)
         if self.loop.last_leak:
             return HealthReport(False, "leaking", "; ".join(self.loop.last_leak), **common)
+        no_prefill = None if self.parts.prefill_client is None else self.parts.prefill_client.unavailable()
+        if no_prefill is not None:
+            return HealthReport(False, "no_prefill", no_prefill, **common)
         starved = self.loop.starved()
         if starved:
             waiting = ", ".join(record["request_id"] for record in starved)

@@ -1,16 +1,23 @@
 """Sparse decode attention, and the composite backend the runner uses.
 
 `SparseDecodeAttention` serves the decode rows of DECODING HiSparse requests
-for one step. For each layer and request, with p the new token's position::
+for one step. For each layer, with p_b the new token's position in row b,
+every step of it batched over the rows::
 
-    1. new K/V -> the reserved slot; its index key -> the index store;
-       its K/V -> host (a side-stream copy on CUDA, fenced after the last layer;
-       the fences are listed in `fences`, and the step's output carries them to
-       the loop, which adds them through the machine)
-    2. select top_k of tokens 0..p-1 by index score (recent window included)
-    3. LRU (host bookkeeping): hits keep their slot, misses are copied
-       host -> least recently used slots (`hisparse.lru`)
-    4. attend over the selected slots plus the reserved one
+    1. new K/V -> each row's reserved slot; index keys -> the index store;
+       K/V -> host: one device -> host copy of all rows (`HostCopier.backup`,
+       a side stream on CUDA, fenced after the last layer; the fences are
+       listed in `fences`, and the step's output carries them to the loop,
+       which adds them through the machine)
+    2. select top_k of tokens 0..p_b-1 by index score (recent window included):
+       on an accelerator all rows at once (their pages' index keys gathered,
+       scored and top-k'd together) and read back in one copy (`read_back`,
+       the layer's one host sync); on the host, row by row in place
+    3. LRU (host bookkeeping, per row): hits keep their slot, misses are
+       copied host -> least recently used slots: every row's misses in one
+       host -> device copy (`hisparse.lru`)
+    4. attend over the selected slots plus the reserved one, all rows in one
+       call (their slot ids uploaded in one copy)
 
 `CompositeAttention` splits a mixed step: prefill rows (and any request
 without a device buffer) go to the runner's dense paged backend, sparse
@@ -33,6 +40,7 @@ from torch import Tensor
 from hisparse import lru
 from hisparse.hooks import DEVICE_HOOK, HOST_HOOK, MAP_HOOK, DeviceBuffer, HostRecord, SlotMap
 from hisparse.selection import top_positions
+from resources.device_io import read_back, upload
 from resources.paging import pages_for
 
 if TYPE_CHECKING:
@@ -66,7 +74,7 @@ class _Row:
             left -= n
         self.context_ranges = ranges if left <= 0 else None
         self.context_np = self.host.locs_np[:position]
-        self.new_loc = self.host.locs[position : position + 1]
+        self.new_loc = int(self.host.locs_np[position])
 
 
 class SparseDecodeAttention:
@@ -74,17 +82,47 @@ class SparseDecodeAttention:
 
     def __init__(self, state: HiSparseState, requests: Sequence[Any], positions: Sequence[int]) -> None:
         self.state = state
-        self.rows = [_Row(r, p, state.host.page_size) for r, p in zip(requests, positions)]
-        device = state.device
+        cfg = state.config
+        ps = state.host.page_size
+        # the previous step's backups land in the host rows before anything reads them there
+        state.copier.apply_backups()
+        self.rows = [_Row(r, p, ps) for r, p in zip(requests, positions)]
         for row in self.rows:
-            # the previous step's backup must be on the host before its rows are read there
-            row.host.sync_backups()
             row.buffer.stamp += 1
         #: (request, fence) of each row's host backup, once the last layer has run
         self.fences: list[tuple[Any, Any]] = []
+        device = state.device
+        #: rows whose selection is scored (the others attend their whole short context)
+        self.scored = [b for b, row in enumerate(self.rows) if row.position > cfg.top_k]
+        #: batched selection: on an accelerator (one read-back per layer), or when forced (tests)
+        self.batched = bool(self.scored) and (device.type != "cpu" or state.batched_selection)
+        self._new_host = torch.tensor([row.new_loc for row in self.rows], dtype=torch.int64)
+        n, r = len(self.rows), len(self.scored)
+        words = [self._new_host.numpy()]
+        if self.batched:  # the scored rows' positions and indices
+            words += [np.array([self.rows[b].position for b in self.scored], dtype=np.int64),
+                      np.array(self.scored, dtype=np.int64)]
+        sent = upload(np.concatenate(words), device)  # the step's one upload
+        self._new_dev = sent[:n]
         self._reserved = torch.stack([row.buffer.slots[-1] for row in self.rows])
-        self._new_host = torch.cat([row.new_loc for row in self.rows])
-        self._new_dev = self._new_host.to(device)
+        self._scoring: tuple[Tensor, Tensor, Tensor] | None = None
+        if self.batched:
+            self._scoring = (*self._scoring_plan(sent[n : n + r]), sent[n + r : n + 2 * r])
+
+    def _scoring_plan(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """The scored rows' context pages ``[R, P]`` and a score bias ``[R, P * page_size]``:
+        -inf past the row's context, +inf over its recent window, else 0."""
+        state, ps = self.state, self.state.host.page_size
+        num_pages = pages_for(max(self.rows[b].position for b in self.scored), ps)
+        pages = torch.stack([self.rows[b].host.pages_dev[:num_pages] for b in self.scored])
+        columns = torch.arange(num_pages * ps, device=positions.device)
+        recent = state.config.recent_window
+        bias = torch.zeros(pages.shape[0], num_pages * ps, device=positions.device)
+        bias = bias.masked_fill(columns >= positions[:, None], float("-inf"))
+        if recent:
+            bias = bias.masked_fill((columns >= positions[:, None] - recent) & (columns < positions[:, None]),
+                                    float("inf"))
+        return pages, bias
 
     def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         state = self.state
@@ -94,21 +132,50 @@ class SparseDecodeAttention:
         index = host.index[layer_id]
         index.index_copy_(0, self._new_dev, state.projection.keys(k).to(index.dtype))
         with state.copier.side():
-            state.copier.to_host(host.kv[layer_id], self._new_host, new_kv)
+            state.copier.backup(layer_id, host.kv[layer_id], self._new_host, new_kv)
         queries = state.projection.queries(q)
-        selections = [self._select_and_swap(layer_id, row, queries[b]) for b, row in enumerate(self.rows)]
-        out = _attend_slots(q, buf, [slots for _, slots in selections])
+        selected = self._select(layer_id, queries)
+        ids, lens = self._swap_in(layer_id, selected)
+        out = _attend_slots(q, buf, ids, lens)
         if state.trace is not None:
-            for b, (row, (selected, _)) in enumerate(zip(self.rows, selections)):
+            for b, row in enumerate(self.rows):
                 state.trace.append({"request_id": row.request.request_id, "layer": layer_id,
-                                    "position": row.position, "selected": torch.from_numpy(selected.copy()),
+                                    "position": row.position, "selected": torch.from_numpy(selected[b].copy()),
                                     "q": q[b].detach().cpu(), "out": out[b].detach().cpu()})
         if layer_id == state.num_layers - 1:
             self._fence_backups()
         return out
 
+    # ------------------------------------------------------------ selection
+    def _select(self, layer_id: int, queries: Tensor) -> list[np.ndarray]:
+        """Each row's selected positions (ascending, host int64)."""
+        cfg = self.state.config
+        selected = [np.arange(row.position) for row in self.rows]
+        if not self.scored:
+            return selected
+        if self.batched:
+            assert self._scoring is not None
+            pages, bias, scored = self._scoring
+            scores = self._batched_scores(layer_id, pages, queries.index_select(0, scored))
+            chosen = torch.topk(scores + bias, cfg.top_k, dim=-1, sorted=False).indices
+            (host,) = read_back([torch.sort(chosen, dim=-1).values])  # NOTE: the layer's one host sync
+            for i, b in enumerate(self.scored):
+                selected[b] = host[i].numpy()
+            return selected
+        for b in self.scored:
+            scores = self._scores(layer_id, self.rows[b], queries[b])
+            selected[b] = top_positions(scores, top_k=cfg.top_k, recent=cfg.recent_window)
+        return selected
+
+    def _batched_scores(self, layer_id: int, pages: Tensor, queries: Tensor) -> Tensor:
+        """Index scores ``[R, P * page_size]`` of the scored rows' context pages (whole pages at a time)."""
+        index = self.state.host.index[layer_id]
+        ps, dim = self.state.host.page_size, index.shape[1]
+        keys = index.view(-1, ps * dim).index_select(0, pages.reshape(-1)).view(pages.shape[0], -1, dim)
+        return torch.bmm(keys.float(), queries.float()[:, :, None])[:, :, 0]
+
     def _scores(self, layer_id: int, row: _Row, query: Tensor) -> Tensor:
-        """Index scores ``[p]`` of the row's context tokens."""
+        """Index scores ``[p]`` of one row's context tokens (host path)."""
         index = self.state.host.index[layer_id]
         query = query.float()
         if row.context_ranges is not None:  # read each run of pages in place
@@ -118,28 +185,41 @@ class SparseDecodeAttention:
         keys = index.view(-1, self.state.host.page_size * index.shape[1]).index_select(0, row.context_pages)
         return keys.view(-1, index.shape[1])[: row.position].float() @ query
 
-    def _select_and_swap(self, layer_id: int, row: _Row, query: Tensor) -> tuple[np.ndarray, Tensor]:
-        """The row's selected positions, and the global slot ids of them then its reserved slot."""
+    # -------------------------------------------------------------- swap-in
+    def _swap_in(self, layer_id: int, selected: list[np.ndarray]) -> tuple[Tensor, Tensor | None]:
+        """Make every row's selection resident (LRU per row; every miss in one copy); returns the
+        slot ids ``[B, W]`` to attend (selected, then the reserved slot; padded with slot 0) and the
+        rows' lengths (None when all are W)."""
         state = self.state
-        cfg = state.config
-        if row.position <= cfg.top_k:
-            selected = np.arange(row.position)
-        else:
-            scores = self._scores(layer_id, row, query)
-            # NOTE: on CUDA, the one host sync per layer: the LRU and the host gather run on the host
-            selected = top_positions(scores, top_k=cfg.top_k, recent=cfg.recent_window)
-        buffer = row.buffer
-        local, miss = lru.assign(row.slot_map.table[layer_id], buffer.slot_token[layer_id],
-                                 buffer.last_used[layer_id], selected, buffer.stamp)
-        slots = buffer.slots_np[local]
-        if miss.any():
-            host_rows = torch.from_numpy(row.context_np[selected[miss]])
-            targets = torch.from_numpy(slots[miss]).to(state.device)
+        width = max(s.shape[0] for s in selected) + 1
+        ids = np.zeros((len(self.rows), width), dtype=np.int64)
+        lens = np.empty(len(self.rows), dtype=np.int64)
+        host_rows, targets = [], []
+        for b, (row, chosen) in enumerate(zip(self.rows, selected)):
+            buffer = row.buffer
+            local, miss = lru.assign(row.slot_map.table[layer_id], buffer.slot_token[layer_id],
+                                     buffer.last_used[layer_id], chosen, buffer.stamp)
+            slots = buffer.slots_np[local]
+            if miss.any():
+                host_rows.append(row.context_np[chosen[miss]])
+                targets.append(slots[miss])
+            n = chosen.shape[0]
+            ids[b, :n] = slots
+            ids[b, n] = buffer.slots_np[-1]
+            lens[b] = n + 1
+        ragged = bool((lens != width).any())
+        misses = np.concatenate(targets) if targets else np.zeros(0, dtype=np.int64)
+        words = [ids.reshape(-1), misses] + ([lens] if ragged else [])
+        sent = upload(np.concatenate(words), state.device)  # one copy: slot ids, miss targets, lengths
+        ids_dev = sent[: ids.size].view(ids.shape)
+        if misses.shape[0]:
+            rows_t = torch.from_numpy(np.concatenate(host_rows))
             buf = state.device_pool.kv[layer_id]
-            buf.index_copy_(0, targets, state.copier.from_host(state.host.kv[layer_id], host_rows))
-            state.swapped_in += host_rows.shape[0]
-        ids = torch.from_numpy(np.append(slots, buffer.slots_np[-1])).to(state.device)
-        return selected, ids
+            target_dev = sent[ids.size : ids.size + misses.shape[0]]
+            buf.index_copy_(0, target_dev, state.copier.from_host(state.host.kv[layer_id], rows_t))
+            state.swapped_in += rows_t.shape[0]
+        lens_dev = sent[ids.size + misses.shape[0] :] if ragged else None
+        return ids_dev, lens_dev
 
     def _fence_backups(self) -> None:
         copier = self.state.copier
@@ -150,18 +230,14 @@ class SparseDecodeAttention:
             self.fences.append((row.request, copier.fence(self.state.backup_protects, row.request.request_id)))
 
 
-def _attend_slots(q: Tensor, kv_buf: Tensor, slot_ids: list[Tensor]) -> Tensor:
-    """Each query row ``q[b] [H, D]`` over the K/V in `slot_ids[b]`; ``[B, H, D]``."""
+def _attend_slots(q: Tensor, kv_buf: Tensor, ids: Tensor, lens: Tensor | None) -> Tensor:
+    """Each query row ``q[b] [H, D]`` over the K/V in slots ``ids[b, :lens[b]]``; ``[B, H, D]``."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = kv_buf.shape[2]
     group = num_heads // num_kv_heads
-    width = max(ids.shape[0] for ids in slot_ids)
+    width = ids.shape[1]
     mask = None
-    if all(ids.shape[0] == width for ids in slot_ids):
-        ids = torch.stack(slot_ids)
-    else:  # pad with the padding slot 0, masked out
-        ids = torch.nn.utils.rnn.pad_sequence(slot_ids, batch_first=True, padding_value=0)
-        lens = torch.tensor([t.shape[0] for t in slot_ids], device=q.device)
+    if lens is not None:  # padded with the padding slot 0, masked out
         mask = (torch.arange(width, device=q.device) < lens[:, None])[:, None, None, :]
     gathered = kv_buf.index_select(0, ids.reshape(-1)).view(batch, width, 2, num_kv_heads, head_dim).to(q.dtype)
     keys = gathered[:, :, 0].transpose(1, 2)  # [B, KVH, W, D]
@@ -191,6 +267,14 @@ class CompositeAttention:
         return out
 
 
+def _select_meta(meta: Any, seqs: list[int], tokens: Tensor, rows: Tensor) -> Any:
+    """`meta` of sequences `seqs` only, given their token rows and sequence rows on the device."""
+    pick = (lambda t: None if t is None else t.index_select(0, rows))  # noqa: E731
+    return type(meta)(out_locs=meta.out_locs.index_select(0, tokens), q_lens=[meta.q_lens[b] for b in seqs],
+                      kv_lens=[meta.kv_lens[b] for b in seqs], kv_locs=pick(meta.kv_locs),
+                      kv_pages=pick(meta.kv_pages), page_size=meta.page_size)
+
+
 def make_factory(state: HiSparseState, dense_factory: Callable[[Sequence[Any], Any], Any]) -> Callable:
     """`(seqs, meta) -> AttentionBackend` routing each seq to dense or sparse attention."""
 
@@ -206,10 +290,13 @@ def make_factory(state: HiSparseState, dense_factory: Callable[[Sequence[Any], A
         starts = [0]
         for q_len in meta.q_lens:
             starts.append(starts[-1] + q_len)
-        device = meta.out_locs.device
-        dense_rows = torch.tensor([t for b in dense for t in range(starts[b], starts[b + 1])], device=device)
-        sparse_rows = torch.tensor([starts[b] for b in sparse], device=device)
-        dense_meta = meta.select(dense)
+        dense_tokens = [t for b in dense for t in range(starts[b], starts[b + 1])]
+        sparse_tokens = [starts[b] for b in sparse]
+        # one copy: the dense rows' tokens, the sparse rows' tokens, the dense sequences
+        sent = upload(np.array(dense_tokens + sparse_tokens + dense, dtype=np.int64), meta.out_locs.device)
+        n_dense, n_sparse = len(dense_tokens), len(sparse_tokens)
+        dense_rows, sparse_rows = sent[:n_dense], sent[n_dense : n_dense + n_sparse]
+        dense_meta = _select_meta(meta, dense, dense_rows, sent[n_dense + n_sparse :])
         return CompositeAttention(dense_factory([seqs[b] for b in dense], dense_meta), backend, dense_rows,
                                   sparse_rows)
 

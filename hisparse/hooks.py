@@ -31,6 +31,7 @@ from hisparse.pools import DEVICE_SLOTS, HOST_PAGES, SLOT_MAPS
 from hisparse.records import (DEVICE_HOOK, HOST_HOOK, MAP_HOOK, STAGING_HOOK, DeviceBuffer, HostRecord, SlotMap,
                               host_record)
 from resources.contract import ResourceExhausted, ResourceHook
+from resources.device_io import upload
 from resources.request_slots import RequestSlotHook
 from states import Handle, Request, RequestState
 
@@ -64,7 +65,7 @@ class HostPagesHook(_HiSparseHook):
         if pages is None:
             raise ResourceExhausted(f"need {need} HiSparse host pages, {host.allocator.num_free} free")
         locs = torch.zeros(self.state.max_context + host.page_size, dtype=torch.int64)
-        locs_dev = locs if not self.state.copier.cuda else locs.to(self.state.device)
+        locs_dev = locs if self.state.device.type == "cpu" else torch.zeros_like(locs, device=self.state.device)
         pages_dev = torch.zeros(host.pages_for(self.state.max_context), dtype=torch.int64, device=self.state.device)
         record = HostRecord([], locs, locs.numpy(), locs_dev, pages_dev)
         self._extend(record, pages)
@@ -99,10 +100,12 @@ class HostPagesHook(_HiSparseHook):
         start = len(record.pages) * host.page_size
         locs = host.locations(pages)
         record.locs[start : start + locs.numel()] = locs
+        # NOTE: one asynchronous copy from pinned memory (`upload`): no wait on the event loop's thread
+        first, dev = len(record.pages), self.state.device
+        sent = upload(np.concatenate((pages.numpy(), locs.numpy())), dev)
+        record.pages_dev[first : first + pages.numel()].copy_(sent[: pages.numel()])
         if record.locs_dev is not record.locs:
-            record.locs_dev[start : start + locs.numel()].copy_(locs)
-        first = len(record.pages)
-        record.pages_dev[first : first + pages.numel()].copy_(pages)
+            record.locs_dev[start : start + locs.numel()].copy_(sent[pages.numel() :])
         record.pages.extend(pages.tolist())
 
     def release(self, request: Request, handle: Handle) -> None:
@@ -135,7 +138,7 @@ class DeviceBufferHook(_HiSparseHook):
         dev = state.device
         layers = state.num_layers
         buffer = DeviceBuffer(
-            slots=ids.to(dev),
+            slots=upload(ids.numpy(), dev),
             slots_np=ids.numpy(),
             slot_token=np.full((layers, size), -1, dtype=np.int64),
             last_used=np.full((layers, size), -1, dtype=np.int64),

@@ -2,7 +2,8 @@
 
 Memory layout (one tensor per layer; K and V of a token side by side)::
 
-    host pool  (pinned host memory on CUDA)       unit: pages of page_size tokens
+    host pool  (pinned host memory on CUDA, exactly its size: `pinned_empty`)
+                                                   unit: pages of page_size tokens
         kv[layer]:    [num_pages * page_size, 2, kv_heads, head_dim]   (0: K, 1: V)
         index[layer]: [num_pages * page_size, index_dim]               (on device)
         token location = page_id * page_size + offset_in_page; page 0 reserved
@@ -25,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from resources.device_io import pinned_empty
 from resources.free_list import FreeList
 from resources.ledger import PoolUsage
 from resources.page_allocator import PageAllocator
@@ -45,9 +47,10 @@ class HostKVPool:
         self.page_size = page_size
         self.allocator = PageAllocator(num_tokens // page_size + 1, page_size)
         rows = self.allocator.num_pages * page_size
+        # NOTE: pinned in place, not through torch's host allocator, which rounds each block
+        # up to a power of two (a pool just over 2**n bytes would pin nearly twice its size)
         pin = device.type == "cuda"
-        self.kv = [torch.zeros((rows, 2, num_kv_heads, head_dim), dtype=dtype, pin_memory=pin)
-                   for _ in range(num_layers)]
+        self.kv = [pinned_empty((rows, 2, num_kv_heads, head_dim), dtype, pin=pin) for _ in range(num_layers)]
         self.index = [torch.zeros((rows, index_dim), dtype=dtype, device=device) for _ in range(num_layers)]
         self._offsets = torch.arange(page_size, dtype=torch.int64)
 

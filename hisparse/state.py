@@ -73,6 +73,8 @@ class HiSparseState:
         self.swapped_in = 0
         #: when a list, sparse attention appends one record per request and layer (tests)
         self.trace: list[dict[str, Any]] | None = None
+        #: select every row's top-k at once (always off the host; tests force it on the host)
+        self.batched_selection = False
 
     @property
     def pools(self) -> list[Any]:

@@ -14,7 +14,8 @@ prefix-cache pages leave by eviction when an allocation needs room.
 Each request slot has a row of `page_table` (host int64, numpy): the
 request's page ids in token order, filled in place (no list, no tensor on
 the hot path). `req_to_token` (on the device) is written from it, once per
-allocation, by `write_locations`.
+allocation, by `write_locations`: in place on the host, else by one
+asynchronous copy from pinned memory, ordered before the next step.
 
 The radix cache always exists: `prefix_cache=False` only stops ordinary
 requests from matching and inserting.
@@ -25,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from resources.device_io import upload
 from resources.ledger import Owner, PoolUsage
 from resources.page_allocator import PageAllocator
 from resources.paging import pages_for
@@ -114,5 +116,5 @@ class KVPool:
         start = first_page_index * ps
         if self._table_np is not None:
             self._table_np[slot, start : start + locs.shape[0]] = locs
-        else:
-            self.slots.req_to_token[slot, start : start + locs.shape[0]] = torch.from_numpy(locs).to(self.device)
+        else:  # NOTE: from pinned memory, asynchronously: no wait on the event loop's thread
+            self.slots.req_to_token[slot, start : start + locs.shape[0]].copy_(upload(locs, self.device))

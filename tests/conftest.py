@@ -3,12 +3,14 @@ checked after the test, and must be idle with every pool whole."""
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import structlog
 import torch
 
 from engine import engine as engine_module
-from helpers import assert_pools_whole
+from engine.runtime import assembly
+from helpers import TEST_DEVICE, assert_pools_whole
 
 
 # NOTE: the tiny model's ops are small; one intra-op thread avoids thread
@@ -45,6 +47,22 @@ def assert_engines_leave_pools_whole(monkeypatch):
         if engine.config.leak_check == "off" or getattr(engine, "_expect_leak", False):
             continue
         assert_pools_whole(engine, quarantined=None)
+
+
+@pytest.fixture(autouse=True)
+def engines_on_the_test_device(monkeypatch):
+    """With KVLIFE_TEST_DEVICE set (docs/gpu.md), every engine part a test builds from a config
+    left on the default device ("cpu") is built on the test device instead; unset, nothing changes."""
+    if TEST_DEVICE == "cpu":
+        yield
+        return
+    original = assembly._device
+
+    def test_device(config):
+        return original(attrs.evolve(config, device=TEST_DEVICE) if config.device == "cpu" else config)
+
+    monkeypatch.setattr(assembly, "_device", test_device)
+    yield
 
 
 @pytest.fixture

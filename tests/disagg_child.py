@@ -20,6 +20,7 @@ import datetime
 import json
 import os
 import sys
+import threading
 
 import anyio
 import torch
@@ -43,14 +44,21 @@ def decode_rid(worker_request_id: str) -> str:
 
 def main() -> int:
     store_port, name, config_json, settings_json = sys.argv[1:5]
-    store = dist.TCPStore("127.0.0.1", int(store_port), None, False, WAIT)
+    local = threading.local()
+
+    def store() -> dist.TCPStore:
+        """This thread's client of the test's store (a client serializes its calls: a hold in one thread
+        must not block the test points of another)."""
+        if not hasattr(local, "store"):
+            local.store = dist.TCPStore("127.0.0.1", int(store_port), None, False, WAIT)
+        return local.store
 
     def hold(key: str, rid: str, point: str, *, always: bool) -> None:
-        held = store.check([key])
+        held = store().check([key])
         if held or always:
-            store.set(point, "1")
+            store().set(point, "1")
         if held:
-            store.wait([f"go/{rid}"], WAIT)
+            store().wait([f"go/{rid}"], WAIT)
 
     def stall_step(request_ids) -> None:
         for wid in request_ids:
@@ -59,14 +67,14 @@ def main() -> int:
 
     def test_points(point: str, rid: str, index: int) -> None:
         if point == "job":
-            store.set(f"job/{rid}", "1")
+            store().set(f"job/{rid}", "1")
         elif point == "sending":
             hold(f"hold-send/{rid}/{index}", rid, f"sending/{rid}/{index}", always=True)
 
-    faults = FaultInjector(stall_step=stall_step, fail_transfer=lambda rid: store.check([f"fail/{rid}"]))
+    faults = FaultInjector(stall_step=stall_step, fail_transfer=lambda rid: store().check([f"fail/{rid}"]))
 
     def on_ready(server, http_port: int) -> None:
-        store.set(f"ready/{name}", json.dumps({"pid": os.getpid(), "bootstrap": server.bootstrap_port,
+        store().set(f"ready/{name}", json.dumps({"pid": os.getpid(), "bootstrap": server.bootstrap_port,
                                                "http": http_port}))
 
     config = EngineConfig(**json.loads(config_json))

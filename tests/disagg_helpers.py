@@ -7,6 +7,7 @@ when it fails. Test points are keys in one TCPStore (see disagg_child.py).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -17,6 +18,7 @@ import time
 from typing import Any
 
 import httpx
+import pytest
 import torch.distributed as dist
 
 from engine.disagg.link.settings import RemotePrefill
@@ -108,6 +110,38 @@ class PrefillChild:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"prefill child not idle: {report}")
             time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def prefill_children(store: PointStore):
+    """`start(**kwargs)` starts a ready PrefillChild; every one started is killed by its pid on exit
+    (resumed first, in case a test stopped it), whatever happened."""
+    children: list[PrefillChild] = []
+
+    def start(**kwargs: Any) -> PrefillChild:
+        child = PrefillChild(store, **kwargs)
+        children.append(child)
+        return child.ready()
+
+    try:
+        yield start
+    finally:
+        for child in children:
+            child.signal(signal.SIGCONT)
+            child.kill()
+
+
+@pytest.fixture(scope="module")
+def points() -> PointStore:
+    """The module's test-point store (import it, with `spawn`, into a test module to use them)."""
+    return PointStore()
+
+
+@pytest.fixture
+def spawn(points: PointStore):
+    """`spawn(**kwargs)`: a ready prefill child, killed by its pid when the test ends."""
+    with prefill_children(points) as start:
+        yield start
 
 
 def started_event(log_path: str, proc: subprocess.Popen, event: str = "server.started") -> dict:

@@ -6,6 +6,7 @@ through `engine.loop`'s internals; what a helper reads of them is kept here.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -16,12 +17,14 @@ from engine import Engine, EngineConfig, MemoryReport, RequestState, SamplingPar
 from resources import PoolUsage
 
 DEADLINE = 30  # seconds any helper or test waits before it fails the test instead of hanging it
+#: the device the suite's engines run on: KVLIFE_TEST_DEVICE (e.g. "cuda"), else the host (docs/gpu.md)
+TEST_DEVICE = os.environ.get("KVLIFE_TEST_DEVICE", "cpu")
 
 
 def small_config(**overrides) -> EngineConfig:
-    """A fast engine: small pools, small pages, the built-in tiny model."""
+    """A fast engine on the test device: small pools, small pages, the built-in tiny model."""
     fields = dict(page_size=4, num_kv_pages=256, max_running=8, max_context=256, max_prefill_tokens=64,
-                  use_entry_points=False)
+                  use_entry_points=False, device=TEST_DEVICE)
     fields.update(overrides)
     return EngineConfig(**fields)
 

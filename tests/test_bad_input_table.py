@@ -56,6 +56,7 @@ ENGINE_CONFIG = [
     ({"prefix_cache": "no"}, E + "prefix_cache", "a bool"),
     ({"prefix_cache": None}, E + "prefix_cache", "a bool"),
     ({"use_entry_points": 1}, E + "use_entry_points", "a bool"),
+    ({"cuda_graphs": "yes"}, E + "cuda_graphs", "a bool"),
     ({"hisparse": 5}, E + "hisparse", "HiSparseConfig"),
     ({"hisparse": {"top_k": 4}}, E + "hisparse", "HiSparseConfig"),
     ({"disaggregation": "prefill"}, E + "disaggregation", "one of"),

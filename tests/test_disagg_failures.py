@@ -12,7 +12,8 @@ import time
 import anyio
 import pytest
 
-from disagg_helpers import STARTUP, PointStore, PrefillChild, assert_child_whole, client, remote_config
+from disagg_helpers import STARTUP, assert_child_whole, client, remote_config
+from disagg_helpers import points, spawn  # noqa: F401 - fixtures
 from engine import Engine, SamplingParams
 from helpers import small_config
 from states import FinishReason
@@ -24,26 +25,6 @@ CHUNKED = dict(max_chunk_bytes=16 << 10, chunk_slack=0.2, fence_timeout=30.0)
 #: one 32 MiB chunk, for a kill a few ms after the send starts (the null model: no compute, same shapes)
 BIG = dict(model="null", page_size=16, num_kv_pages=600, max_context=8208, max_prefill_tokens=8192)
 BIG_PROMPT = [7] * 8192
-
-
-@pytest.fixture(scope="module")
-def points():
-    return PointStore()
-
-
-@pytest.fixture
-def spawn(points):
-    children: list[PrefillChild] = []
-
-    def start(**kwargs) -> PrefillChild:
-        child = PrefillChild(points, **kwargs)
-        children.append(child)
-        return child.ready()
-
-    yield start
-    for child in children:  # by pid, whatever happened
-        child.signal(signal.SIGCONT)
-        child.kill()
 
 
 async def _reference(prompt, **engine) -> list[int]:

@@ -15,7 +15,8 @@ import torch.distributed as dist
 import disagg_helpers  # noqa: F401 - GLOO_SOCKET_IFNAME=lo
 from engine.disagg.link import bootstrap
 from engine import SamplingParams
-from engine.disagg.decode.decode_link import DecodeLink, LinkJob
+from engine.disagg.decode.decode_link import DecodeLink
+from engine.disagg.decode.link_job import LinkJob
 from engine.disagg.decode.kv_transfer_hook import FirstToken, TransferCancelled, TransferJob
 from engine.disagg.decode.destination import PagedDestination
 from engine.disagg.link.observability import TransferStats
@@ -126,6 +127,20 @@ def _submit(link: DecodeLink, buffers: KVBuffers, rid: str, *, deadline: float =
                  now + deadline)
     assert link.submit(lj)
     return lj
+
+
+def _hold_writes(lj: LinkJob) -> tuple[threading.Event, threading.Event]:
+    """Make the job's writes wait: (entered: a write has begun, release: let it go on)."""
+    entered, release = threading.Event(), threading.Event()
+    write = lj.destination.write
+
+    def held_write(chunk, kv):
+        entered.set()
+        release.wait(10)
+        write(chunk, kv)
+
+    lj.destination.write = held_write
+    return entered, release
 
 
 def _kv(plan) -> list[torch.Tensor]:
@@ -239,15 +254,7 @@ class TestGivingUp:
         waits on it) and leaves the fence open; the fence completes when that write returns, cancelled."""
         link, prefill, buffers, _, _ = link_pair
         lj = _submit(link, buffers, "wedged")
-        entered, release = threading.Event(), threading.Event()
-        write = lj.destination.write
-
-        def stuck_write(chunk, kv):
-            entered.set()
-            release.wait(10)
-            write(chunk, kv)
-
-        lj.destination.write = stuck_write
+        entered, release = _hold_writes(lj)
         _, tag, _ = prefill.recv_frame()
         prefill.answer(tag)
         for kv in _kv(lj.plan):
@@ -272,6 +279,33 @@ class TestGivingUp:
         head.deadline = 0.0
         link.expire(time.monotonic())
         assert head.job.outcome[1].cause == "budget" and not link.up
+
+
+class TestFailover:
+    def test_a_link_that_goes_down_hands_its_jobs_over(self, link_pair):
+        """A link going down hands each unfinished job to its failover, open (no outcome, fence pending):
+        the old link never writes it again, `writing()` holds it back while a chunk of it is still being
+        written, and its successor carries the same destination; a job already ended is not handed over."""
+        link, prefill, buffers, stats, _ = link_pair
+        moved: list[tuple[LinkJob, LinkError]] = []
+        link.failover = lambda lj, error: moved.append((lj, error))
+        lj, gone = _submit(link, buffers, "moving"), _submit(link, buffers, "gone", start=8)
+        entered, release = _hold_writes(lj)
+        _, tag, _ = prefill.recv_frame()
+        prefill.recv_frame()
+        assert gone.end(None, "cancelled", "test")
+        prefill.answer(tag)
+        prefill.chunk(_kv(lj.plan)[0])
+        assert entered.wait(5)
+        link.down(LinkError("peer_closed", "test"), block=False)
+        assert [(m.job.request_id, e.cause) for m, e in moved] == [("moving", "peer_closed")]
+        assert lj.writing() and lj.job.outcome is None and not lj.job.fence.done() and not link.submit(lj)
+        release.set()
+        _wait(lambda: not lj.writing())
+        successor = lj.successor(time.monotonic() + 1)
+        assert successor.destination is lj.destination and successor.attempt == 2 and successor.decision is None
+        assert lj.job.outcome is None and not lj.done  # only the successor resolves it
+        assert buffers.k[1].abs().sum() == 0 and stats.snapshot()["failures"] == {}
 
 
 class TestBootstrap:

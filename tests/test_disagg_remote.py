@@ -1,16 +1,13 @@
 """A decode engine (this process) with a remote prefill server (a child process):
 outputs and KV equal the single engine's, and the paths that do not kill the
 prefill: a reported failure, an abort while TRANSFERRING, a refused peer, the
-decode leaving mid-transfer, and the seed's HiSparse health-check scenario."""
+decode leaving mid-transfer, and the seed's HiSparse health-check scenario.
+Dead peers: test_disagg_dead_peers.py; many prefills and decodes:
+test_disagg_failover.py."""
 
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
-import tempfile
-import threading
 import time
 
 import anyio
@@ -19,8 +16,7 @@ import pytest
 import structlog
 import torch
 
-from disagg_helpers import (SECRET, SERVE_FAST, SERVE_SMALL, PointStore, PrefillChild, assert_child_whole, client,
-                            remote_config, started_event)
+from disagg_helpers import SECRET, PointStore, PrefillChild, assert_child_whole, client, remote_config
 from engine import Engine, SamplingParams
 from helpers import small_config
 from hisparse import HiSparseConfig
@@ -190,88 +186,8 @@ class TestFailures:
         assert_child_whole(report)
 
 
-    def test_decode_process_killed(self, prefill, points):
-        """A decode server process SIGKILLed while its request computes on the prefill: the prefill sees the
-        link close, cancels the job, and its request finishes and releases on its side."""
-        points.set("hold-compute/orphan")
-        with tempfile.NamedTemporaryFile("w+", suffix=".log") as log:
-            decode = subprocess.Popen([sys.executable, "-m", "engine.cli.main", "serve", "--disaggregation", "decode",
-                                       "--prefill", prefill.address, "--disaggregation-secret", SECRET, "--port", "0",
-                                       *SERVE_SMALL, *SERVE_FAST], stderr=log, stdout=subprocess.DEVNULL,
-                                      env=dict(os.environ, OMP_NUM_THREADS="1"))
-            try:
-                port = started_event(log.name, decode)["port"]
-                body = {"input_ids": PROMPTS[1], "rid": "orphan", "sampling_params": {"max_new_tokens": 4}}
-                request = threading.Thread(target=_post_ignoring_errors, args=(f"http://127.0.0.1:{port}", body))
-                request.start()
-                points.wait("computing/orphan")
-                decode.kill()
-                decode.wait(10)
-                points.set("go/orphan")
-                request.join(10)
-            finally:
-                if decode.poll() is None:
-                    decode.kill()
-                    decode.wait()
-        report = prefill.wait_idle()
-        assert report["transfer"]["links"] and all(not link["up"] or name != "decode"
-                                                   for name, link in report["transfer"]["links"].items())
-        assert_child_whole(report)
-
-
-def _post_ignoring_errors(url: str, body: dict) -> None:
-    try:
-        httpx.post(f"{url}/generate", json=body, timeout=10.0)
-    except httpx.HTTPError:
-        pass  # the decode died under it
-
-
-class TestPeers:
-    @pytest.mark.asyncio
-    async def test_spread_over_peers_and_a_dead_peer_fails_only_its_jobs(self, prefill, points):
-        """Jobs go to the peer with the fewest in flight; killing one peer fails exactly the requests it
-        held, at once, while the other peer's finish normally."""
-        other = PrefillChild(points, settings={"secret": SECRET})
-        rids = [f"spread-{i}" for i in range(4)]
-        for rid in rids:
-            points.set(f"hold-compute/{rid}")
-        try:
-            other.ready()
-            config = remote_config(prefill.address, other.address, secret=SECRET)
-            async with Engine(config) as engine:
-                streams = [engine.generate(PROMPTS[i], GREEDY, request_id=rid) for i, rid in enumerate(rids)]
-                await anyio.to_thread.run_sync(lambda: _wait_for_keys(points, [f"computing/{r}" for r in rids], 2))
-                assert {p: link["jobs"] for p, link in client(engine).links().items()} == {
-                    prefill.address: 2, other.address: 2}
-                on_other = {o.request_id for o in engine.memory_report().owners[f"transfer.jobs[{other.address}]"]}
-                started = time.monotonic()
-                other.kill()
-                failed = [(await _final(streams[i])) for i, rid in enumerate(rids) if rid in on_other]
-                elapsed = time.monotonic() - started
-                for rid in rids:
-                    points.set(f"go/{rid}")
-                survived = [(await _final(streams[i])) for i, rid in enumerate(rids) if rid not in on_other]
-        finally:
-            other.kill()
-        assert len(on_other) == 2 and elapsed < 1.5
-        assert all(f.finish_reason is FinishReason.TRANSFER_FAILED for f in failed)
-        assert all(f.finish_reason is FinishReason.LENGTH for f in survived) and len(survived) == 2
-        assert_child_whole(await anyio.to_thread.run_sync(prefill.wait_idle))
-
-
 async def _collect(stream) -> list:
     return [o async for o in stream]
-
-
-async def _final(stream):
-    return [o async for o in stream][-1]
-
-
-def _wait_for_keys(points, keys: list[str], count: int, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while sum(points.has(k) for k in keys) < count:
-        assert time.monotonic() < deadline, f"fewer than {count} of {keys}"
-        time.sleep(0.01)
 
 
 class TestSeedScenario:

@@ -145,10 +145,13 @@ async def test_every_prefill_finish_path_releases_everything(hisparse, model):
             assert queued.outcome is not None and isinstance(queued.outcome[1], TransferCancelled)  # at once
             # cancelled while prefilling (its second chunk is held), and during its last chunk
             runtime.cancel(jobs["hold-a"])
-            gate.allow(1)  # one more chunk of hold-a, then the cancel applies
-            gate.set_open(True)
+            gate.set_open(True)  # its held chunk ends, then the cancel applies
+            with anyio.fail_after(DEADLINE):
+                while gate.waiting:
+                    await anyio.sleep(0.002)
             last = submit("hold-last")  # two chunks: the cancel lands while the last one runs
             gate.set_open(False)
+            gate.revoke()
             gate.allow(1)
             with anyio.fail_after(DEADLINE):
                 while not any(r.request_id == "prefill:hold-last" and r.kv_len for r in runtime.loop.requests()):
@@ -159,9 +162,9 @@ async def test_every_prefill_finish_path_releases_everything(hisparse, model):
                 assert isinstance((await _answered(jobs[rid]))[1], TransferCancelled)
             await runtime.loop.wait_idle(DEADLINE)
             with anyio.fail_after(DEADLINE):  # idle: the runtime's own leak check runs
-                while not runtime.loop.stats.leak_checks:
+                while not runtime.loop.checked_idle:
                     await anyio.sleep(0.002)
-            assert runtime.loop.stats.leak_check_failures == 0 and runtime.loop.checked_idle
+            assert runtime.loop.stats.leak_checks > 0 and runtime.loop.stats.leak_check_failures == 0
 
             # shutdown with a request prefilling (held) and one queued behind it
             gate.set_open(False)

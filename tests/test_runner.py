@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import Engine, SamplingParams
-from engine.model.decode_graphs import DecodeGraphs, batch_buckets, page_buckets
+from engine.model.decode_graphs import DecodeGraphs, batch_buckets
 from engine.model.dense_reference import dense_forward
 from engine.model.llama import LlamaModel
 from engine.model.model_config import ModelConfig
@@ -99,7 +99,43 @@ class TestBuckets:
         """vLLM-style sizes: 1, 2, 4, 8, multiples of 16, and the maximum itself."""
         assert batch_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
         assert batch_buckets(1) == [1]
-        assert page_buckets(13) == [1, 2, 4, 8, 13]
+
+    def test_graphs_are_keyed_by_batch_bucket_alone(self, monkeypatch):
+        """capture_all captures one graph per batch bucket (no context buckets), and a step of any
+        length replays its rows' bucket: short and max_context-long rows take the same graph."""
+        engine_parts = _parts(max_running=20, max_context=256)
+        captured: list[int] = []
+
+        class Replay:
+            def __init__(self, bucket):
+                self.bucket, self.replays = bucket, 0
+
+            def replay(self):
+                self.replays += 1
+
+        def fake_capture(self, bucket):
+            captured.append(bucket)
+            logits = torch.zeros(bucket, 8)
+            return _Captured(Replay(bucket), logits, logits.argmax(-1), None)
+
+        from engine.model.decode_graphs import _Captured
+
+        monkeypatch.setattr(DecodeGraphs, "_capture", fake_capture)
+        runner = engine_parts.runner
+        graphs = DecodeGraphs(runner.model, runner.kv, runner.slots, runner.device, max_batch=20)
+        graphs.capture_all()
+        assert captured == [1, 2, 4, 8, 16, 20] and sorted(graphs._graphs) == captured
+        for rows, bucket in ((1, 1), (3, 4), (9, 16), (17, 20)):
+            logits, tokens, routing = graphs.run(rows)
+            assert logits.shape[0] == rows and routing is None
+            assert graphs._graphs[bucket].graph.replays >= 1
+        assert graphs.run(21) is None
+
+
+def _parts(**overrides):
+    from engine.runtime.assembly import build_parts
+
+    return build_parts(small_config(**overrides))
 
 
 async def _decode_batches(engine, prompts, params):
@@ -108,22 +144,22 @@ async def _decode_batches(engine, prompts, params):
     runner = engine.parts.runner
     table = engine.parts.kv_pool.slots.req_to_token
     original = runner.step
+    graphs = DecodeGraphs(runner.model, runner.kv, runner.slots, runner.device, max_batch=runner.slots.capacity,
+                          layer_windows=runner.attention_factory.layer_windows, capture=False)
     seen = []
 
     def step(seqs):
         if not all(s.num_tokens == 1 for s in seqs):
             return original(seqs)
-        graphs = DecodeGraphs(runner.model, runner.kv, runner.slots, runner.device, slot_of=runner.slot_of,
-                              max_batch=runner.slots.capacity, layer_windows=runner.attention_factory.layer_windows,
-                              capture=False)
         new_locs = {int(table[runner.slot_of(s.request), s.start]) for s in seqs}
         before = runner.kv.k[0].clone()
-        sampled = [s for s in seqs if s.samples]
-        static = graphs.step(seqs, [s.request.params for s in sampled], [s.request.num_output_tokens for s in sampled])
+        runner.graphs = graphs
+        static = original(seqs)
+        runner.graphs = None
         written = (runner.kv.k[0] != before).flatten(1).any(1).nonzero().flatten().tolist()
         out = original(seqs)
-        seen.append({"static": static, "eager": out.tokens, "written": set(written), "new_locs": new_locs,
-                     "rows": len(seqs)})
+        seen.append({"static": static.tokens, "eager": out.tokens, "written": set(written), "new_locs": new_locs,
+                     "rows": len(seqs), "static_logprobs": static.logprobs, "eager_logprobs": out.logprobs})
         return out
 
     runner.step = step
@@ -144,6 +180,18 @@ class TestStaticDecode:
         assert any(record["rows"] == 3 for record in seen)
 
     @pytest.mark.asyncio
+    async def test_static_step_samples_and_reports_logprobs_like_the_eager_step(self):
+        """Seeded sampling and logprobs run on the graph's logits: the same tokens and logprobs as eager."""
+        params = SamplingParams(max_new_tokens=5, ignore_eos=True, temperature=0.8, top_k=20, seed=3, logprobs=2)
+        async with Engine(small_config(max_running=8)) as engine:
+            seen = await _decode_batches(engine, [[4, 5, 6], [7, 8, 9, 10]], params)
+        assert seen
+        for record in seen:
+            assert record["static"] == record["eager"]
+            for a, b in zip(record["static_logprobs"], record["eager_logprobs"], strict=True):
+                assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-5)
+
+    @pytest.mark.asyncio
     async def test_padding_rows_write_only_the_padding_page(self):
         """A padded static step writes K/V at its real rows' new locations and in page 0, nowhere else."""
         async with Engine(small_config(max_running=8)) as engine:
@@ -155,19 +203,18 @@ class TestStaticDecode:
             assert record["written"] <= record["new_locs"] | set(range(page))
             assert record["new_locs"] <= record["written"]
 
-
     @pytest.mark.asyncio
     async def test_a_failed_capture_falls_back_to_eager_steps(self):
-        """A graph capture that raises (here: no CUDA) disables the graphs; the step still runs, eagerly."""
+        """A graph capture that raises (here: no CUDA) disables the graphs; every step runs eagerly."""
         async with Engine(small_config(max_running=4)) as engine:
             runner = engine.parts.runner
-            graphs = DecodeGraphs(runner.model, runner.kv, runner.slots, runner.device, slot_of=runner.slot_of,
-                                  max_batch=4, capture=True)
+            graphs = DecodeGraphs(runner.model, runner.kv, runner.slots, runner.device, max_batch=4, capture=True)
+            graphs.capture_all()
             runner.graphs = graphs
             out = await engine.complete([5, 6, 7, 8, 9], SamplingParams(max_new_tokens=5, ignore_eos=True))
             runner.graphs = None
             expected = await engine.complete([5, 6, 7, 8, 9], SamplingParams(max_new_tokens=5, ignore_eos=True))
-        assert graphs.disabled and out.token_ids == expected.token_ids
+        assert graphs.disabled and not graphs._graphs and out.token_ids == expected.token_ids
 
 
 class TestTransformersParity:

@@ -31,7 +31,7 @@ FREEING_EXCEPTIONS = {
     # a link's receive buffers: taken and given back by the link's own threads within one chunk's
     # bound, held for no request (the decode's `transfer.staging`; no request handle owns them)
     ("engine/disagg/decode/decode_link.py", "DecodeLink", "_recv_chunks"),
-    ("engine/disagg/decode/decode_link.py", "DecodeLink", "_write_loop"),
+    ("engine/disagg/decode/decode_link.py", "DecodeLink", "_write_items"),
 }
 #: a request's progress: written only by the step applier
 PROGRESS = {"kv_len", "first_token_time", "last_token_time"}

@@ -1,55 +1,60 @@
-"""Decode steps from static buffers, captured once per batch size as CUDA graphs.
+"""Decode steps from static buffers, captured as CUDA graphs at startup.
 
 A decode-only step of B sequences runs as the graph captured for the
-smallest batch bucket >= B and the smallest context bucket (in pages) >= the
-longest context. Every input lives in static device tensors, filled by one
-host-to-device copy per step::
+smallest batch bucket >= B. Graphs are keyed by batch bucket alone: the
+graph attends over the whole token-table row (the engine's max_context,
+masked by each row's length), so no step ever needs a graph that is not
+there. Every input lives in one static device buffer, filled by the step's
+one host-to-device copy (`engine.model.step_upload`)::
 
-    static[0, :bucket]  token ids      (padding rows: 0)
-    static[1, :bucket]  positions      (padding rows: 0)
-    static[2, :bucket]  request slots  (padding rows: 0)
-    static[3, :bucket]  1 = a real row, 0 = padding
+    inputs[0, :bucket]  token ids      (padding rows: 0)
+    inputs[1, :bucket]  positions      (padding rows: 0)
+    inputs[2, :bucket]  request slots  (padding rows: 0)
+    inputs[3, :bucket]  1 = a real row, 0 = padding
+    then the sampler's fields [6, largest bucket] (`engine.model.sampling`)
 
 and everything else is computed inside the graph from them: the new tokens'
 locations and the page table (read from the request -> token table, as the
-eager runner does), the attention plan, the forward pass, the greedy argmax.
+eager runner does), the attention plan, the forward pass (MoE layers
+included, when their expert matmuls need no host sync), the greedy argmax,
+the routed experts. Sampling and logprobs run on the graph's logits after
+the replay, so any batch of decode rows can take the graph.
 NOTE: a padding row writes its K/V to location 0 (the reserved padding page)
 and attends over the padding page alone, so it never touches a request's
 pages, whatever the request in slot 0 holds.
 
-Buckets follow vLLM's capture sizes (1, 2, 4, 8, then multiples of 16 up to
-`max_batch`); context buckets are powers of two pages up to the table's
-width. Graphs are captured lazily, on the first step that needs one, into
-one shared memory pool.
+Capture (`capture_all`) runs once, when the runner is built, before the
+engine starts any thread: on the engine's device, from a side stream that
+first waits for the compute stream, in thread-local capture mode (another
+thread's CUDA work cannot invalidate it), inside try/finally so that a
+failed capture always ends and the thread is back on its own stream. A
+capture that fails disables the graphs (every step runs eagerly). Buckets
+follow vLLM's capture sizes (1, 2, 4, 8, then multiples of 16 up to
+`max_batch`); all share one memory pool.
 
-Only the runner builds this, only on CUDA (``capture=True``), for a dense
-model with the engine's own paged attention: MoE routing needs a host sync
-and HiSparse plans its selection on the host. With ``capture=False`` the
-same static step runs eagerly on any device, which is how CPU tests check
-it against the eager runner.
+With ``capture=False`` the same static step runs eagerly on any device,
+which is how CPU tests check it against the eager runner.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import structlog
 import torch
 
-from engine.config import SamplingParams
 from engine.model.attention import PagedAttention
 from engine.model.llama import LlamaModel
-from engine.model.sampling import argmax_rows, sample
-from engine.model.batch import ScheduledSeq
+from engine.model.sampling import FIELD_ROWS, argmax_rows
+from resources.device_io import compute_stream, on_device
 from resources.kv_buffers import KVBuffers
 from resources.request_slots import RequestSlots
-from states import Request
-
 
 log = structlog.get_logger("kvlife.decode_graphs")
 
-#: a captured step: the graph and its static outputs (logits, greedy tokens)
-_Captured = tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]
+#: rows of the static inputs (the sampler's `FIELD_ROWS` rows of fields follow them)
+IDS, POSITIONS, SLOTS, REAL = range(4)
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -57,105 +62,120 @@ def batch_buckets(max_batch: int) -> list[int]:
     return sizes + [max_batch]
 
 
-def page_buckets(max_pages: int) -> list[int]:
-    sizes, p = [], 1
-    while p < max_pages:
-        sizes.append(p)
-        p *= 2
-    return sizes + [max_pages]
+class _Captured:
+    """One bucket's graph and its static outputs."""
+
+    __slots__ = ("graph", "logits", "tokens", "routing")
+
+    def __init__(self, graph: Any, logits: torch.Tensor, tokens: torch.Tensor, routing: torch.Tensor | None) -> None:
+        self.graph, self.logits, self.tokens, self.routing = graph, logits, tokens, routing
 
 
 class DecodeGraphs:
     def __init__(self, model: LlamaModel, kv: KVBuffers, slots: RequestSlots, device: torch.device, *,
-                 slot_of: Callable[[Request], int | None], max_batch: int,
-                 layer_windows: tuple[int | None, ...] = (), capture: bool = True) -> None:
+                 max_batch: int, layer_windows: tuple[int | None, ...] = (), capture: bool = True) -> None:
         self.model, self.kv, self.table, self.device = model, kv, slots.req_to_token, device
         self.layer_windows = layer_windows
-        self.slot_of = slot_of
         self.capture = capture
         self.batch_sizes = batch_buckets(max_batch)
-        self.page_sizes = page_buckets(slots.width // kv.page_size)
-        largest = self.batch_sizes[-1]
-        self.static = torch.zeros(4, largest, dtype=torch.int64, device=device)
-        self._host = torch.zeros(4, largest, dtype=torch.int64, pin_memory=device.type == "cuda")
-        #: (batch bucket, page bucket) -> (graph, logits, tokens), or None when not capturing
-        self._graphs: dict[tuple[int, int], _Captured | None] = {}
-        self._pool: torch.cuda._POOL_HANDLE | None = None
-        #: set when a capture failed: every later step runs eagerly
+        self.largest = self.batch_sizes[-1]
+        #: the static inputs, then the sampler's fields (see the module docstring)
+        self.buffer = torch.zeros((4 + FIELD_ROWS) * self.largest, dtype=torch.int64, device=device)
+        self.inputs = self.buffer[: 4 * self.largest].view(4, self.largest)
+        self.fields = self.buffer[4 * self.largest :].view(FIELD_ROWS, self.largest)
+        self._graphs: dict[int, _Captured] = {}
+        self._pool: Any = None
+        #: set when a capture failed: every step runs eagerly
         self.disabled = False
+        #: steps run from the static buffers (replays, or eager static steps when not capturing)
+        self.replays = 0
 
-    def step(self, seqs: Sequence[ScheduledSeq], params: list[SamplingParams], out_pos: list[int]) -> list[int] | None:
-        """The sampled tokens of a decode-only batch, or None when the batch
-        does not fit (a prefill chunk, images, too many rows): run it eagerly."""
-        n = len(seqs)
-        if self.disabled or n > self.batch_sizes[-1] or len(params) != n:
-            return None
-        ids, positions, slots = [], [], []
-        for s in seqs:
-            request = s.request
-            slot = self.slot_of(request)
-            if s.num_tokens != 1 or request.mm_inputs or slot is None:
-                return None
-            prompt = request.prompt_token_ids
-            ids.append(prompt[s.start] if s.start < len(prompt) else request.output_token_ids[s.start - len(prompt)])
-            positions.append(s.start)
-            slots.append(slot)
-        bucket = next(b for b in self.batch_sizes if b >= n)
-        pages = next(p for p in self.page_sizes if p * self.kv.page_size >= max(positions) + 1)
-        host = self._host
-        host[:, :bucket].zero_()
-        host[0, :n] = torch.tensor(ids)
-        host[1, :n] = torch.tensor(positions)
-        host[2, :n] = torch.tensor(slots)
-        host[3, :n] = 1
-        self.static[:, :bucket].copy_(host[:, :bucket], non_blocking=True)
+    def bucket(self, rows: int) -> int | None:
+        """The batch bucket of a decode step of `rows` rows (None: more than the largest)."""
+        return next((b for b in self.batch_sizes if b >= rows), None)
+
+    # ------------------------------------------------------------ capture
+    def capture_all(self) -> None:
+        """Capture every bucket's graph (CUDA; see the module docstring). A failure disables them all."""
+        if not self.capture or self.disabled:
+            return
         try:
-            captured = self._graph(bucket, pages)
-        except Exception as exc:  # NOTE: a capture that fails must not fail the step: run eagerly from now on
+            with on_device(self.device):
+                for bucket in self.batch_sizes:
+                    self._graphs[bucket] = self._capture(bucket)
+        except Exception as exc:  # noqa: BLE001 - a capture that fails must not fail the engine: run eagerly
             self.disabled = True
-            log.warning("decode_graphs.disabled", error=repr(exc), batch=bucket, pages=pages)
-            return None
-        if captured is not None:
-            graph, logits, tokens = captured
-            graph.replay()
-        else:
-            logits, tokens = self._forward(bucket, pages)
-        if all(p.greedy for p in params):
-            return tokens[:n].tolist()
-        return sample(logits[:n], params, out_pos)
+            self._graphs.clear()
+            log.warning("decode_graphs.disabled", error=repr(exc), device=str(self.device))
 
-    def _forward(self, bucket: int, num_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step on the static inputs; every op is capturable (no host sync)."""
-        ids, positions, slots, real = self.static[:, :bucket]
-        real = real.bool()
-        ps = self.kv.page_size
-        out_locs = torch.where(real, self.table[slots, positions], 0)
-        pages = self.table[slots, : num_pages * ps : ps]
-        if ps > 1:
-            pages = pages // ps
-        pages = pages.masked_fill(~real[:, None], 0)
-        kv_lens = torch.where(real, positions + 1, 1)
-        attention = PagedAttention.decode(self.kv, out_locs, pages, kv_lens, self.layer_windows)
-        logits = self.model(ids, positions, attention)
-        return logits, argmax_rows(logits)
-
-    def _graph(self, bucket: int, num_pages: int) -> _Captured | None:
-        key = (bucket, num_pages)
-        if key not in self._graphs:
-            self._graphs[key] = self._capture(bucket, num_pages) if self.capture else None
-        return self._graphs[key]
-
-    def _capture(self, bucket: int, num_pages: int) -> _Captured:
-        # NOTE: the static inputs hold this step's rows; capture runs the step on them
-        # (writing their K/V, as the replay after it will again: the same values).
+    def _capture(self, bucket: int) -> _Captured:
+        # NOTE: the static inputs are zeros: padding rows, which write only the padding page
+        main = compute_stream(self.device)
         side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
+        side.wait_stream(main)
         with torch.cuda.stream(side):
             for _ in range(2):  # warm up: lazily built tables, allocator, kernels
-                self._forward(bucket, num_pages)
-        torch.cuda.current_stream(self.device).wait_stream(side)
+                self._forward(bucket)
+        main.wait_stream(side)
+        torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            logits, tokens = self._forward(bucket, num_pages)
+        with torch.cuda.stream(side):  # NOTE: left on every path, so this thread is back on its own stream
+            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            try:
+                logits, tokens, routing = self._forward(bucket)
+            except BaseException:
+                try:
+                    graph.capture_end()
+                except Exception:  # noqa: BLE001 - the capture is invalid anyway: report the first error
+                    pass
+                raise
+            graph.capture_end()
+        main.wait_stream(side)
         self._pool = graph.pool()
-        return graph, logits, tokens
+        return _Captured(graph, logits, tokens, routing)
+
+    # -------------------------------------------------------------- steps
+    def run(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """Run the step whose inputs are in `inputs[:, :bucket]` (written by the caller's upload):
+        (logits, greedy tokens, routing [layers, rows, top_k] or None) of its `rows` real rows,
+        on the device; None when the graphs are disabled."""
+        bucket = self.bucket(rows)
+        if self.disabled or bucket is None:
+            return None
+        self.replays += 1
+        if self.capture:
+            captured = self._graphs.get(bucket)
+            if captured is None:
+                return None
+            captured.graph.replay()
+            logits, tokens, routing = captured.logits, captured.tokens, captured.routing
+        else:
+            logits, tokens, routing = self._forward(bucket)
+        return logits[:rows], tokens[:rows], None if routing is None else routing[:, :rows]
+
+    def _forward(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The step on the static inputs; every op is capturable (no host sync)."""
+        ids, positions, slots, real = self.inputs[:, :bucket]
+        ps = self.kv.page_size
+        out_locs = self.table[slots, positions] * real
+        pages = self.table[slots, ::ps]
+        if ps > 1:
+            pages = pages // ps
+        pages = pages * real[:, None]
+        kv_lens = torch.where(real.bool(), positions + 1, 1)
+        attention = PagedAttention.decode(self.kv, out_locs, pages, kv_lens, self.layer_windows)
+        routing: list[torch.Tensor] = []
+        logits = self.model(ids, positions, attention, routing=routing)
+        return logits, argmax_rows(logits), torch.stack(routing) if routing else None
+
+    @staticmethod
+    def write_inputs(host: Any, largest: int, ids: Sequence[int], positions: Sequence[int],
+                     slots: Sequence[int]) -> None:
+        """Fill the static inputs' words (a [4 * largest] host view) for one step; padding rows zero."""
+        n = len(ids)
+        view = host[: 4 * largest].reshape(4, largest)
+        view[:, n:] = 0
+        view[IDS, :n] = ids
+        view[POSITIONS, :n] = positions
+        view[SLOTS, :n] = slots
+        view[REAL, :n] = 1

@@ -306,6 +306,8 @@ class LlamaModel(nn.Module):
             if isinstance(layer.mlp, GatedMLP) and layer.gate_up_t is None:
                 layer.gate_up_t, layer.gate_up_bias = _pack([layer.mlp.gate_proj, layer.mlp.up_proj])
                 layer.down_t, _ = _pack([layer.mlp.down_proj])
+            elif isinstance(layer.mlp, MoEFeedForward):
+                layer.mlp.pack()  # the experts' weights stacked (engine.model.moe)
         if self.lm_head is not None and self.head_t is None:
             self.head_t, _ = _pack([self.lm_head])
 

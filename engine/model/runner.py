@@ -8,19 +8,25 @@ routing, and the fences of copies the step started, such as HiSparse's host
 backups) goes back to the runtime's step applier, which applies it after the
 step.
 
-A step, from the loop's `step(seqs)` call::
+A step, from the loop's `step(seqs)` call, in whatever thread runs it,
+under the engine's device (`resources.device_io.on_device`)::
 
-    host: one pass over the batch -> token ids, positions, slots (Python ints)
-    device: 3 small tensors; new-token locations and the page table read
-            from the request -> token table (no host sync)
+    host: one pass over the batch -> token ids, positions, slots, sampled
+          rows, the sampler's fields, written into one pinned buffer
+    upload: one asynchronous host-to-device copy (`engine.model.step_upload`);
+            new-token locations and the page table read on the device from
+            the request -> token table
     forward: the model, attention planned once for all layers, the LM head
-             on the sampling rows only
-    sample: greedy rows by one batched argmax; the tokens come back in the
-            step's one host sync
+             on the sampling rows only (or a CUDA graph's replay)
+    sample: every sampled row at once on the device (`engine.model.sampling`),
+            logprobs from the same logits
+    read back: tokens, MoE routing and logprobs in one copy and one wait
+               (`resources.device_io.read_back`), the step's only host sync
 
 The model's weights are packed once, at construction (`LlamaModel.pack`).
-A decode-only step of a dense model on CUDA replays a captured CUDA graph
-when the batch fits a captured size (`engine.model.decode_graphs`).
+A decode-only step on CUDA replays the CUDA graph of its batch bucket
+(`engine.model.decode_graphs`), captured when the runner is built, whatever
+its sampling params or logprobs.
 
 `NoComputeRunner` builds the same batch tensors from the same tables but
 skips the forward pass and returns fixed tokens: the engine-overhead
@@ -31,7 +37,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import attrs
 import torch
@@ -39,14 +45,16 @@ import torch
 from engine.model.attention import AttentionBackend, AttentionMetadata, PagedAttention, PagedFactory
 from engine.model.batch import ScheduledSeq
 from engine.model.llama import LlamaModel
-from engine.model.sampling import sample, token_logprobs
+from engine.model.decode_graphs import FIELD_ROWS, DecodeGraphs
+from engine.model.sampling import SamplingBatch, format_logprobs, logprob_tensors, sample_tokens
+from engine.model.step_upload import Sections, StepUpload
+from resources.device_io import on_device, read_back
 from resources.kv_buffers import KVBuffers
 from resources.paging import round_up
 from resources.request_slots import RequestSlots
 from states import Fence, Request, TokenLogprob
 
 if TYPE_CHECKING:
-    from engine.model.decode_graphs import DecodeGraphs
     from engine.testing import FaultInjector
 
 
@@ -69,7 +77,7 @@ class StepOutput:
     the copies the step started (the step applier adds them through the machine)."""
 
     tokens: list[int]
-    #: per MoE layer, the routed expert ids [T, top_k] of the step's tokens
+    #: per MoE layer, the routed expert ids [T, top_k] of the step's tokens (host tensors)
     routing: list[torch.Tensor] = attrs.field(factory=list)
     #: aligned with `tokens`: the token's `TokenLogprob` where its request asked, else None
     logprobs: list[TokenLogprob | None] = attrs.field(factory=list)
@@ -91,12 +99,14 @@ class StepTiming:
 @attrs.frozen(eq=False)
 class StepInputs:
     """A batch's tensors: token ids and positions ``[T]``, attention metadata,
-    and the rows of T whose logits are sampled (None: every row, in order)."""
+    the rows of T whose logits are sampled (None: every row, in order), and
+    the sampler's fields on the device (None when it needs none)."""
 
     ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
     sample_rows: torch.Tensor | None
+    fields: torch.Tensor | None = None
 
 
 def token_range(request: Request, start: int, end: int) -> list[int]:
@@ -122,6 +132,7 @@ class ModelRunner:
         attention_factory: AttentionFactory | None = None,
         embedder: Callable[[Sequence[ScheduledSeq], torch.Tensor], torch.Tensor | None] | None = None,
         faults: FaultInjector | None = None,
+        cuda_graphs: bool = True,
     ) -> None:
         self.faults = faults
         self.model = model
@@ -135,25 +146,30 @@ class ModelRunner:
         self.attention_factory: AttentionFactory = attention_factory or PagedAttention.factory(kv)
         #: when a list, each step appends `StepTiming` (benchmarks read it; None: no timing at all)
         self.timings: list[StepTiming] | None = None
+        #: the step's inputs: one pinned host buffer, one copy
+        self.upload = StepUpload(device)
         pack = getattr(model, "pack", None)
         if pack is not None:
-            pack()
+            with on_device(device):
+                pack()
         #: CUDA graphs of decode steps (`engine.model.decode_graphs`); None: every step eager
         self.graphs: DecodeGraphs | None = None
         factory = self.attention_factory
-        if device.type == "cuda" and isinstance(factory, PagedFactory) and not getattr(model.config, "is_moe", True):
-            from engine.model.decode_graphs import DecodeGraphs
-
-            self.graphs = DecodeGraphs(model, kv, slots, device, slot_of=slot_of, max_batch=slots.capacity,
+        if cuda_graphs and device.type == "cuda" and isinstance(factory, PagedFactory) \
+                and _graph_safe(model, slots.capacity):
+            self.graphs = DecodeGraphs(model, kv, slots, device, max_batch=slots.capacity,
                                        layer_windows=factory.layer_windows)
+            with torch.inference_mode():
+                self.graphs.capture_all()  # NOTE: now, before the engine starts any thread
 
-    def prepare(self, seqs: Sequence[ScheduledSeq]) -> StepInputs:
-        """The batch's tensors, built in one pass over `seqs` and no host sync."""
+    def prepare(self, seqs: Sequence[ScheduledSeq], batch: SamplingBatch | None = None) -> StepInputs:
+        """The batch's tensors, from one pass over `seqs`, one upload and no host sync."""
         ids: list[int] = []
         positions: list[int] = []
         q_lens: list[int] = []
         kv_lens: list[int] = []
-        slots: list[int | None] = []
+        slots: list[int] = []
+        live: list[int] = []
         samples: list[int] = []
         decode_only = True
         offset = 0
@@ -170,21 +186,48 @@ class ModelRunner:
                 positions.extend(range(start, end))
             q_lens.append(n)
             kv_lens.append(end)
-            slots.append(self.slot_of(request))
+            # NOTE: slot_of is None for rows whose backend keeps their KV itself (HiSparse
+            # decode rows): their locations read as the padding page 0.
+            slot = self.slot_of(request)
+            slots.append(0 if slot is None else slot)
+            live.append(slot is not None)
             offset += n
             if s.samples:
                 samples.append(offset - 1)
-        dev = self.device
-        # NOTE: slot_of is None for rows whose backend keeps their KV itself (HiSparse
-        # decode rows): their locations read as the padding page 0.
-        no_slot = [slot is None for slot in slots] if None in slots else None
-        if no_slot is not None:
-            slots = [0 if slot is None else slot for slot in slots]
-        host = torch.tensor([ids, positions], dtype=torch.int64)
-        ids_t, pos_t = host.to(dev, non_blocking=True).unbind(0)
-        slots_t = torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True)
+        every_row = len(samples) == offset
+        all_live = all(live)
+        layout = Sections()
+        for name, words in (("ids", offset), ("positions", offset), ("slots", len(seqs))):
+            layout.add(name, words)
+        if not decode_only:
+            layout.add("token_slots", offset)
+        if not all_live:
+            layout.add("live", len(seqs))
+            if not decode_only:
+                layout.add("token_live", offset)
+        if not every_row:
+            layout.add("samples", len(samples))
+        fields = batch.fields if batch is not None else None
+        if fields is not None:
+            layout.add("fields", fields.size)
+        host = self.upload.start(layout.size)
+        layout.write(host, "ids", ids)
+        layout.write(host, "positions", positions)
+        layout.write(host, "slots", slots)
+        if not decode_only:
+            layout.write(host, "token_slots", [slot for slot, n in zip(slots, q_lens) for _ in range(n)])
+        if not all_live:
+            layout.write(host, "live", live)
+            if not decode_only:
+                layout.write(host, "token_live", [flag for flag, n in zip(live, q_lens) for _ in range(n)])
+        if not every_row:
+            layout.write(host, "samples", samples)
+        if fields is not None:
+            layout.write(host, "fields", fields.reshape(-1))
+        dev = self.upload.send(layout.size)
+        ids_t, pos_t, slots_t = layout.view(dev, "ids"), layout.view(dev, "positions"), layout.view(dev, "slots")
+        token_slots = slots_t if decode_only else layout.view(dev, "token_slots")
         table = self.slots.req_to_token
-        token_slots = slots_t if decode_only else slots_t.repeat_interleave(torch.tensor(q_lens).to(dev))
         out_locs = table[token_slots, pos_t]
         # NOTE: the page table is read straight from the token table (locations are
         # page * page_size + offset); columns past a row's context may name any page
@@ -193,42 +236,101 @@ class ModelRunner:
         pages = table[slots_t, : round_up(max(kv_lens), ps) : ps]
         if ps > 1:
             pages = pages // ps
-        if no_slot is not None:
-            no_slot_t = torch.tensor(no_slot).to(dev)
-            row_mask = no_slot_t if decode_only else no_slot_t.repeat_interleave(torch.tensor(q_lens).to(dev))
-            out_locs = out_locs.masked_fill(row_mask, 0)
-            pages = pages.masked_fill(no_slot_t[:, None], 0)
+        if not all_live:
+            live_t = layout.view(dev, "live")
+            out_locs = out_locs * (live_t if decode_only else layout.view(dev, "token_live"))
+            pages = pages * live_t[:, None]
         meta = AttentionMetadata(out_locs=out_locs, q_lens=q_lens, kv_lens=kv_lens, kv_pages=pages, page_size=ps)
-        every_row = len(samples) == offset
-        sample_rows = None if every_row else torch.tensor(samples, dtype=torch.int64).to(dev)
-        return StepInputs(ids_t, pos_t, meta, sample_rows)
+        sample_rows = None if every_row else layout.view(dev, "samples")
+        fields_t = None if fields is None else layout.view(dev, "fields").view(fields.shape)
+        return StepInputs(ids_t, pos_t, meta, sample_rows, fields_t)
 
     @torch.inference_mode()
     def step(self, seqs: Sequence[ScheduledSeq]) -> StepOutput:
         self._inject_faults(seqs)
+        with on_device(self.device):
+            return self._step(seqs)
+
+    def _step(self, seqs: Sequence[ScheduledSeq]) -> StepOutput:
         timed = self.timings is not None
         t0 = time.perf_counter() if timed else 0.0
         params = [s.request.params for s in seqs if s.samples]
-        out_pos = [s.request.num_output_tokens for s in seqs if s.samples]
-        wants_logprobs = any(p.logprobs is not None for p in params)
-        if (self.graphs is not None and not wants_logprobs
-                and (tokens := self.graphs.step(seqs, params, out_pos)) is not None):
-            if timed:
-                self._record(seqs, t0, t0)
-            return StepOutput(tokens)
-        inputs = self.prepare(seqs)
+        batch = SamplingBatch(params, [s.request.num_output_tokens for s in seqs if s.samples]) if params else None
+        if self.graphs is not None and batch is not None and len(batch) == len(seqs):
+            replayed = self._replay(seqs, batch)
+            if replayed is not None:
+                logits, greedy, stacked, fields = replayed
+                out = self._finish(logits, batch, fields, stacked, greedy)
+                if timed:
+                    self._record(seqs, t0, t0)
+                return out
+        inputs = self.prepare(seqs, batch)
         embeds = self.embedder(seqs, inputs.ids) if self.embedder is not None else None
         attention = self.attention_factory(seqs, inputs.meta)
         t1 = time.perf_counter() if timed else 0.0
         routing: list[torch.Tensor] = []
         logits = self.model(inputs.ids, inputs.positions, attention, embeds, output_rows=inputs.sample_rows,
                             routing=routing)
-        tokens = sample(logits, params, out_pos) if params else []
-        logprobs = token_logprobs(logits, tokens, params) if wants_logprobs else []
+        out = self._finish(logits, batch, inputs.fields, torch.stack(routing) if routing else None)
+        if isinstance(attention, MakesFences):
+            out.fences = attention.fences
         if timed:
             self._record(seqs, t0, t1)
-        fences = attention.fences if isinstance(attention, MakesFences) else ()
-        return StepOutput(tokens, routing, logprobs, fences)
+        return out
+
+    def _replay(self, seqs: Sequence[ScheduledSeq], batch: SamplingBatch) -> tuple[Any, Any, Any, Any] | None:
+        """A decode-only batch through its CUDA graph: the inputs in one upload straight into
+        the graph's static buffer, then the replay. None: the batch does not fit a graph."""
+        graphs = self.graphs
+        assert graphs is not None
+        ids, positions, slots = [], [], []
+        for s in seqs:
+            request = s.request
+            slot = self.slot_of(request)
+            if s.num_tokens != 1 or request.mm_inputs or slot is None:
+                return None
+            prompt = request.prompt_token_ids
+            ids.append(prompt[s.start] if s.start < len(prompt) else request.output_token_ids[s.start - len(prompt)])
+            positions.append(s.start)
+            slots.append(slot)
+        largest = graphs.largest
+        if graphs.disabled or len(seqs) > largest:
+            return None
+        words = (4 + FIELD_ROWS) * largest if batch.fields is not None else 4 * largest
+        host = self.upload.start(words)
+        graphs.write_inputs(host, largest, ids, positions, slots)
+        if batch.fields is not None:
+            # the fields region is [6, largest]; this step's rows are its first columns
+            host[4 * largest : words].reshape(FIELD_ROWS, largest)[:, : len(seqs)] = batch.fields
+        self.upload.send(words, into=graphs.buffer)
+        ran = graphs.run(len(seqs))
+        if ran is None:
+            return None
+        logits, greedy, routing = ran
+        fields = None if batch.fields is None else graphs.fields[:, : len(seqs)]
+        return logits, greedy, routing, fields
+
+    def _finish(self, logits: torch.Tensor, batch: SamplingBatch | None, fields: torch.Tensor | None,
+                routing: torch.Tensor | None, greedy: torch.Tensor | None = None) -> StepOutput:
+        """Sample on the device, then read tokens, routing ([layers, T, top_k]) and logprobs
+        back in one copy."""
+        parts: list[torch.Tensor] = []
+        tokens = None
+        if batch is not None:
+            tokens = greedy if greedy is not None and batch.greedy else sample_tokens(logits, batch, fields)
+            parts.append(tokens)
+            if batch.wants_logprobs:
+                parts.extend(logprob_tensors(logits, tokens, batch, fields))
+        if routing is not None:
+            parts.append(routing)
+        if not parts:
+            return StepOutput([])
+        host = read_back(parts)
+        token_ids = host[0].tolist() if batch is not None else []
+        logprobs: list[TokenLogprob | None] = []
+        if batch is not None and batch.wants_logprobs:
+            logprobs = format_logprobs(batch, token_ids, *host[1:4])
+        return StepOutput(token_ids, list(host[-1].unbind(0)) if routing is not None else [], logprobs)
 
     def _record(self, seqs: Sequence[ScheduledSeq], t0: float, t1: float) -> None:
         if self.device.type == "cuda":
@@ -242,10 +344,22 @@ class ModelRunner:
             self.faults.before_step([s.request.request_id for s in seqs])
 
 
+def _graph_safe(model: Any, max_batch: int) -> bool:
+    """Whether a decode step of `model` (up to `max_batch` rows) can be captured: dense, or
+    MoE whose expert matmuls need no host sync (`engine.model.moe.MoEFeedForward.sync_free`)."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "is_moe", False):
+        return True
+    from engine.model.moe import MoEFeedForward
+
+    return all(m.sync_free(max_batch) for m in model.modules() if isinstance(m, MoEFeedForward))
+
+
 class NoComputeRunner(ModelRunner):
     """Same batch preparation, no forward pass: token = (position * 7 + 11) % 256."""
 
     def step(self, seqs: Sequence[ScheduledSeq]) -> StepOutput:
         self._inject_faults(seqs)
-        self.prepare(seqs)
+        with on_device(self.device):
+            self.prepare(seqs)
         return StepOutput([((s.start + s.num_tokens) * 7 + 11) % 256 for s in seqs if s.samples])

@@ -66,7 +66,7 @@ def features(role: Install | None) -> list[Install]:
 def build_parts(config: EngineConfig, *, faults: FaultInjector | None = None) -> EngineParts:
     """Every part of an engine for `config`; `faults` (tests only) injects failures. The decode
     role without remote prefills gets an in-process prefill runtime of its own pools."""
-    device = resolve_device(config)
+    device = _device(config)
     bundle = load_model(config, device)
     role: Install | None = None
     distribution = None
@@ -93,7 +93,7 @@ def build_local_prefill(config: EngineConfig, *, device: torch.device, bundle: M
     same weights, copying into the decode's memory (its pools show as "prefill.*")."""
     # NOTE: a configured hook *instance* has one pool, so it serves the decode engine only;
     # factories (and entry points) build the prefill runtime a hook of its own.
-    prefill_config = attrs.evolve(config, disaggregation="none", hisparse=None, remote_prefill=None,
+    prefill_config = attrs.evolve(config, disaggregation="none", hisparse=None, remote_prefill=None, cuda_graphs=False,
                                   resources=tuple(r for r in config.resources if not is_hook_instance(r)))
     role = PrefillRole(lambda ctx: LoopbackSender(ctx.kv_buffers, fence_timeout=config.fence_timeout, faults=faults))
     parts = assemble(prefill_config, device=device, bundle=bundle, role=role.install, faults=faults)
@@ -136,7 +136,7 @@ def assemble(config: EngineConfig, *, device: torch.device, bundle: ModelBundle,
         attention = wrap_attention(attention)
     runner_cls = NoComputeRunner if config.model == "null" else ModelRunner
     runner = runner_cls(model, kv_buffers, kv_pool.slots, device, slot_of=slot_of, attention_factory=attention,
-                        embedder=installed.embedder, faults=faults)
+                        embedder=installed.embedder, faults=faults, cuda_graphs=config.cuda_graphs)
     scheduler = Scheduler(max_running=config.max_running, max_prefill_tokens=config.max_prefill_tokens,
                           page_size=config.page_size)
     return EngineParts(config, device, model_config, model, tokenizer, max_context, ledger, kv_buffers, kv_pool,
@@ -147,6 +147,10 @@ def assemble(config: EngineConfig, *, device: torch.device, bundle: ModelBundle,
 
 def resolve_device(config: EngineConfig) -> torch.device:
     """The torch device `config.device` names, checked usable (else InvalidConfig naming the field)."""
+    return _device(config)
+
+
+def _device(config: EngineConfig) -> torch.device:
     try:
         device = torch.device(config.device)
     except RuntimeError as exc:

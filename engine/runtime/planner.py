@@ -4,9 +4,11 @@ grows or is retracted, and the batch.
 In order: transfers that landed enter PREBUILT (decode role); moves that wait
 on memory or copies are retried (PREBUILT -> DECODING/STAGING, STAGING ->
 DECODING, RETRACTED -> QUEUED); the scheduler picks admissions (QUEUED ->
-PREFILLING/TRANSFERRING); every decoding request grows by one token through
-the machine, retracting the newest admitted under page pressure; the
-scheduler builds the batch. A request waiting past `starvation_timeout`
+PREFILLING/TRANSFERRING; in the decode role, while its prefill client says
+no peer can take a job, the requests that would need one finish
+TRANSFER_FAILED instead, holding no KV); every decoding request grows by
+one token through the machine, retracting the newest admitted under page
+pressure; the scheduler builds the batch. A request waiting past `starvation_timeout`
 while pools stay held is reported once (`memory.starved`).
 
 The planner decides; moves go through the gateway, progress through the step
@@ -21,6 +23,7 @@ from typing import Any
 
 import structlog
 
+from engine.disagg.decode.transfer import TransferFailed
 from engine.model.batch import ScheduledSeq
 from engine.runtime.gateway import RequestGateway
 from engine.runtime.role import Role
@@ -109,6 +112,9 @@ class Planner:
         owner = self.table.owner
         role = self.role
         ready = [r for r in waiting if owner[r].admissible(r)]
+        why = role.transfer_unavailable() if role.transfer_unavailable is not None and ready else None
+        if why is not None:
+            ready = self._refuse_transfers(ready, why)
         chosen = self.scheduler.select_admissions(
             ready, num_running=len(self.table.running()), free_slots=kv.slots.num_free,
             available_pages=kv.available_pages, takes_pages=lambda r: role.takes_pages(r, owner[r].leader))
@@ -127,6 +133,15 @@ class Planner:
                 self.stats.on_admit(request, time.monotonic(), request.kv_len, queried)
         if ready and ready[0] in waiting:
             self._check_starvation(ready[0])
+
+    def _refuse_transfers(self, ready: list[Request], why: str) -> list[Request]:
+        """No prefill can take a job: every ready request that would need one (and its waiting siblings)
+        finishes TRANSFER_FAILED now, instead of pre-allocating KV that nobody can fill."""
+        owner = self.table.owner
+        for request in [r for r in ready if self.role.admits(r, owner[r].leader) is S.TRANSFERRING]:
+            for r in [r for r in owner[request].requests if r in self.table.waiting]:
+                self.gateway.finish(r, FinishReason.TRANSFER_FAILED, error=TransferFailed(why))
+        return [r for r in ready if not r.is_finished]
 
     def _check_starvation(self, head: Request) -> None:
         queued_at = head.entered_at(S.QUEUED)

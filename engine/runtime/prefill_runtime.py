@@ -84,6 +84,10 @@ class PrefillRuntime:
             self.loop.table.aborts.append((submission, FinishReason.ABORT))
             self.loop.wake()
 
+    def unavailable(self) -> str | None:
+        """Never: the in-process prefill is always there."""
+        return None
+
     @property
     def idle(self) -> bool:
         return self.loop.idle

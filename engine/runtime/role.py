@@ -11,6 +11,9 @@ only says:
   PREFILLING -> PREBUILT -> FINISHED: the job is the prompt's KV and one
   token, which the prefill role's hooks send);
 - `transfer_job`: the decode role's accessor of a TRANSFERRING request's job;
+- `transfer_unavailable`: the decode role's "why no prefill can take a job now"
+  (`PrefillClient.unavailable`): while it says why, the requests that would
+  need a job finish TRANSFER_FAILED instead of pre-allocating KV;
 - `followers_transfer`: whether the other sequences of an n > 1 request are
   admitted as their leader is, instead of prefilling only the tail past the
   leader's published prompt pages (HiSparse's decode role: the KV lands in
@@ -38,6 +41,7 @@ class Role:
     admit_into: RequestState = S.PREFILLING
     after_prefill: RequestState | None = S.DECODING
     transfer_job: Callable[[Request], TransferJob] | None = None
+    transfer_unavailable: Callable[[], str | None] | None = None
     followers_transfer: bool = False
     admission_takes_pages: bool = True
 

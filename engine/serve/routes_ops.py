@@ -48,6 +48,10 @@ def ops_routes(ctx: ServerContext) -> list[Route]:
     async def health(request: Request) -> Response:
         if ctx.draining or not engine.running:
             return JSONResponse({"status": "stopping" if ctx.draining else "stopped"}, status_code=503)
+        report = engine.health()
+        if report.reason == "no_prefill":  # a decode that cannot admit: not ready
+            return JSONResponse({"status": "unavailable", "reason": report.reason, "detail": report.detail},
+                                status_code=503)
         return JSONResponse({"status": "ok"})
 
     async def health_check(request: Request) -> Response:

@@ -40,6 +40,10 @@ class TransferCollector:
             refused = CounterMetricFamily(f"{p}_refused", "Link handshakes refused, by cause.", labels=["cause"])
             for cause, n in sorted(s.refused.items()):
                 refused.add_metric([cause], n)
+            failovers = CounterMetricFamily(f"{p}_failovers", "Jobs re-sent to another prefill when their link "
+                                            "went down, by its cause.", labels=["cause"])
+            for cause, n in sorted(s.failovers.items()):
+                failovers.add_metric([cause], n)
             hists = [self._histogram(f"{p}_seconds", "Transfer wire time: header to KV landed.", s.wire),
                      self._histogram(f"{p}_wait_seconds", "Job submitted to KV landed.", s.wait)]
             up = GaugeMetricFamily(f"{p}_link_up", "1 while the link to a peer is up.", labels=["peer"])
@@ -51,7 +55,7 @@ class TransferCollector:
                 epoch.add_metric([peer], state.epoch)
                 changes.add_metric([peer, "up"], state.ups)
                 changes.add_metric([peer, "down"], state.downs)
-        yield from (total, jobs, failures, refused, *hists, up, epoch, changes)
+        yield from (total, jobs, failures, refused, failovers, *hists, up, epoch, changes)
 
     @staticmethod
     def _histogram(name: str, doc: str, hist: Histogram) -> Any:

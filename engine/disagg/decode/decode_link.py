@@ -10,8 +10,11 @@ and dropped. So the fence means "no write can happen any more", and it
 is completed within a bounded time on every path.
 
 Waits: a header (or keepalive) within `liveness_timeout`; a chunk within
-`chunk_timeout(bytes)`. Any transport error or timeout ends the link: its
-jobs end failed at once, and the client builds a new pair (a new epoch).
+`chunk_timeout(bytes)`. Any transport error or timeout ends the link and it
+takes no new job: each of its jobs is either handed to the client's
+`failover` (decided "moved": this link never writes it again, and the
+client re-sends it to a live peer once no write of it is in progress) or
+ends failed at once; the client builds a new pair (a new epoch).
 """
 
 from __future__ import annotations
@@ -28,101 +31,22 @@ import attrs
 import structlog
 import torch
 
-from engine.disagg.decode.kv_transfer_hook import FirstToken, TransferCancelled
-from engine.disagg.decode.transfer import TransferFailed
+from engine.disagg.decode.kv_transfer_hook import FirstToken
+from engine.disagg.decode.link_job import LinkJob, RemoteTransferFailed
 from engine.disagg.link.transport import LinkError, Pair, classify
-from engine.disagg.link.wire import (BYE, CANCEL, CANCELLED, JOB, OK, PING, RESULT, STATUS_NAMES, JobSpec, KVLayout,
+from engine.disagg.link.wire import (BYE, CANCEL, CANCELLED, JOB, OK, PING, RESULT, STATUS_NAMES, KVLayout,
                                 ProtocolError, decode_logprob, empty_header, encode_job, header)
 
 log = structlog.get_logger("kvlife.transfer")
-
-
-class RemoteTransferFailed(TransferFailed):
-    """A remote transfer failed; `cause` is one of engine.disagg.link.transport.CAUSES."""
-
-    def __init__(self, cause: str, message: str) -> None:
-        super().__init__(message)
-        self.cause = cause
-
-
-@attrs.define(eq=False)
-class LinkJob:
-    """One TransferJob on its way through a link."""
-
-    job: Any
-    destination: Any
-    plan: list
-    spec: JobSpec
-    submitted: float
-    deadline: float  # the first answer's
-    peer: str = ""
-    epoch: int = 0
-    tag: int = 0
-    answered: float | None = None  # when its header arrived
-    done: bool = False  # resolved: outcome set, fence completed
-    cancel_sent: bool = False
-    #: how it ends, decided once: (first token, cause, message)
-    decision: tuple[FirstToken | int | None, str | None, str] | None = None
-    lock: threading.Lock = attrs.field(factory=threading.Lock)  # held by the writing thread while it writes
-    _deciding: threading.Lock = attrs.field(factory=threading.Lock)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(c.nbytes for c in self.plan)
-
-    @property
-    def writable(self) -> bool:
-        """Whether a chunk may still be written (call with the lock held)."""
-        return self.decision is None
-
-    def end(self, first_token: FirstToken | int | None, cause: str | None = None, message: str = "", *,
-            block: bool = True) -> bool:
-        """Decide how the job ends (once; True for the call that decided) and resolve it: outcome
-        first, then the fence. Cause "cancelled" (the decode gave it up) resolves it with
-        TransferCancelled.
-
-        With `block=False` (the event loop) a write in progress is not waited for: the writing
-        thread resolves the job as soon as that write returns, so a writing thread that wedges
-        leaves the fence open (and the loop quarantines the pages at its deadline) instead of
-        wedging the loop.
-        """
-        with self._deciding:
-            decided = self.decision is None
-            if decided:
-                self.decision = (first_token, cause, message)
-        if self.lock.acquire(blocking=block):
-            try:
-                self._resolve()
-            finally:
-                self.lock.release()
-        return decided
-
-    def apply_decision(self) -> None:
-        """After a write (lock released): resolve an end decided during it."""
-        if self.decision is not None and not self.done:
-            with self.lock:
-                self._resolve()
-
-    def _resolve(self) -> None:
-        if self.done:
-            return
-        self.done = True
-        assert self.decision is not None  # `end` decides before anything resolves
-        first_token, cause, message = self.decision
-        if cause is None:
-            self.job.resolve("ok", first_token)
-        else:
-            where = f"(peer {self.peer or '-'}, epoch {self.epoch})"
-            error = TransferCancelled(f"{message} {where}") if cause == "cancelled" else \
-                RemoteTransferFailed(cause, f"{message} {where}")
-            self.job.resolve("failed", error)
+__all__ = ["DecodeLink", "LinkJob", "RemoteTransferFailed"]
 
 
 class DecodeLink:
     """One epoch of the link to one prefill (see the module docstring)."""
 
     def __init__(self, *, peer: str, epoch: int, boot: str, pair: Pair, settings: Any, layout: KVLayout,
-                 stats: Any, staging: Any, on_down: Callable[[DecodeLink, LinkError], None] | None = None) -> None:
+                 stats: Any, staging: Any, on_down: Callable[[DecodeLink, LinkError], None] | None = None,
+                 failover: Callable[[LinkJob, LinkError], None] | None = None) -> None:
         self.peer, self.epoch, self.boot = peer, epoch, boot
         self.pair = pair
         self.settings = settings
@@ -130,6 +54,9 @@ class DecodeLink:
         self.stats = stats
         self.staging = staging
         self.on_down = on_down
+        #: takes each job of this link that it left unfinished when it went down (decided "moved"); the
+        #: client re-sends it to a live peer or fails it (None: they fail here)
+        self.failover = failover
         self.inflight: deque[LinkJob] = deque()  # in the order their JOB frames were queued
         self.lock = threading.Lock()
         self.up = True
@@ -315,7 +242,15 @@ class DecodeLink:
         self._writes.put((lj, None, first_token, owner))
 
     def _write_loop(self) -> None:
-        """The only writer of the jobs' pages: each chunk under its job's lock, then the job's end."""
+        """The only writer of the jobs' pages: each chunk under its job's lock, then the job's end.
+        It is the last user of the pair's data group (the receiving thread has returned): it closes
+        the pair as it leaves (an NCCL group is aborted, so a dropped link leaks no communicator)."""
+        try:
+            self._write_items()
+        finally:
+            self.pair.close()
+
+    def _write_items(self) -> None:
         while (item := self._writes.get()) is not None:
             lj, chunk, value, owner = item
             if chunk is None:  # every chunk of the job is written
@@ -348,8 +283,12 @@ class DecodeLink:
             self._farewell = self._farewell or error.cause in ("budget", "protocol")
             jobs = list(self.inflight)
             self.inflight.clear()
-        failed = 0
+        failed = moved = 0
         for lj in jobs:
+            if error.cause != "shutdown" and self.failover is not None and lj.detach():
+                moved += 1
+                self.failover(lj, error)
+                continue
             if lj.end(None, error.cause, str(error), block=block):
                 failed += 1
                 self.stats.job_failed(error.cause)
@@ -359,6 +298,6 @@ class DecodeLink:
         self.stats.link_down(self.peer, error.cause)
         level = log.info if error.cause == "shutdown" else log.warning
         level("transfer.link_down", peer=self.peer, epoch=self.epoch, cause=error.cause, error=str(error),
-              jobs_failed=failed)
+              jobs_failed=failed, jobs_moved=moved)
         if self.on_down is not None:
             self.on_down(self, error)

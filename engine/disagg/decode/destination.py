@@ -9,19 +9,27 @@ the job is done (landed, failed or given up) nothing writes it again.
 - `HostRowsDestination`: HiSparse's host pool rows (and the index keys
   computed from K), so the KV never detours through device pages.
 
-On CUDA with a host-memory backend (gloo), a chunk arrives in pinned host
-memory: the copy to the device runs on a side stream and is waited for
-before `write` returns, so the write is complete when the lock is released.
+On CUDA every write runs on the destination's side stream (created on the
+destination's device), which first waits for the compute stream (nothing
+queued there may still use the pages), and `write` returns only once an
+event recorded after the write is done: a chunk that arrived in pinned host
+memory (gloo) or in device memory (NCCL) alike is written when the lock is
+released, so the job's fence completes after its copies, never while one is
+only queued. The link's receiving thread has already waited for the chunk
+itself (`Pair.wait`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import torch
 
 from engine.disagg.link.wire import Chunk
+from hisparse.records import host_record
+from resources.device_io import compute_stream, on_device, to_host
 
 
 class KVDestination(Protocol):
@@ -39,19 +47,34 @@ class KVDestination(Protocol):
         """The whole job has landed (called once, on the event loop, when the transfer's handle goes)."""
 
 
-class _SideStream:
-    """Copies a chunk to the destination's device on a side stream (CUDA), waited for before return."""
+class SideStream:
+    """Runs a chunk's write on a side stream of the destination's device (CUDA): after the
+    compute stream's work so far, and returns once an event after the write is done.
 
-    def __init__(self, device: torch.device) -> None:
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+    `stream`, `events`, `enter` and `after` (tests) replace the CUDA stream, the event type,
+    entering the stream and the compute stream's wait, so the order can be checked on the host.
+    """
+
+    def __init__(self, device: torch.device, *, stream: Any = None, events: Any = None,
+                 enter: Callable[[Any], AbstractContextManager[Any]] | None = None,
+                 after: Callable[[], Any] | None = None) -> None:
+        self.device = device
+        cuda = device.type == "cuda"
+        self.stream = stream if stream is not None else (torch.cuda.Stream(device) if cuda else None)
+        self._events: Any = events if events is not None else (torch.cuda.Event if cuda else None)
+        self._enter = enter if enter is not None else torch.cuda.stream
+        self._after = after if after is not None else (lambda: compute_stream(device))
 
     def run(self, kv: torch.Tensor, device: torch.device, write: Callable[[torch.Tensor], None]) -> None:
-        if self.stream is None or kv.device == device:
+        if self.stream is None:
             write(kv.to(device))
             return
-        with torch.cuda.stream(self.stream):
+        self.stream.wait_stream(self._after())  # NOTE: before writing: pages the compute stream still uses
+        with on_device(self.device), self._enter(self.stream):
             write(kv.to(device, non_blocking=True))
-        self.stream.synchronize()
+        done = self._events()
+        done.record(self.stream)
+        done.synchronize()  # NOTE: the write is complete before the job (and its fence) can end
 
 
 class PagedDestination:
@@ -64,7 +87,7 @@ class PagedDestination:
         self.device = kv_buffers.k[0].device
         self.locs = locs.to(self.device)
         self.num_tokens = int(locs.numel())
-        self._copy = _SideStream(self.device)
+        self._copy = SideStream(self.device)
 
     def write(self, chunk: Chunk, kv: torch.Tensor) -> None:
         locs = self.locs[chunk.start: chunk.start + chunk.count]
@@ -82,11 +105,15 @@ class PagedDestination:
 
     def copy_from(self, src: Any, src_locs: torch.Tensor) -> None:
         """Copy the K/V at `src_locs` of every layer of `src` (another engine's `KVBuffers` on
-        this device: the in-process prefill) straight into the pages."""
-        locs = self.locs
-        for layer in range(len(self.kv.k)):
-            self.kv.k[layer].index_copy_(0, locs, src.k[layer][src_locs].to(self.kv.k[layer].dtype))
-            self.kv.v[layer].index_copy_(0, locs, src.v[layer][src_locs].to(self.kv.v[layer].dtype))
+        this device: the in-process prefill) straight into the pages, on the side stream as a
+        chunk's write is, and complete when this returns."""
+
+        def write(locs: torch.Tensor) -> None:
+            for layer in range(len(self.kv.k)):
+                self.kv.k[layer].index_copy_(0, locs, src.k[layer][src_locs].to(self.kv.k[layer].dtype))
+                self.kv.v[layer].index_copy_(0, locs, src.v[layer][src_locs].to(self.kv.v[layer].dtype))
+
+        self._copy.run(self.locs, self.device, write)
 
 
 class HostRowsDestination:
@@ -107,16 +134,21 @@ class HostRowsDestination:
         self.num_tokens = int(rows.numel())
         #: the hooks whose memory this destination writes (so the transfer's fence guards them)
         self.protects: tuple[str, ...] = ("hisparse_host",)
+        self._copy = SideStream(index_device)
 
     def write(self, chunk: Chunk, kv: torch.Tensor) -> None:
         rows = self.rows[chunk.start: chunk.start + chunk.count]
         rows_dev = self.rows_dev[chunk.start: chunk.start + chunk.count]
         for i in range(chunk.num_layers):
-            layer = chunk.first_layer + i
-            host = self.host.kv[layer]
-            host.index_copy_(0, rows, kv[i].transpose(0, 1).to("cpu", host.dtype))
-            index = self.host.index[layer]
-            index.index_copy_(0, rows_dev, self.keys(kv[i, 0].to(self.device)).to(index.dtype))
+            host = self.host.kv[chunk.first_layer + i]
+            host.index_copy_(0, rows, to_host(kv[i].transpose(0, 1)).to(host.dtype))
+
+        def index_keys(keys_dev: torch.Tensor) -> None:
+            for i in range(chunk.num_layers):
+                index = self.host.index[chunk.first_layer + i]
+                index.index_copy_(0, rows_dev, self.keys(keys_dev[i]).to(index.dtype))
+
+        self._copy.run(kv[:, 0], self.device, index_keys)
 
     def landed(self) -> None:
         """The whole job is in the host rows: staging has nothing left to copy."""
@@ -135,7 +167,5 @@ class HostLanding:
         self.state = state
 
     def destination(self, request: Any, num_tokens: int) -> HostRowsDestination:
-        from hisparse.hooks import HostPagesHook
-
-        state, record = self.state, HostPagesHook.record(request)
+        state, record = self.state, host_record(request)
         return HostRowsDestination(state.host, record.locs[:num_tokens], state.projection.keys, state.device, record)

@@ -91,7 +91,8 @@ class TransferJob:
 
 
 class PrefillClient(Protocol):
-    """Where a decode engine's prefills run: in process (`PrefillWorker`) or remote."""
+    """Where a decode engine's prefills run: in process (`engine.runtime.prefill_runtime.PrefillRuntime`) or
+    remote (`engine.disagg.decode.remote_client.RemotePrefillClient`)."""
 
     #: extra pools for the decode engine's memory report (may be empty)
     pools: list[Pool]
@@ -102,6 +103,11 @@ class PrefillClient(Protocol):
 
     def cancel(self, job: TransferJob) -> None:
         """Give the job up: resolve it at once if not started, else as soon as it is safe."""
+
+    def unavailable(self) -> str | None:
+        """Why no job can be filled now (no prefill peer is up), else None. While it says why, the
+        decode admits nothing into TRANSFERRING (no KV is pre-allocated for a job nobody can fill):
+        its waiting requests finish TRANSFER_FAILED with this reason, and its health is not ready."""
 
     async def run(self, *, task_status: Any) -> None:
         """The client's task in the engine's task group."""

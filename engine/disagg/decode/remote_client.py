@@ -1,18 +1,26 @@
 """`RemotePrefillClient`: the decode role's prefill client over prefill servers
 in other processes and on other nodes (EngineConfig.remote_prefill).
 
-It implements the PrefillClient seam (`submit`, `cancel`, `run`, `idle`,
-`pools`): `submit` picks the link with the fewest jobs in flight and queues
-the job on it (or, while no link is up, holds it until one comes up or its
-first-answer deadline passes); the link's receiving thread lands the KV and
-ends the job. `run` keeps one link per peer: it dials, and when a link goes
-down (the prefill died, hung, or left) it dials again every
-`reconnect_interval`, so a restarted prefill on the same address is picked
-up again as a new epoch. Only the requests a dead link held fail.
+It implements the PrefillClient seam (`submit`, `cancel`, `unavailable`,
+`run`, `idle`, `pools`): `submit` queues the job on the live link with the
+fewest jobs in flight. `run` keeps one link per peer: it dials, and when a
+link goes down (the prefill died, hung, or left) it dials again every
+`reconnect_interval` (doubling up to 8x while it fails), so a restarted
+prefill on the same address is picked up again as a new epoch.
+
+Dead peers cost at most the heartbeat bound (`LinkSettings.dead_peer_bound`):
+a link that goes down takes no new job, and each of its jobs whose KV had
+not landed is re-sent to another live peer (the same destination pages, so
+the output is unchanged; at most once per peer), or, with none up, fails
+TRANSFER_FAILED at once. While no peer is up, `unavailable()` says why, and
+the decode admits nothing into TRANSFERRING: its waiting requests finish
+TRANSFER_FAILED with that reason, holding no KV (and `Engine.health()` is
+not ready).
 
 Memory report: `transfer.staging` (chunk buffers, bytes) and one
-`transfer.jobs[<peer>]` pool per peer (plus `[pending]`) whose owners are
-the requests waiting on that peer, so /debug/memory names them.
+`transfer.jobs[<peer>]` pool per peer (plus `[pending]`: jobs between two
+links) whose owners are the requests waiting on that peer, so /debug/memory
+names them.
 """
 
 from __future__ import annotations
@@ -27,7 +35,8 @@ import structlog
 import torch
 
 from engine.disagg.link import bootstrap
-from engine.disagg.decode.decode_link import DecodeLink, LinkJob
+from engine.disagg.decode.decode_link import DecodeLink
+from engine.disagg.decode.link_job import LinkJob
 from engine.disagg.decode.destination import PagedDestination
 from engine.disagg.decode.kv_transfer_hook import TransferJob, cancel_unstarted
 from engine.disagg.link.observability import TransferStats
@@ -50,6 +59,16 @@ class _Peer:
         self.epoch = 0
         self.tried = False  # the first connect attempt is over
         self.refused: LinkError | None = None  # its last answer was a refusal (auth, incompatible)
+        self.last_error = ""  # why it is not linked, for `unavailable`
+
+    @property
+    def up(self) -> bool:
+        return self.link is not None and self.link.up
+
+    def state(self) -> str:
+        if self.link is not None and not self.link.up:
+            return f"link down ({self.link.cause})"
+        return self.last_error or "not linked yet"
 
 
 class RemotePrefillClient:
@@ -73,7 +92,8 @@ class RemotePrefillClient:
         self.stats = TransferStats("decode")
         self.staging = StagingPool("transfer.staging", self.settings.staging_bytes, device)
         self.peers = [_Peer(host, port) for host, port in self.settings.addresses]
-        self.pending: deque[LinkJob] = deque()
+        #: jobs whose link went down, to re-send or fail (appended by link threads, taken on the loop)
+        self.moving: deque[tuple[LinkJob, LinkError]] = deque()
         self._jobs: dict[int, LinkJob] = {}  # id(TransferJob) -> its LinkJob, until it ends
         self._turn = itertools.count()
         self._closing = False
@@ -93,10 +113,10 @@ class RemotePrefillClient:
         lj = LinkJob(job, destination, chunk_plan(self.layout, destination.num_tokens, self.settings.max_chunk_bytes),
                      spec, now, now + self.settings.first_timeout)
         self._jobs[id(job)] = lj
-        if self._closing or not self._dispatch(lj):
-            self.pending.append(lj)
-            if self._closing:
-                self.cancel(job)
+        if self._closing:
+            self.cancel(job)
+        elif not self._dispatch(lj):  # every link went down since admission looked: fail now
+            self._fail(lj, "no_link", self.unavailable() or "no prefill link is up")
 
     def _dispatch(self, lj: LinkJob) -> bool:
         """Queue `lj` on the link with the fewest jobs; it starts then (its fence's deadline runs)."""
@@ -108,14 +128,12 @@ class RemotePrefillClient:
         return True
 
     def cancel(self, job: TransferJob) -> None:
-        """Give the job up: a job waiting for a link resolves at once, one on a link as soon as its
-        receiving thread stops writing (at once between chunks); the prefill is told to cancel."""
+        """Give the job up: it resolves as soon as its receiving thread stops writing (at once between
+        chunks; a job between two links when it is taken off the old one); the prefill is told."""
         lj = self._jobs.get(id(job))  # NOTE: kept until it has ended (`idle`); `_tick` drops it then
         if lj is None:
             cancel_unstarted(job)
             return
-        if lj in self.pending:
-            self.pending.remove(lj)
         job.cancelled = True
         if not lj.end(None, "cancelled", "cancelled by the decode", block=False):
             return
@@ -125,10 +143,19 @@ class RemotePrefillClient:
         if peer is not None and peer.link is not None and peer.link.epoch == lj.epoch:
             peer.link.cancel(lj)
 
+    def unavailable(self) -> str | None:
+        """Why no job can be taken now (no link is up), naming each peer's state; None while one is up."""
+        if any(p.up for p in self.peers):
+            return None
+        refusal = self._all_refused()
+        if refusal is not None:
+            return f"every prefill peer refused this decode: {refusal}"
+        return "no prefill peer is up (" + "; ".join(f"{p.name}: {p.state()}" for p in self.peers) + ")"
+
     @property
     def idle(self) -> bool:
         """No job in flight, and no receiving thread still holds staging (it returns within its bound)."""
-        return all(lj.done for lj in self._jobs.values()) and self.staging.held == 0
+        return all(lj.done for lj in self._jobs.values()) and not self.moving and self.staging.held == 0
 
     async def close(self) -> None:
         """Cancel every job, say goodbye on every link and wait (bounded) for its threads to return."""
@@ -142,6 +169,7 @@ class RemotePrefillClient:
         await anyio.to_thread.run_sync(lambda: [link.join(timeout) for link in links])
         with anyio.move_on_after(timeout):  # a writing thread gives its staging back
             while not self.idle:
+                self._move()  # jobs between two links resolve as cancelled
                 await anyio.sleep(TICK)
 
     async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
@@ -187,23 +215,43 @@ class RemotePrefillClient:
             return None
         return self.peers[0].refused
 
-    def _tick(self, now: float) -> None:
-        while self.pending:
-            lj = self.pending[0]
-            if lj.done:
-                self.pending.popleft()
+    def _fail(self, lj: LinkJob, cause: str, why: str) -> None:
+        if lj.end(None, cause, why, block=False):
+            self.stats.job_failed(cause)
+            log.warning("transfer.failed", request_id=lj.job.request_id, peer=lj.peer or None, epoch=lj.epoch,
+                        cause=cause, error=why)
+
+    def _failover(self, lj: LinkJob, error: LinkError) -> None:
+        """A link that went down hands over a job it left unfinished (called from its threads)."""
+        self.moving.append((lj, error))
+
+    def _move(self) -> None:
+        """Re-send each job whose link went down to the live link with the fewest jobs (at most once per
+        peer), once its old link is not writing it; with none up (or closing), end it now."""
+        for _ in range(len(self.moving)):
+            old, error = self.moving.popleft()
+            if old.writing():  # a chunk from the old link is being written: its pages are not free yet
+                self.moving.append((old, error))
                 continue
-            if not self._dispatch(lj):
-                break
-            self.pending.popleft()
-        refusal = self._all_refused()
-        for lj in [lj for lj in self.pending if not lj.done and (lj.deadline <= now or refusal is not None)]:
-            self.pending.remove(lj)
-            cause, why = ("no_link", "no prefill link came up within the compute budget") if refusal is None else (
-                refusal.cause, f"every prefill peer refused this decode: {refusal}")
-            if lj.end(None, cause, why, block=False):
-                self.stats.job_failed(cause)
-                log.warning("transfer.failed", request_id=lj.job.request_id, peer=None, epoch=0, cause=cause)
+            job = old.job
+            lj = old.successor(time.monotonic() + self.settings.first_timeout)
+            self._jobs[id(job)] = lj
+            if job.cancelled or self._closing:
+                if lj.end(None, "cancelled", "cancelled by the decode", block=False):
+                    self.stats.job_cancelled()
+                continue
+            if lj.attempt <= len(self.peers) and self._dispatch(lj):
+                self.stats.count_failover(error.cause)
+                log.info("transfer.failover", request_id=job.request_id, peer=old.peer, epoch=old.epoch,
+                         cause=error.cause, to_peer=lj.peer, to_epoch=lj.epoch, attempt=lj.attempt)
+                continue
+            rest = "no other prefill peer is up" if self.unavailable() is not None else \
+                f"it was already sent {old.attempt} times"
+            self._fail(lj, error.cause, f"prefill {old.peer} (epoch {old.epoch}) went down ({error.cause}: {error}); "
+                                        f"{rest}")
+
+    def _tick(self, now: float) -> None:
+        self._move()
         for peer in self.peers:
             if peer.link is not None:
                 peer.link.expire(now)
@@ -223,18 +271,21 @@ class RemotePrefillClient:
                 if str(exc) != refused:  # say it once, not on every retry
                     log.error("transfer.refused", peer=peer.name, cause=exc.cause, error=str(exc))
                 refused = str(exc)
+                peer.last_error = f"refused: {exc}"
             except LinkError as exc:
+                peer.last_error = f"cannot link ({exc.cause}): {exc}"
                 log.debug("transfer.connect_failed", peer=peer.name, cause=exc.cause, error=str(exc))
             except Exception as exc:  # noqa: BLE001 - a bug here must not stop the engine
+                peer.last_error = f"cannot link: {exc!r}"
                 log.error("transfer.connect_failed", peer=peer.name, cause="transport", error=repr(exc))
             else:
                 refused, failures = None, 0
                 peer.refused = None
                 peer.link = link
                 peer.tried = True
-                self._tick(time.monotonic())
                 while link.up:
                     await anyio.sleep(TICK * 2)
+                peer.last_error = f"link down ({link.cause})"
                 peer.link = None
             peer.tried = True
             interval = self.settings.reconnect_interval  # doubling while it fails, up to 8x
@@ -248,7 +299,7 @@ class RemotePrefillClient:
                     timeout=s.connect_timeout)
         peer.epoch += 1
         link = DecodeLink(peer=peer.name, epoch=peer.epoch, boot=handshake.boot, pair=pair, settings=s,
-                          layout=self.layout, stats=self.stats, staging=self.staging)
+                          layout=self.layout, stats=self.stats, staging=self.staging, failover=self._failover)
         link.start()
         self.stats.link_up(peer.name, peer.epoch, handshake.boot)
         log.info("transfer.link_up", peer=peer.name, epoch=peer.epoch, boot=handshake.boot, pair=handshake.pair_id)
@@ -258,7 +309,7 @@ class RemotePrefillClient:
 
 
 class _JobsPool:
-    """Jobs waiting on one peer (or on no link yet: "pending"), for the memory report."""
+    """Jobs waiting on one peer (or between two links: "pending"), for the memory report."""
 
     def __init__(self, client: RemotePrefillClient, peer: str, capacity: int) -> None:
         self.name = f"transfer.jobs[{peer}]"
@@ -269,7 +320,7 @@ class _JobsPool:
 
     def _waiting(self) -> list[LinkJob]:
         if self._peer == "pending":
-            return [lj for lj in list(self._client.pending) if not lj.done]
+            return [lj for lj, _ in list(self._client.moving)]
         peer = next(p for p in self._client.peers if p.name == self._peer)
         return peer.link.jobs() if peer.link is not None else []
 

@@ -11,6 +11,7 @@ Prometheus (``kvlife:transfer_*``; labels lower case):
     wait_seconds                    histogram: submitted -> landed (compute and queueing too)
     link_up{peer}, link_epoch{peer} gauges; link_changes_total{peer, change}
     refused_total{cause}            handshakes refused (auth, incompatible)
+    failovers_total{cause}          jobs re-sent to another peer when their link went down, by its cause
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class TransferStats:
         self.jobs: dict[str, int] = {"ok": 0, "failed": 0, "cancelled": 0}
         self.failures: dict[str, int] = {}
         self.refused: dict[str, int] = {}
+        self.failovers: dict[str, int] = {}
         self.wire = Histogram(WIRE_BUCKETS)
         self.wait = Histogram(WAIT_BUCKETS)
         self.links: dict[str, LinkState] = {}
@@ -100,6 +102,10 @@ class TransferStats:
         with self.lock:
             self.refused[cause] = self.refused.get(cause, 0) + 1
 
+    def count_failover(self, cause: str) -> None:
+        with self.lock:
+            self.failovers[cause] = self.failovers.get(cause, 0) + 1
+
     def links_up(self) -> int:
         with self.lock:
             return sum(1 for s in self.links.values() if s.up)
@@ -109,6 +115,6 @@ class TransferStats:
         with self.lock:
             return {
                 "role": self.role, "bytes": self.bytes, "jobs": dict(self.jobs), "failures": dict(self.failures),
-                "refused": dict(self.refused),
+                "refused": dict(self.refused), "failovers": dict(self.failovers),
                 "links": {peer: attrs.asdict(state) for peer, state in self.links.items()},
             }

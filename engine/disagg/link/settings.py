@@ -15,6 +15,13 @@ Every wait on a link has a bound, from these fields:
                     a late one fails that job alone (the link stays up)
     each chunk      chunk bytes / `floor_bandwidth` + `chunk_slack`
 
+A dead or stopped peer is therefore noticed within `dead_peer_bound`, the
+larger of `liveness_timeout` and the largest chunk's bound (4 s with the
+defaults), whatever `first_timeout` is: its link goes down, its jobs move
+to another live peer or fail, and while no peer is up the decode admits
+nothing into TRANSFERRING. On the prefill side a dead decode's jobs are
+cancelled and released within the same bound.
+
 `fence_bound` adds them up for a request of N tokens; the decode checks at
 construction that `EngineConfig.fence_timeout` covers it for `max_context`,
 so a transport failure always ends as TRANSFER_FAILED with the pages freed
@@ -119,6 +126,12 @@ class LinkSettings:
     def liveness_timeout(self) -> float:
         """Silence after which a side ends the link."""
         return 4 * self.keepalive
+
+    @property
+    def dead_peer_bound(self) -> float:
+        """Longest a dead or stopped peer goes unnoticed: no keepalive for `liveness_timeout`, or, in the
+        middle of a chunk, that chunk's timeout (with `max_chunk_bytes`)."""
+        return max(self.liveness_timeout, self.chunk_timeout(self.max_chunk_bytes))
 
     def chunk_timeout(self, nbytes: int) -> float:
         return nbytes / self.floor_bandwidth + self.chunk_slack

@@ -11,19 +11,40 @@ SCALEOUT.md): a peer that dies with nothing in flight is seen at once
 timeout; a timeout closes the pair, so nothing sent later lands. `abort()`
 does not unblock a waiting receive, so a link is never reused after an
 error: it is dropped and a new pair (a new epoch) is built.
+
+NCCL (device chunks):
+
+- connected eagerly: building the pair runs one warm-up transfer (rank 0 ->
+  rank 1) within the connect timeout, so the communicator is up before the
+  first job and a slow setup is a failed connect, not a dropped chunk;
+- its own streams: sends and receives are posted from a send stream and a
+  receive stream of the pair's device (the send stream first waits for the
+  compute stream, which wrote the chunk); nothing makes the compute stream
+  wait on a transfer, so decode steps never queue behind a stuck peer;
+- waits poll the work (`is_completed`) from the link's thread until its
+  deadline; a chunk is complete on the device when the wait returns;
+- `close()` aborts the NCCL group (idempotent), so a dropped link leaks no
+  communicator; the link's thread that last used the data group calls it.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import threading
+import time
 from collections.abc import Callable
-from typing import Protocol, cast
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
 
 from engine.disagg.link.wire import CTL, DATA, ProtocolError
+from resources.device_io import compute_stream, on_device
+
+#: how long a polling wait sleeps between looks at a work, at first and at most (seconds)
+POLL_FIRST, POLL_MOST = 0.0002, 0.005
 
 
 class LinkError(RuntimeError):
@@ -73,15 +94,51 @@ class _PeerGroup(Protocol):
     def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int) -> dist.Work: ...
 
 
+def poll_wait(work: Any, timeout: float, *, clock: Callable[[], float] = time.monotonic,
+              sleep: Callable[[float], None] = time.sleep) -> None:
+    """Wait for `work` by polling `is_completed()` from this thread until `timeout`
+    (LinkError "timeout"); no stream is made to wait. A work that failed raises
+    its error here, classified."""
+    deadline = clock() + timeout
+    pause = POLL_FIRST
+    try:
+        while not work.is_completed():
+            if clock() >= deadline:
+                raise LinkError("timeout", f"Timed out: a transfer was not done within {timeout:g} s")
+            sleep(pause)
+            pause = min(pause * 2, POLL_MOST)
+        error = work.exception() if hasattr(work, "exception") else None
+    except LinkError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - an aborted or failed communicator
+        raise classify(exc) from exc
+    if error is not None:
+        raise classify(error)
+
+
+def _nccl_group(store: dist.Store, rank: int, timeout: float) -> Any:
+    # NOTE: abort the communicator on a timeout instead of tearing the process down
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = _delta(timeout)
+    return dist.ProcessGroupNCCL(store, rank, 2, options)
+
+
 class Pair:
     """The two process groups of one link (built by both sides at once; blocks until both have)."""
 
     def __init__(self, store: dist.Store, prefix: str, *, rank: int, host: str, backend: str, device: torch.device,
-                 timeout: float) -> None:
+                 timeout: float, nccl_group: Callable[[dist.Store, int, float], Any] = _nccl_group) -> None:
         self.rank = rank
         self.peer = 1 - rank
         self.device = device
+        self.nccl = backend == "nccl"
         self._keep = store  # the store must outlive the groups
+        self._closed = False
+        self._close_lock = threading.Lock()
+        #: the NCCL path's send and receive streams (None: posted on the caller's stream)
+        self.send_stream: Any = None
+        self.recv_stream: Any = None
         # torch's stubs name only the public Options; Gloo's constructor takes the pybind _Options
         options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         options._timeout = _delta(timeout)
@@ -91,17 +148,27 @@ class Pair:
             self.ctl = cast(_PeerGroup, dist.ProcessGroupGloo(dist.PrefixStore(prefix + "gloo/", store), rank, 2,
                                                               options))
             self.data = self.ctl
-            if backend == "nccl":
-                # NOTE: abort the communicator on a timeout instead of tearing the process down
-                os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
-                nccl_options = dist.ProcessGroupNCCL.Options()
-                nccl_options._timeout = _delta(timeout)
-                self.data = cast(_PeerGroup, dist.ProcessGroupNCCL(dist.PrefixStore(prefix + "nccl/", store), rank,
-                                                                   2, nccl_options))
+            if self.nccl:
+                self.data = cast(_PeerGroup, nccl_group(dist.PrefixStore(prefix + "nccl/", store), rank, timeout))
         except Exception as exc:  # noqa: BLE001 - rendezvous failures are link failures
             raise classify(exc) from exc
         #: chunks travel in host memory (gloo) or device memory (nccl)
-        self.data_device = torch.device("cpu") if self.data is self.ctl else device
+        self.data_device = device if self.nccl else torch.device("cpu")
+        if self.nccl:
+            if device.type == "cuda":
+                self.send_stream, self.recv_stream = torch.cuda.Stream(device), torch.cuda.Stream(device)
+            try:
+                self._warm_up(timeout)
+            except BaseException:
+                self.close()
+                raise
+
+    def _warm_up(self, timeout: float) -> None:
+        """One transfer on the data group now, so its communicator is connected before any job."""
+        with on_device(self.device):
+            probe = torch.zeros(1, dtype=torch.uint8, device=self.data_device)
+            work = self.post_send_data(probe) if self.rank == 0 else self.post_recv_data(probe)
+            self.wait(work, timeout)
 
     # ------------------------------------------------------------ control
     def send_ctl(self, tensor: torch.Tensor, timeout: float) -> None:
@@ -112,13 +179,47 @@ class Pair:
 
     # -------------------------------------------------------------- chunks
     def post_send_data(self, tensor: torch.Tensor) -> dist.Work:
-        return self._post(self.data.send, tensor, DATA)
+        with self._on(self.send_stream, after_compute=True):
+            return self._post(self.data.send, tensor, DATA)
 
     def post_recv_data(self, tensor: torch.Tensor) -> dist.Work:
-        return self._post(self.data.recv, tensor, DATA)
+        with self._on(self.recv_stream, after_compute=False):
+            return self._post(self.data.recv, tensor, DATA)
 
     def wait(self, work: dist.Work, timeout: float) -> None:
-        self._wait(work, timeout)
+        """Wait for a chunk's work: NCCL by polling from this thread (no stream waits), gloo by its own wait."""
+        if self.nccl:
+            poll_wait(work, timeout)
+        else:
+            self._wait(work, timeout)
+
+    def close(self) -> None:
+        """Abort the NCCL group (idempotent; nothing to do for gloo, whose groups go with the pair)."""
+        with self._close_lock:
+            if self._closed or not self.nccl:
+                self._closed = True
+                return
+            self._closed = True
+        # NOTE: `abort` where the build has it (older builds: `shutdown`)
+        end = getattr(self.data, "abort", None) or getattr(self.data, "shutdown", None)
+        if end is not None:
+            try:
+                end()
+            except Exception:  # noqa: BLE001 - a communicator that failed may refuse to abort: it is dropped anyway
+                pass
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _on(self, stream: Any, *, after_compute: bool) -> AbstractContextManager[Any]:
+        """Post on the pair's own stream (NCCL on CUDA); a send's stream first waits for the compute
+        stream, whose work wrote the chunk."""
+        if stream is None:
+            return nullcontext()
+        if after_compute:
+            stream.wait_stream(compute_stream(self.device))
+        return torch.cuda.stream(stream)
 
     # ------------------------------------------------------------ internals
     @property

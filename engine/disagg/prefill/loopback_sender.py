@@ -2,9 +2,10 @@
 
 The decode side's `kv_transfer` hook gives each job its destination (the
 request's KV pages, or HiSparse's host rows); this sender copies the
-prefill's K/V of every layer there on its own thread (on CUDA, on a side
-stream waited for before the job is resolved), then resolves the job with
-the first token and completes the send's fence. Faults: `fail_transfer`
+prefill's K/V of every layer there on its own thread, under the engine's
+device (on CUDA the destination writes on its side stream, after the compute
+stream's work, and waits for an event before returning), then resolves the
+job with the first token and completes the send's fence. Faults: `fail_transfer`
 makes the copy fail; a stuck `kv_transfer` fence makes the copy "never land"
 on both sides until `FaultInjector.unstick()`.
 """
@@ -16,11 +17,12 @@ from typing import Any
 import torch
 
 from engine.disagg.decode.destination import PagedDestination
-from engine.disagg.decode.kv_transfer_hook import TRANSFER_FENCE
+from engine.disagg.decode.kv_transfer_hook import TRANSFER_FENCE, TransferCancelled
 from engine.disagg.decode.transfer import TransferFailed
 from engine.disagg.link.staging import StagingPool
 from engine.disagg.link.wire import Chunk
 from engine.disagg.prefill.send import SEND_FENCE, SendQueue, SendRecord
+from resources.device_io import on_device
 from resources.fences import ManualFence
 from resources.kv_buffers import KVBuffers
 
@@ -32,9 +34,9 @@ class LoopbackSender:
 
     def __init__(self, src: KVBuffers, *, fence_timeout: float, faults: Any = None) -> None:
         self.src = src
+        self.device = src.k[0].device
         self.fence_timeout = fence_timeout
         self.faults = faults
-        self.stream = torch.cuda.Stream(src.k[0].device) if src.k[0].is_cuda else None
         self.queue = SendQueue("kvlife-loopback-send")
 
     def start(self, record: SendRecord) -> None:
@@ -56,7 +58,7 @@ class LoopbackSender:
         job = record.job
         try:
             if job.cancelled:
-                raise TransferFailed(f"{job.request_id!r} was cancelled before its KV was sent")
+                raise TransferCancelled(f"{job.request_id!r} cancelled before its KV was sent")
             if self.faults is not None and self.faults.transfer_fails(job.request_id):
                 raise TransferFailed(f"injected transfer failure for {job.request_id!r}")
             self._copy(record.src_locs, job.destination)
@@ -69,22 +71,11 @@ class LoopbackSender:
 
     def _copy(self, src_locs: torch.Tensor, destination: Any) -> None:
         src = self.src
-        if isinstance(destination, PagedDestination):  # page to page, each layer one gather and one scatter
-            self._on_side_stream(lambda: destination.copy_from(src, src_locs))
-            return
-        # HiSparse's host rows (or any destination): one chunk of every layer and token
-        def write() -> None:
+        with on_device(self.device):
+            if isinstance(destination, PagedDestination):  # page to page: per layer one gather, one scatter
+                destination.copy_from(src, src_locs)
+                return
+            # HiSparse's host rows (or any destination): one chunk of every layer and token
             kv = torch.stack([torch.stack((src.k[layer][src_locs], src.v[layer][src_locs]))
                               for layer in range(src.num_layers)])
-            destination.write(Chunk(0, src.num_layers, 0, int(src_locs.numel()), kv.numel() * kv.element_size()),
-                              kv)
-        self._on_side_stream(write)
-
-    def _on_side_stream(self, copy: Any) -> None:
-        if self.stream is None:
-            copy()
-            return
-        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
-        with torch.cuda.stream(self.stream):
-            copy()
-        self.stream.synchronize()
+            destination.write(Chunk(0, src.num_layers, 0, int(src_locs.numel()), kv.numel() * kv.element_size()), kv)

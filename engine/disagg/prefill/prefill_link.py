@@ -156,6 +156,12 @@ class PrefillLink:
 
     # -------------------------------------------------------- sending
     def _send_loop(self) -> None:
+        try:
+            self._send_items()
+        finally:  # NOTE: the only user of the pair's data group: an NCCL group is aborted as it leaves
+            self.pair.close()
+
+    def _send_items(self) -> None:
         s = self.settings
         last = time.monotonic()
         try:

@@ -36,7 +36,8 @@ class DecodeRole:
         hook = KVTransferHook(client, ctx.kv_pool, ctx.kv_buffers, ctx.config.fence_timeout, landing=landing)
         role = lambda r: attrs.evolve(  # noqa: E731
             r, name="decode", admit_into=S.TRANSFERRING, transfer_job=KVTransferHook.job,
-            followers_transfer=landing is not None, admission_takes_pages=landing is None)
+            transfer_unavailable=client.unavailable, followers_transfer=landing is not None,
+            admission_takes_pages=landing is None)
         return FeatureInstall(hooks=[hook], pools=list(client.pools), prefill_client=client, role=role)
 
 
