@@ -29,7 +29,7 @@ from __future__ import annotations
 import datetime
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -37,13 +37,14 @@ import anyio
 import anyio.from_thread
 import anyio.lowlevel
 import attrs
+from anyio.lowlevel import EventLoopToken
 import structlog
 import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig, SamplingParams
 from engine.disagg.decode.kv_transfer_hook import TransferJob
-from engine.disagg.link.bootstrap import BootstrapServer
+from engine.disagg.link.bootstrap import BootstrapServer, Handshake
 from engine.disagg.link.observability import TransferStats
 from engine.disagg.link.settings import SECRET_ENV, PrefillServerConfig
 from engine.disagg.link.staging import StagingPool
@@ -56,6 +57,7 @@ from engine.runtime.assembly import assemble, resolve_device
 from engine.runtime.features.base import BuildContext
 from engine.runtime.features.roles import PrefillRole
 from engine.runtime.prefill_runtime import PrefillRuntime
+from engine.testing import FaultInjector
 from resources import ManualFence
 from resources.ledger import MemoryReport
 
@@ -71,7 +73,7 @@ def _dial(host: str) -> str:
 class _SignalledFence(ManualFence):
     """A job's fence on this side; completing it (the job is resolved) tells its link."""
 
-    def __init__(self, on_complete: Any, timeout: float) -> None:
+    def __init__(self, on_complete: Callable[[], None], timeout: float) -> None:
         super().__init__("kv_send", {"kv"}, timeout=timeout, armed=False)
         self._on_complete = on_complete
 
@@ -83,8 +85,8 @@ class _SignalledFence(ManualFence):
 class PrefillServer(anyio.AsyncContextManagerMixin):
     """See the module docstring. `test_points(name, request_id, index)` is for tests only."""
 
-    def __init__(self, config: EngineConfig, settings: PrefillServerConfig | None = None, *, faults: Any = None,
-                 test_points: Any = None) -> None:
+    def __init__(self, config: EngineConfig, settings: PrefillServerConfig | None = None, *,
+                 faults: FaultInjector | None = None, test_points: Callable[[str, str, int], None] | None = None) -> None:
         self.config = attrs.evolve(config, disaggregation="none", hisparse=None, remote_prefill=None)
         self.settings = settings or PrefillServerConfig()
         self.faults = faults
@@ -105,7 +107,7 @@ class PrefillServer(anyio.AsyncContextManagerMixin):
         self.pools = self.runtime.own_pools
         self.links: list[PrefillLink] = []
         self.bootstrap: BootstrapServer | None = None
-        self._token: Any = None
+        self._token: EventLoopToken | None = None
         self._closing = threading.Event()
         self._loop_thread = 0
 
@@ -173,7 +175,7 @@ class PrefillServer(anyio.AsyncContextManagerMixin):
         return self.runtime.loop.stats.leak_check_failures
 
     # ------------------------------------------------- called on the loop
-    def call(self, fn: Any, *args: Any) -> None:
+    def call(self, fn: Callable[..., None], *args: object) -> None:
         """Run `fn(*args)` on this server's event loop (from any thread); dropped once it has closed."""
         if threading.get_ident() == self._loop_thread:
             fn(*args)
@@ -259,7 +261,7 @@ class PrefillServer(anyio.AsyncContextManagerMixin):
                                  name=f"kvlife-pair-{handshake.pair_id}").start()
             time.sleep(TICK)
 
-    def _build_link(self, handshake: Any) -> None:
+    def _build_link(self, handshake: Handshake) -> None:
         s = self.settings
         if len(self.links) >= s.max_links:
             log.warning("transfer.refused", pair=handshake.pair_id, cause="capacity", reason="too many links")

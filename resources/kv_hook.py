@@ -72,7 +72,8 @@ class KVBlock:
 
     @property
     def pages(self) -> list[int]:
-        return self.row[: self.num_pages].tolist()
+        ids: list[int] = self.row[: self.num_pages].tolist()
+        return ids
 
     def held_pages(self) -> np.ndarray[Any, np.dtype[np.int64]]:
         """The page ids the request owns (not the cache's prefix, not the freed ones)."""

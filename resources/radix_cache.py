@@ -41,6 +41,12 @@ import numpy as np
 _NO_PAGES = np.empty(0, dtype=np.int64)
 
 
+def _no_pages() -> np.ndarray:
+    """A new empty array of page ids."""
+    out: np.ndarray = _NO_PAGES.copy()
+    return out
+
+
 class _Node:
     __slots__ = ("parent", "children", "key", "pages", "lock_ref", "last_access")
 
@@ -88,7 +94,7 @@ class RadixCache:
             found.append(child.pages)
             node, i = child, i + n * ps
         if not found:
-            return _NO_PAGES.copy(), node
+            return _no_pages(), node
         return (found[0].copy() if len(found) == 1 else np.concatenate(found)), node
 
     def match(self, tokens: Sequence[int]) -> tuple[list[int], _Node]:
@@ -149,12 +155,14 @@ class RadixCache:
             self._touch(child, tick)
             node, i = child, i + n * ps
         if not duplicates:
-            return _NO_PAGES.copy()
-        return duplicates[0] if len(duplicates) == 1 else np.concatenate(duplicates)
+            return _no_pages()
+        out: np.ndarray = duplicates[0] if len(duplicates) == 1 else np.concatenate(duplicates)
+        return out
 
     def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> list[int]:
         """`insert_pages` with the page ids as lists."""
-        return self.insert_pages(tokens, pages).tolist()
+        ids: list[int] = self.insert_pages(tokens, pages).tolist()
+        return ids
 
     def evict_pages(self, num_pages: int) -> np.ndarray:
         """Free LRU unlocked leaves until `num_pages` pages are out; returns their ids."""
@@ -174,12 +182,14 @@ class RadixCache:
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 self._push_leaf(parent)
         if not freed:
-            return _NO_PAGES.copy()
-        return freed[0] if len(freed) == 1 else np.concatenate(freed)
+            return _no_pages()
+        out: np.ndarray = freed[0] if len(freed) == 1 else np.concatenate(freed)
+        return out
 
     def evict(self, num_pages: int) -> list[int]:
         """`evict_pages` with the page ids as a list."""
-        return self.evict_pages(num_pages).tolist()
+        ids: list[int] = self.evict_pages(num_pages).tolist()
+        return ids
 
     # ------------------------------------------------------------- internals
     def _push_leaf(self, node: _Node) -> None:

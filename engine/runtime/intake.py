@@ -18,12 +18,15 @@ from typing import Any
 import attrs
 
 from engine.config import SamplingParams
+from engine.model.llama import LlamaModel
+from engine.model.model_config import ModelConfig
+from engine.model.tokenizer import Tokenizer
 from engine.errors import InvalidRequest
 from states import Request, RequestKind
 
 
 class RequestIntake:
-    def __init__(self, *, tokenizer: Any, model: Any, model_config: Any, max_context: int,
+    def __init__(self, *, tokenizer: Tokenizer, model: LlamaModel, model_config: ModelConfig, max_context: int,
                  mm_cache_bytes: int | None, is_live: Callable[[str], bool]) -> None:
         self.tokenizer = tokenizer
         self.model = model
@@ -66,7 +69,7 @@ class RequestIntake:
         ]
 
     # ------------------------------------------------------------ fields
-    def _token_ids(self, prompt: Any) -> list[int]:
+    def _token_ids(self, prompt: object) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequest("prompt", "a non-empty string or token list", prompt)
@@ -83,7 +86,7 @@ class RequestIntake:
             raise InvalidRequest("prompt", f"token ids in [0, {vocab})", bad[0])
         return token_ids
 
-    def _request_id(self, request_id: Any) -> str:
+    def _request_id(self, request_id: object) -> str:
         if request_id is None:
             return uuid.uuid4().hex
         if not isinstance(request_id, str) or not request_id:

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.lowlevel
+from anyio.abc import TaskStatus
 import structlog
 
 from engine.errors import EngineClosed, EngineDead, EngineOverloaded
@@ -204,7 +205,7 @@ class RuntimeLoop:
         self._wake.set()
 
     # ------------------------------------------------------------ the task
-    async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         self._thread = threading.get_ident()
         task_status.started()
         while True:

@@ -23,6 +23,7 @@ from typing import Any
 
 import structlog
 
+from engine.disagg.decode.kv_transfer_hook import TransferJob
 from engine.disagg.decode.transfer import TransferFailed
 from engine.model.batch import ScheduledSeq
 from engine.runtime.gateway import RequestGateway
@@ -70,7 +71,7 @@ class Planner:
         self._admit()
 
     # ---------------------------------------------------------- transfers
-    def _land_transfers(self, transfer_job: Callable[[Request], Any]) -> None:
+    def _land_transfers(self, transfer_job: Callable[[Request], TransferJob]) -> None:
         """TRANSFERRING requests whose KV has landed: PREBUILT with the first token."""
         for request in self.table.in_state(S.TRANSFERRING):
             job = transfer_job(request)

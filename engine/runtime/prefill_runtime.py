@@ -21,12 +21,14 @@ from typing import Any
 
 import anyio
 import attrs
+from anyio.abc import TaskStatus
 
 from engine.disagg.decode.kv_transfer_hook import TransferJob, cancel_unstarted
 from engine.disagg.prefill.prefill_hooks import JobInbox, why_unsent
 from engine.disagg.prefill.send import KVSender
 from engine.errors import EngineClosed, EngineDead, EngineOverloaded
 from engine.runtime.loop import RuntimeLoop
+from engine.runtime.parts import EngineParts
 from engine.runtime.table import Submission
 from resources.ledger import Ledger, MemoryReport, Owner, Pool, PoolUsage, check_memory, memory_report
 from states import FinishReason, Request, RequestMachine
@@ -38,7 +40,7 @@ PREFILL_ID = "prefill:"
 class PrefillRuntime:
     """A `RuntimeLoop` in the prefill role, fed with `TransferJob`s (see the module docstring)."""
 
-    def __init__(self, parts: Any, *, inbox: JobInbox, sender: KVSender, extra_pools: list[Pool] | None = None,
+    def __init__(self, parts: EngineParts, *, inbox: JobInbox, sender: KVSender, extra_pools: list[Pool] | None = None,
                  report_prefix: str = "") -> None:
         self.parts = parts
         self.machine: RequestMachine = parts.machine
@@ -97,7 +99,7 @@ class PrefillRuntime:
         """The jobs whose request is not released yet (by job identity)."""
         return self._submissions
 
-    async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         await self.loop.run(task_status=task_status)
 
     async def close(self) -> None:

@@ -7,6 +7,7 @@ token); read by `kvlife run`'s report and the HTTP server's metrics.
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Iterable
 
 import attrs
 
@@ -47,8 +48,8 @@ class EngineStats:
     "making progress" from it, not from whether a slot is free.
     """
 
-    transitions: Counter = attrs.field(factory=Counter)  # (src, dst) names -> count
-    finishes: Counter = attrs.field(factory=Counter)  # (kind, reason) names -> count
+    transitions: Counter[tuple[str, str]] = attrs.field(factory=Counter)  # (src, dst) names -> count
+    finishes: Counter[tuple[str, str]] = attrs.field(factory=Counter)  # (kind, reason) names -> count
     submitted: int = 0
     retractions: int = 0
     tokens_generated: int = 0
@@ -103,7 +104,7 @@ class EngineStats:
             self.itl.add(now - last)
 
 
-def percentile(samples, q: float) -> float | None:
+def percentile(samples: Iterable[float], q: float) -> float | None:
     """The q-th percentile (0..100) of `samples`, nearest-rank; None if empty."""
     data = sorted(samples)
     if not data:

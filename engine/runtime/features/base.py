@@ -32,6 +32,8 @@ from engine.model.runner import AttentionFactory
 from engine.model.tokenizer import Tokenizer
 from engine.runtime.role import Role
 from engine.runtime.step_applier import StepObserver
+
+__all__ = ["BuildContext", "Embedder", "FeatureInstall", "Install", "Installed", "SlotLookup", "StepObserver"]
 from engine.testing import FaultInjector
 from resources.contract import ResourceHookProtocol
 from resources.kv_buffers import KVBuffers
