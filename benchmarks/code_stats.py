@@ -19,7 +19,7 @@ from collections import Counter
 from pathlib import Path
 
 PACKAGES = ("states", "resources", "hisparse", "engine")
-ROOMS = ("model", "disagg", "runtime", "serve", "cli")
+ROOMS = ("model", "disagg", "runtime", "serve", "cli", "structured")
 
 
 def package_of(rel: str) -> str:

@@ -17,12 +17,15 @@ from engine.errors import (
 from engine.logging import LEVELS as LOG_LEVELS
 from engine.logging import configure_logging
 from engine.outputs import RequestOutput, TokenLogprob
+from engine.runtime.sessions import SessionInfo
 from engine.stream import RequestStream
+from engine.structured import Constraint, StructuredConfig
 from hisparse.config import HiSparseConfig
 from resources.ledger import LeakError, MemoryReport
 from states import FinishReason, RequestKind, RequestState
 
 __all__ = [
+    "Constraint",
     "Engine",
     "EngineClosed",
     "EngineConfig",
@@ -43,6 +46,8 @@ __all__ = [
     "RequestState",
     "RequestStream",
     "SamplingParams",
+    "SessionInfo",
+    "StructuredConfig",
     "TokenLogprob",
     "configure_logging",
 ]

@@ -13,6 +13,8 @@ from typing import Any, Protocol, runtime_checkable
 import attrs
 
 from engine.errors import InvalidConfig, InvalidRequest
+from engine.structured.config import StructuredConfig
+from engine.structured.constraint import Constraint, constraint_from
 from hisparse.config import HiSparseConfig
 from resources.contract import ResourceHookProtocol
 from resources.plugins import PluginContext
@@ -67,6 +69,13 @@ class SamplingParams:
     - `n`: sequences to generate from one prompt (the prompt's KV is computed
       once and shared); a seeded request draws sequence i from seed + i.
     - `detokenize`: False skips text entirely (ids only; `stop` needs text).
+    - `prompt_logprobs`: None, or how many top alternatives to report with each
+      prompt token's log probability (vLLM's field; the first entry is None).
+      They come from the forward pass that computes the prompt: such a request
+      computes its whole prompt even when the prefix cache holds it.
+    - `constraint`: None, or an `engine.Constraint` the output must match (a
+      JSON schema, any JSON object, a regex, a choice, a Lark grammar;
+      docs/structured.md). A dict of its fields is converted (the wire form).
     """
 
     max_new_tokens: int = attrs.field(default=16, validator=int_at_least(1, InvalidRequest))
@@ -81,6 +90,8 @@ class SamplingParams:
     logprobs: int | None = attrs.field(default=None)
     n: int = attrs.field(default=1)
     detokenize: bool = attrs.field(default=True, validator=is_bool(InvalidRequest))
+    prompt_logprobs: int | None = attrs.field(default=None)
+    constraint: Constraint | None = attrs.field(default=None, converter=constraint_from)
 
     def __attrs_post_init__(self) -> None:
         p = "SamplingParams"
@@ -98,8 +109,14 @@ class SamplingParams:
                 "None or an integer >= 0 and < 2**63", self.seed)
         require(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                 InvalidRequest, f"{p}.logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]", self.logprobs)
+        require(self.prompt_logprobs is None or (is_int(self.prompt_logprobs)
+                                                 and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+                InvalidRequest, f"{p}.prompt_logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]",
+                self.prompt_logprobs)
         require(is_int(self.n) and 1 <= self.n <= MAX_N, InvalidRequest, f"{p}.n", f"an integer in [1, {MAX_N}]",
                 self.n)
+        require(self.constraint is None or isinstance(self.constraint, Constraint), InvalidRequest,
+                f"{p}.constraint", "None or an engine.Constraint", self.constraint)
 
     @property
     def greedy(self) -> bool:
@@ -154,6 +171,17 @@ class EngineConfig:
     admission_window: float = attrs.field(default=0.0, validator=number_at_least(0))
     inline_step_tokens: int = attrs.field(default=8, validator=int_at_least(0))
     mm_cache_bytes: int = attrs.field(default=64 << 20, validator=int_at_least(1))
+    #: how grammars of constrained requests are compiled and bounded (docs/structured.md)
+    structured: StructuredConfig = attrs.field(factory=StructuredConfig)
+    # -- issue 21: scheduling and sessions (docs/scheduling.md)
+    #: seconds of waiting worth one priority step (None: strict priority, the lowest class may starve)
+    priority_aging: float | None = attrs.field(default=60.0)
+    #: sessions open at once (0: no sessions, and no session hooks)
+    max_sessions: int = attrs.field(default=64, validator=int_at_least(0))
+    #: a session's lease: it closes this long after its latest activity (a turn or its opening)
+    session_idle_timeout: float = attrs.field(default=300.0, validator=number_above(0))
+    #: the most KV pages one session keeps locked (None: a whole max_context)
+    session_max_pages: int | None = attrs.field(default=None, validator=optional_int_at_least(0))
 
     def __attrs_post_init__(self) -> None:
         p = "EngineConfig"
@@ -164,6 +192,8 @@ class EngineConfig:
         require(self.max_context is None or self.max_context <= self.pool_tokens, InvalidConfig, f"{p}.max_context",
                 f"None or <= (num_kv_pages - 1) * page_size = {self.pool_tokens}", self.max_context)
         require(self.seed < 2**63, InvalidConfig, f"{p}.seed", "an integer < 2**63", self.seed)
+        require(self.priority_aging is None or (is_number(self.priority_aging) and self.priority_aging > 0),
+                InvalidConfig, f"{p}.priority_aging", "None or a finite number of seconds > 0", self.priority_aging)
         # NOTE: the window holds every running request back: a long one would stall them all
         require(self.admission_window <= 0.1, InvalidConfig, f"{p}.admission_window",
                 "a finite number in [0, 0.1] (seconds)", self.admission_window)
@@ -174,6 +204,8 @@ class EngineConfig:
                 "None or a HiSparseConfig", self.hisparse)
         if self.hisparse is not None:
             self.hisparse.validate_against(self, self.context_bound)
+        require(isinstance(self.structured, StructuredConfig), InvalidConfig, f"{p}.structured",
+                "an engine.StructuredConfig", self.structured)
         require(self.remote_prefill is None or isinstance(self.remote_prefill, RemotePrefillSettings), InvalidConfig,
                 f"{p}.remote_prefill", "None or an engine.disagg.RemotePrefill", self.remote_prefill)
         if self.remote_prefill is not None:

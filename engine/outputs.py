@@ -37,6 +37,9 @@ class RequestOutput:
     _num_parts: int = attrs.field(default=0, repr=False, alias="num_parts")
     index: int = 0
     logprobs: tuple[TokenLogprob, ...] | None = None
+    #: issue 21: with `SamplingParams.prompt_logprobs`, one entry per prompt token (the first None),
+    #: on the request's first output and on its final one
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
     finished: bool = False
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0

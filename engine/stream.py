@@ -6,7 +6,9 @@ iterates it, or dropping it unfinished all abort the request it was created
 for (and no other, even one that reuses its id): a client that left must
 never keep memory busy. With `SamplingParams(n=k)` the stream carries the
 outputs of all k sequences (`RequestOutput.index`) and ends after the k-th
-final one. If the engine's loop dies, the stream raises `EngineDead`.
+final one. If the engine's loop dies, the stream raises `EngineDead`; a
+request refused after `generate` returned (its grammar did not compile)
+raises `InvalidRequest` before any output.
 
 NOTE: `OutputChannel` is a deque and a wake-up event instead of an anyio
 memory object stream: both ends live on the event loop's thread (the loop
@@ -23,7 +25,6 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 
-from engine.errors import EngineDead
 from engine.outputs import RequestOutput
 
 
@@ -83,6 +84,27 @@ class RequestStream:
         self._abandon_cb = abandon
         self._open = n  # sequences without a final output yet
         self._done = False
+        self._ready: anyio.Event | None = None  # set while the request waits to enter the engine
+        self._refused: Exception | None = None
+
+    # --------------------------------------------------- entering the engine
+    def hold(self) -> None:
+        """The request waits before entering the engine (its grammar compiles)."""
+        self._ready = anyio.Event()
+
+    def mark_ready(self, refused: Exception | None = None) -> None:
+        """It entered the engine, or was refused (`refused`) before holding anything."""
+        self._refused = refused
+        if self._ready is not None:
+            self._ready.set()
+
+    async def ready(self) -> None:
+        """Return once the request has entered the engine (at once, unless its grammar was
+        still compiling); raise what refused it (`InvalidRequest`) if it never will."""
+        if self._ready is not None:
+            await self._ready.wait()
+        if self._refused is not None:
+            raise self._refused
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -98,7 +120,7 @@ class RequestStream:
         except BaseException:  # cancelled while waiting
             self.abandon()
             raise
-        if isinstance(output, EngineDead):
+        if isinstance(output, Exception):  # EngineDead, or the request refused before it started
             self._done = True
             self._channel.leave()
             raise output

@@ -121,7 +121,8 @@ class KVHook(ResourceHook):
         num_tokens = request.num_tokens
         row = kv.page_table[slot]
         num_prefix, node = 0, None
-        if self._caches(request) and into is S.PREFILLING:
+        # issue 21: a request that wants prompt logprobs computes its whole prompt (`skip_prefix_match`)
+        if self._caches(request) and into is S.PREFILLING and not request.skip_prefix_match:
             # leave at least one token to compute: its logits give the next token
             prefix, node = kv.radix.match_pages(request.first_tokens(num_tokens - 1))
             num_prefix = prefix.shape[0]

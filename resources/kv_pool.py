@@ -23,6 +23,8 @@ requests from matching and inserting.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -59,6 +61,9 @@ class KVPool:
         self.radix = RadixCache(page_size)
         #: request -> (locked radix node, pages it protects), for attribution
         self.prefix_locks: dict[Request, tuple[object, int]] = {}
+        #: issue 21: session anchor -> (locked radix node, pages): a session's kept KV, locked by
+        #: `resources.session_hook` (reported as `kept`, held legitimately while idle)
+        self.session_locks: dict[Request, tuple[Any, int]] = {}
         self._offsets = np.arange(page_size, dtype=np.int64)
         #: the token table itself when it lives in host memory (written in place), else None
         self._table_np = self.slots.req_to_token.numpy() if self.device.type == "cpu" else None
@@ -77,12 +82,15 @@ class KVPool:
         return self.allocator.num_free + self.radix.evictable_pages
 
     def stats(self) -> PoolUsage:
+        kept = self.radix.path_pages([node for node, _ in self.session_locks.values()]) if self.session_locks else 0
         return PoolUsage(capacity=self.allocator.capacity, free=self.allocator.num_free,
-                         evictable=self.radix.evictable_pages, shared=self.radix.protected_pages, unit="pages")
+                         evictable=self.radix.evictable_pages, shared=self.radix.protected_pages, unit="pages",
+                         kept=kept)
 
     def shared_owners(self) -> list[Owner]:
-        """The requests holding locked prefix-cache pages (shared, so possibly overlapping)."""
-        return [Owner.of(request, pages) for request, (_node, pages) in self.prefix_locks.items()]
+        """The requests (and sessions) holding locked prefix-cache pages (shared, so possibly overlapping)."""
+        return [Owner.of(request, pages) for locks in (self.prefix_locks, self.session_locks)
+                for request, (_node, pages) in locks.items()]
 
     # ------------------------------------------------- used by the KV hook
     def alloc_into(self, out: np.ndarray) -> bool:

@@ -9,11 +9,17 @@ requests, such as locked prefix pages); the ledger's view (what requests
 hold) is independent, which is what makes the check worth having::
 
     free + evictable + held == capacity        (always, for every pool)
-    held == quarantined                        (when the engine is idle)
+    held == quarantined + kept                 (when the engine is idle)
 
 where held = what the ledger says requests hold + what the pool holds
-shared. `LeakError` names the pool, the amount and every owner with its
-state and finish reason, so a leak says who leaked.
+shared, and kept = what the pool keeps for live sessions (issue 21). The
+first holds whether the engine is busy or idle: units a pool reports as used
+that no live request holds are a leak either way (`resources.leak_watch` runs
+the check while busy too). `LeakError` names the pool, the amount and every
+owner with its state and finish reason, so a leak says who leaked. A pool
+whose `stats()` raises cannot be checked: it is a problem of the check too
+(`PoolStats.error`, `MemoryReport.unchecked`), never read as an empty pool
+that adds up.
 """
 
 from __future__ import annotations
@@ -38,7 +44,9 @@ class PoolUsage:
     `evictable`: units nobody owns that the pool may evict (unlocked prefix
     pages, unreferenced cached embeddings). `shared`: units the pool holds on
     behalf of requests without any one request owning them (prefix pages a
-    running request has locked, referenced embeddings).
+    running request has locked, referenced embeddings). `kept`: of the held
+    units, those kept for live sessions (issue 21: a session's slot and its
+    kept KV), which stay held while the engine is idle.
     """
 
     capacity: int
@@ -46,6 +54,7 @@ class PoolUsage:
     evictable: int = 0
     shared: int = 0
     unit: str = "items"
+    kept: int = 0
 
 
 @attrs.frozen
@@ -59,10 +68,16 @@ class PoolStats:
     quarantined: int = 0
     suspect: bool = False
     unit: str = "items"
+    #: held for live sessions (issue 21): allowed while idle
+    kept: int = 0
+    #: why the pool cannot be checked (its `stats()` raised; capacity, free and evictable are then
+    #: unknown and shown as 0), or None
+    error: str | None = None
 
     @property
     def adds_up(self) -> bool:
-        return self.free + self.evictable + self.held == self.capacity
+        """The pool's own numbers and the ledger's agree (never, when they could not be read)."""
+        return self.error is None and self.free + self.evictable + self.held == self.capacity
 
 
 @attrs.frozen
@@ -223,6 +238,7 @@ class MemoryReport:
             "last_leak": list(self.last_leak),
             "starved": list(self.starved),
             "pools": {name: attrs.asdict(s) | {"adds_up": s.adds_up} for name, s in self.pools.items()},
+            "unchecked": self.unchecked,
             "owners": {
                 name: [attrs.asdict(o, value_serializer=_enum_name) for o in owners]
                 for name, owners in self.owners.items()
@@ -230,20 +246,37 @@ class MemoryReport:
             },
         }
 
+    @property
+    def unchecked(self) -> dict[str, str]:
+        """The pools that cannot be checked, with why (their `stats()` raised)."""
+        return {name: stats.error for name, stats in self.pools.items() if stats.error is not None}
+
     def problems(self) -> list[str]:
-        """What the leak check would report, empty when everything adds up."""
-        problems = []
+        """What the leak check would report, empty when everything adds up: the pools that cannot be
+        checked, then the leaks (`leaks()`)."""
+        unchecked = [f"{name}: cannot be checked: its stats() raised {error} (held by requests: "
+                     f"{self.pools[name].held} {self.pools[name].unit}; owners: {self._owners(name)})"
+                     for name, error in self.unchecked.items()]
+        return unchecked + self.leaks()
+
+    def leaks(self) -> list[str]:
+        """The pools that do not add up, or hold something while idle (of those that could be read)."""
+        leaks = []
         for name, stats in self.pools.items():
-            owners = ", ".join(o.describe() for o in self.owners[name]) or "no recorded owner"
+            if stats.error is not None:
+                continue
             if not stats.adds_up:
                 recent = ", ".join(f"{rid} ({amount})" for rid, amount in self.recent_releases.get(name, ()))
-                problems.append(f"{name}: free {stats.free} + evictable {stats.evictable} + held {stats.held}"
-                                f" != capacity {stats.capacity} (owners: {owners}; latest releases: "
-                                f"{recent or 'none'})")
-            elif self.idle and stats.held != stats.quarantined:
-                problems.append(f"{name}: {stats.held - stats.quarantined} {stats.unit} held while idle"
-                                f" (owners: {owners})")
-        return problems
+                leaks.append(f"{name}: free {stats.free} + evictable {stats.evictable} + held {stats.held}"
+                             f" != capacity {stats.capacity} (owners: {self._owners(name)}; latest releases: "
+                             f"{recent or 'none'})")
+            elif self.idle and stats.held != stats.quarantined + stats.kept:
+                leaks.append(f"{name}: {stats.held - stats.quarantined - stats.kept} {stats.unit} held while idle"
+                             f" (owners: {self._owners(name)})")
+        return leaks
+
+    def _owners(self, name: str) -> str:
+        return ", ".join(o.describe() for o in self.owners.get(name, [])) or "no recorded owner"
 
 
 def _enum_name(_inst: Any, _field: Any, value: Any) -> Any:
@@ -262,13 +295,15 @@ def _pool_stats(pool: Pool, ledger: Ledger) -> PoolStats:
     try:
         usage: PoolUsage = pool.stats()
         capacity, free, evictable, shared, unit = usage.capacity, usage.free, usage.evictable, usage.shared, usage.unit
+        kept = usage.kept
     except Exception as exc:  # a plugin's broken stats() is reported, never raised from the check
         log.error("memory.stats_failed", pool=name, error=repr(exc))
-        ledger.mark_suspect(name)
-        capacity = free = evictable = shared = 0
-        unit = "items"
+        ledger.mark_suspect(accounted)
+        return PoolStats(capacity=0, free=0, evictable=0, held=ledger.held(accounted),
+                         quarantined=ledger.quarantined(accounted), suspect=True, error=repr(exc))
     return PoolStats(capacity=capacity, free=free, evictable=evictable, held=ledger.held(accounted) + shared,
-                     quarantined=ledger.quarantined(accounted), suspect=accounted in ledger.suspect, unit=unit)
+                     quarantined=ledger.quarantined(accounted), suspect=accounted in ledger.suspect, unit=unit,
+                     kept=kept)
 
 
 def _pool_owners(pool: Pool, ledger: Ledger) -> list[Owner]:

@@ -126,6 +126,19 @@ class RadixCache:
                     self._push_leaf(cur)
             cur = cur.parent
 
+    def path_pages(self, nodes: Sequence[_Node]) -> int:
+        """Pages on the paths from `nodes` to the root, each node counted once (what a set
+        of locks protects together; issue 21's sessions report it as kept)."""
+        seen: set[int] = set()
+        total = 0
+        for node in nodes:
+            cur: _Node | None = node
+            while cur is not None and id(cur) not in seen:
+                seen.add(id(cur))
+                total += cur.pages.shape[0]
+                cur = cur.parent
+        return total
+
     # ---------------------------------------------------------------- update
     def insert_pages(self, tokens: Sequence[int], pages: np.ndarray | Sequence[int]) -> np.ndarray:
         """Cache `tokens` (whole pages) held in `pages`; returns duplicate page ids."""

@@ -27,11 +27,15 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    #: the token's rank in the distribution (1 = the most likely), where computed (prompt logprobs)
+    rank: int | None = None
 
 
 class RequestKind(enum.Enum):
     NORMAL = "normal"
     HEALTH_CHECK = "health_check"
+    #: issue 21: a session's anchor, the owner of its kept KV (never admitted, never run)
+    SESSION = "session"
 
 
 @attrs.define(eq=False, repr=False)
@@ -73,6 +77,18 @@ class Request:
     #: one of several sequences sampled from one prompt: the KV hook shares the prompt's
     #: pages through the prefix cache even when the cache is off for other requests
     shares_prompt: bool = False
+    # -- issue 21: scheduling and sessions (engine/runtime/deadlines.py, scheduler.py, sessions.py)
+    #: lower runs first (vLLM's convention); equal priority keeps arrival order
+    priority: int = 0
+    #: monotonic time past which the request finishes DEADLINE (None: none)
+    deadline: float | None = None
+    #: the session this request is a turn of (None: not a turn)
+    session_id: str | None = None
+    #: prefill here even in the decode role (a session's kept KV, prompt logprobs live here)
+    local_prefill: bool = False
+    #: compute the whole prompt even if the prefix cache holds it (prompt logprobs need every
+    #: position's logits); cleared once the prompt is computed, so a re-admission matches
+    skip_prefix_match: bool = False
     #: free-form per-request scratch for plugins' hooks; the engine itself never reads or writes it
     extras: dict[str, Any] = attrs.field(factory=dict)
 

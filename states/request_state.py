@@ -7,7 +7,7 @@ The table is the whole lifecycle (see docs/architecture.md)::
        +-> TRANSFERRING -------+                     v   |
            (decode role)                         RETRACTED -> QUEUED
 
-    any state before FINISHED -> FINISHED (abort, error, transfer failure, shutdown)
+    any state before FINISHED -> FINISHED (abort, error, transfer failure, shutdown, deadline)
 
 Only the machine (`states.machine.RequestMachine`) moves a request along it.
 """
@@ -47,6 +47,8 @@ class FinishReason(enum.Enum):
     ERROR = "error"
     TRANSFER_FAILED = "transfer_failed"
     SHUTDOWN = "shutdown"
+    #: issue 21: the request's deadline passed (any state; through the one release path)
+    DEADLINE = "deadline"
 
     def __repr__(self) -> str:
         return f"FinishReason.{self.name}"

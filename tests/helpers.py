@@ -74,6 +74,17 @@ def live_request(engine: Engine, request_id: str):
     return next((r for r in engine.loop.requests() if r.request_id == request_id), None)
 
 
+def live_request_ids(engine: Engine) -> list[str]:
+    """The ids of the requests not yet RELEASED (a snapshot)."""
+    return [r.request_id for r in engine.loop.requests()]
+
+
+def finish_as(engine: Engine, request_id: str, reason: Any) -> bool:
+    """Finish a live submission with `reason` (a FinishReason) the way the engine does itself (SHUTDOWN:
+    as leaving `async with` does to every request in flight); applied at the loop's next iteration."""
+    return engine.loop.abort(request_id, reason)
+
+
 def abort_on_entry(engine: Engine, request_id: str, state: RequestState) -> None:
     """Abort `request_id` when it enters `state`; the loop applies it at its next iteration."""
 

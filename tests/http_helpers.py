@@ -30,6 +30,24 @@ async def serving(settings: ServerSettings | None = None, *, deadline: float = D
             await engine.wait_idle(5)
 
 
+def openai_client(client: httpx.AsyncClient) -> Any:
+    """The real `openai` SDK's async client for a `serving()` server (no retries: every failure shows)."""
+    import openai
+
+    return openai.AsyncOpenAI(base_url=str(client.base_url).rstrip("/") + "/v1", api_key="unused", max_retries=0,
+                              timeout=10)
+
+
+def transformers_chat_ids(directory, messages, **kwargs) -> list[int]:
+    """transformers' own `apply_chat_template(..., add_generation_prompt=True, tokenize=True)` ids for the
+    checkpoint in `directory`: what the server's chat prompt ids must equal."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory))
+    out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, **kwargs)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
 def parse_sse(lines: list[str]) -> list[Any]:
     """The payloads of `data:` lines: JSON objects, and the string "[DONE]"."""
     payloads = []
@@ -67,10 +85,12 @@ class StepGate:
         await anyio.to_thread.run_sync(self.entered.wait, 10)
 
 
-def write_chat_checkpoint(directory, chat_template: str):
+def write_chat_checkpoint(directory, chat_template: str, *, adds_bos: bool = False):
     """A tiny-model checkpoint with a byte-level `tokenizer.json` and `chat_template`, written by
-    transformers' own `save_pretrained` (tokenizer_config.json, chat_template.jinja as it lays them out)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    transformers' own `save_pretrained` (tokenizer_config.json, chat_template.jinja as it lays them out).
+    `adds_bos`: the tokenizer's post-processor puts BOS before every encoded text (as Llama's,
+    Mistral's and Gemma's do), while templates of those families also write ``{{ bos_token }}``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     from engine.model.checkpoint import save_checkpoint
@@ -87,5 +107,9 @@ def write_chat_checkpoint(directory, chat_template: str):
                                         pad_token="<pad>", chat_template=chat_template)
     assert tokenizer.convert_tokens_to_ids(["<s>", "</s>", "<pad>"]) == [config.bos_token_id, config.eos_token_id,
                                                                          config.pad_token_id]
+    if adds_bos:
+        tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", config.bos_token_id)])
+        assert tokenizer("a").input_ids[0] == config.bos_token_id
     tokenizer.save_pretrained(directory)
     return directory

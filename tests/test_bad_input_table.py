@@ -19,7 +19,7 @@ import anyio
 import pytest
 import torch
 
-from engine import Engine, EngineClosed, InvalidConfig, InvalidRequest, SamplingParams
+from engine import Engine, EngineClosed, InvalidConfig, InvalidRequest, SamplingParams, StructuredConfig
 from helpers import assert_pools_whole, small_config
 from hisparse import HiSparseConfig
 
@@ -73,6 +73,7 @@ ENGINE_CONFIG = [
     ({"admission_window": 5.0}, E + "admission_window", "[0, 0.1]"),
     ({"inline_step_tokens": -1}, E + "inline_step_tokens", ">= 0"),
     ({"starvation_timeout": 0}, E + "starvation_timeout", "> 0"),
+    ({"structured": {"compile_timeout": 1}}, E + "structured", "StructuredConfig"),
 ]
 
 # Valid EngineConfig, rejected when the engine is built (nothing to allocate into yet).
@@ -99,6 +100,18 @@ HISPARSE_CONFIG = [
     ({"host_pool_ratio": 0}, H + "host_pool_ratio", "> 0"),
     ({"host_pool_ratio": NAN}, H + "host_pool_ratio", "finite"),
     ({"host_pool_ratio": "2"}, H + "host_pool_ratio", "number"),
+]
+
+# (StructuredConfig kwargs, field, fragment)
+STRUCTURED_CONFIG = [
+    ({"compile_timeout": 0}, "StructuredConfig.compile_timeout", "> 0"),
+    ({"compile_timeout": INF}, "StructuredConfig.compile_timeout", "finite"),
+    ({"compile_threads": 0}, "StructuredConfig.compile_threads", ">= 1"),
+    ({"cache_size": 0}, "StructuredConfig.cache_size", ">= 1"),
+    ({"cache_size": 2.5}, "StructuredConfig.cache_size", "integer"),
+    ({"step_max_items": 0}, "StructuredConfig.step_max_items", ">= 1"),
+    ({"step_lexer_fuel": -1}, "StructuredConfig.step_lexer_fuel", ">= 1"),
+    ({"max_grammar_size": None}, "StructuredConfig.max_grammar_size", "integer"),
 ]
 
 # (HiSparseConfig kwargs, small_config overrides, field, fragment): valid alone, not with this engine
@@ -136,6 +149,12 @@ SAMPLING = [
     ({"seed": -1}, S + "seed", ">= 0"),
     ({"seed": 1.5}, S + "seed", "integer"),
     ({"seed": True}, S + "seed", "integer"),
+    ({"constraint": "json"}, S + "constraint", "engine.Constraint"),
+    ({"constraint": {"kind": "yaml", "value": "a"}}, S + "constraint.kind", "one of"),
+    ({"constraint": {"kind": "regex", "value": ""}}, S + "constraint.regex", "non-empty"),
+    ({"constraint": {"kind": "choice", "value": []}}, S + "constraint.choice", "non-empty strings"),
+    ({"constraint": {"kind": "regex", "value": "a", "starts_after": ""}}, S + "constraint.starts_after", "1 to 64"),
+    ({"constraint": {"kind": "regex", "pattern": "a"}}, S + "constraint", "its fields"),
 ]
 
 IMAGE = torch.zeros(8, 8, 3, dtype=torch.uint8)
@@ -242,6 +261,13 @@ class TestHiSparseConfigTable:
         with pytest.raises(InvalidConfig) as info:
             small_config(hisparse=hisparse, **overrides)
         _assert_names(info.value, field, fragment)
+
+
+class TestStructuredConfigTable:
+    @pytest.mark.parametrize("kwargs,field,fragment", STRUCTURED_CONFIG, ids=_ids(STRUCTURED_CONFIG))
+    def test_rejected_at_construction(self, kwargs, field, fragment):
+        """Each invalid StructuredConfig value raises InvalidConfig naming the field and the limit."""
+        _assert_rejected(lambda: StructuredConfig(**kwargs), InvalidConfig, field, fragment)
 
 
 class TestSamplingParamsTable:

@@ -52,12 +52,57 @@ class TestRun:
         assert "normal/ERROR" not in printed
 
     def test_help_shows_run_defaults(self, capsys):
-        """`run --help` shows run's own pool defaults, not EngineConfig's."""
+        """`run --help` shows run's own pool defaults, not EngineConfig's; max_context is the engine's own."""
         with pytest.raises(SystemExit):
             main(["run", "--help"])
         text = " ".join(capsys.readouterr().out.split())
-        assert "(default: 160)" in text and "(default: 1024)" in text and "(default: log)" in text
+        assert "(default: 160)" in text and "(default: log)" in text and "(default: 10.0)" in text
+        assert "prompt + output tokens per request (default: derived from the pool and the model)" in text
         assert "--hisparse-top-k" in text and "--no-plugins" in text and "--log-level" in text
+
+    def test_run_fits_a_model_with_few_positions(self, tmp_path, capsys):
+        """`run --model DIR` for a checkpoint of 256 positions runs (max_context fitted to the model: no
+        refusal from run's own defaults), its requests fitted to it, clean."""
+        import attrs
+
+        from engine.model.checkpoint import save_checkpoint
+        from engine.model.llama import LlamaModel
+        from engine.model.model_config import ModelConfig
+
+        config = attrs.evolve(ModelConfig.tiny(), max_position_embeddings=256)
+        save_checkpoint(LlamaModel.from_seed(config, seed=0), config, tmp_path / "short")
+        code = main(["run", "--requests", "8", "--model", str(tmp_path / "short"), "--no-plugins"])
+        printed = capsys.readouterr().out
+        assert code == 0 and "leak check     clean" in printed, printed
+        assert re.search(r"\((\d+) fitted to max_context\)", printed).group(1) != "0"
+
+    def test_a_plugin_leaking_its_pool_dry_ends_the_run_with_leak(self):
+        """A plugin that never gives its 4 slots back starves every later request: `kvlife run` still ends
+        (within starvation_timeout + about a second), says LEAK, names the pool, the starved request and the
+        leaked slots, exit code 1 (a child process, killed if it hangs)."""
+        script = ("import sys; sys.path.insert(0, 'tests')\n"
+                  "import resources.plugins as plugins\n"
+                  "from plugin_example import LoraSlotHook\n"
+                  "class Forgetful(LoraSlotHook):\n"
+                  "    def release(self, request, handle): pass\n"
+                  "class EntryPoint:\n"
+                  "    name, value = 'forgetful', 'tests:Forgetful'\n"
+                  "    def load(self): return Forgetful\n"
+                  "plugins.entry_points = lambda group: [EntryPoint()]\n"
+                  "from engine.cli.main import main\n"
+                  "sys.exit(main(sys.argv[1:]))\n")
+        argv = ["run", "--requests", "24", "--concurrency", "6", "--starvation-timeout", "0.5", "--quiet",
+                "--page-size", "4", "--num-kv-pages", "200", "--max-context", "512"]
+        process = subprocess.Popen([sys.executable, "-c", script, *argv], stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        try:
+            out, err = process.communicate(timeout=120)
+        finally:
+            _kill(process)
+        assert process.returncode == 1, (out, err[-2000:])
+        assert "leak check     LEAK" in out and "lora_slots: free 0" in out
+        assert re.search(r"stopped early: req-\d+ starved [\d.]+ s waiting for lora_slots", out), out
+        assert "slots held by no live request (leaked)" in out
 
     def test_progress_on_a_terminal(self):
         """On a terminal, stderr shows a progress bar with done/total, elapsed time and a rate; the report

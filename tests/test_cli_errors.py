@@ -20,6 +20,10 @@ MISUSES = [
     (["run", "--requests", "many"], "--requests: must be an integer >= 1"),
     (["run", "--max-context", "0"], "EngineConfig.max_context must be None or an integer >= 2"),
     (["run", "--json", "/nonexistent-dir/report.json"], "directory /nonexistent-dir does not exist"),
+    (["run", "--json", "/proc/kvlife-report.json", "--requests", "2"],  # permission bits say yes, even to root
+     "--json /proc/kvlife-report.json: not writable (No such file or directory)"),
+    (["serve", "--disaggregation", "both"], "--disaggregation: invalid choice: 'both'"),
+    (["run", "--disaggregation", "prefill"], "--disaggregation: invalid choice: 'prefill'"),
     (["generate", ""], "argument text: must be a non-empty string"),
     (["generate", "hi", "--max-new-tokens", "100000"], "prompt + max_new_tokens must be <= max_context"),
     (["generate", "hi", "--max-new-tokens", "0"], "--max-new-tokens: must be an integer >= 1"),
@@ -61,6 +65,15 @@ class TestMisuse:
         """The misuse exits 2 with one line naming the option (or field) and its limit."""
         assert _exit_code(argv) == 2
         _assert_one_line(capsys, expected)
+
+    @pytest.mark.parametrize(("command", "roles"), [("serve", "none, decode, prefill"), ("run", "none, decode"),
+                                                    ("generate", "none, decode")])
+    def test_a_bad_role_lists_the_commands_roles(self, command, roles, capsys):
+        """A bad --disaggregation is refused listing every role that command takes (serve: prefill too)."""
+        argv = [command, *(["hi"] if command == "generate" else []), "--disaggregation", "both"]
+        assert _exit_code(argv) == 2
+        line = _assert_one_line(capsys, "--disaggregation: invalid choice: 'both'")
+        assert line.replace("'", "").endswith(f"(choose from {roles})")
 
     def test_checkpoint_error_names_the_cause(self, tmp_path, capsys):
         """A directory that is not a checkpoint: one line with EngineConfig.model and what is missing."""

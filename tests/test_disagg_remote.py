@@ -104,7 +104,7 @@ class TestOutputs:
             memory = (await http.get("/debug/memory")).json()
         assert health.status_code == 200 and health.json()["role"] == "prefill"
         for name in ("kvlife:pool_held{", "kvlife:leak_checks_total", "kvlife:transfer_bytes_total",
-                     'kvlife:transfer_jobs_total{outcome="ok"}', "kvlife:transfer_link_up{"):
+                     'kvlife:transfer_jobs_total{model_name="tiny",outcome="ok"}', "kvlife:transfer_link_up{"):
             assert name in metrics
         assert {"kv_pages", "request_slots", "transfer.staging"} <= set(memory["pools"])
 

@@ -174,11 +174,11 @@ class TestLeaksAndDeaths:
                     final = await engine.complete([1, 2, 3], SamplingParams(max_new_tokens=2), request_id=f"r{i}")
                     assert final.finish_reason is FinishReason.LENGTH
                     await engine.wait_idle(DEADLINE)
-                    while engine.stats.leak_checks <= i:
+                    while engine.stats.leak_check_failures <= i:  # the idle check after each one finds it
                         await anyio.sleep(0.005)
                 health = engine.health()
                 report = engine.memory_report()
-        assert engine.stats.leak_check_failures == 3 and report.leaks_found == 3
+        assert report.leaks_found >= 3 and engine.stats.leak_check_failures >= 3
         assert not health.healthy and health.reason == "leaking" and "lora_slots" in health.detail
 
     @pytest.mark.asyncio

@@ -7,7 +7,8 @@ import pytest
 
 from engine import SamplingParams
 from engine.serve.chat_template import DEFAULT_TEMPLATE, ChatTemplate
-from http_helpers import serving, stream_events, write_chat_checkpoint
+from http_helpers import openai_client as _client
+from http_helpers import serving, stream_events, transformers_chat_ids, write_chat_checkpoint
 
 openai = pytest.importorskip("openai")
 transformers = pytest.importorskip("transformers")
@@ -41,15 +42,6 @@ def checkpoint(tmp_path_factory):
     return write_chat_checkpoint(tmp_path_factory.mktemp("chat") / "ckpt", TEMPLATE)
 
 
-def _transformers_ids(directory, messages, **kwargs) -> list[int]:
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory))
-    out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, **kwargs)
-    return list(out["input_ids"] if hasattr(out, "keys") else out)
-
-
-def _client(client) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=str(client.base_url).rstrip("/") + "/v1", api_key="unused", max_retries=0,
-                              timeout=10)
 
 
 class TestTemplate:
@@ -61,7 +53,7 @@ class TestTemplate:
         _, _, tokenizer = load_checkpoint(checkpoint)
         ours = tokenizer.encode(template.render(MESSAGES, add_generation_prompt=True))
         assert template.origin.endswith("chat_template.jinja")
-        assert ours == _transformers_ids(checkpoint, MESSAGES)
+        assert ours == transformers_chat_ids(checkpoint, MESSAGES)
 
     def test_builtin_model_default_template(self):
         """The built-in tiny model renders role: content lines, then the assistant prompt."""
@@ -74,7 +66,7 @@ class TestChatWithTheOpenAIClient:
     @pytest.mark.asyncio
     async def test_whole_and_streamed(self, checkpoint):
         """Chat answers (whole and streamed) equal the engine's greedy output for transformers' prompt ids."""
-        prompt_ids = _transformers_ids(checkpoint, MESSAGES)
+        prompt_ids = transformers_chat_ids(checkpoint, MESSAGES)
         async with serving(model=str(checkpoint), max_context=512) as (engine, client):
             expected = await engine.complete(prompt_ids, SamplingParams(max_new_tokens=6))
             text = engine.tokenizer.decode(expected.token_ids)
@@ -116,9 +108,13 @@ class TestChatWithTheOpenAIClient:
 class TestRefusals:
     @pytest.mark.asyncio
     @pytest.mark.parametrize(("body", "param"), [
-        ({"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        # "auto" (the default with tools) needs --tool-call-parser, which this server lacks
+        ({"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
         ({"messages": MESSAGES, "tool_choice": "auto"}, "tool_choice"),
-        ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages[0].role"),
+        ({"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "no spaces"}}]},
+         "tools[0].function.name"),
+        ({"messages": MESSAGES, "functions": [{"name": "f"}]}, "functions"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
          "messages[0].content[0]"),
         ({"messages": []}, "messages"),
@@ -127,13 +123,15 @@ class TestRefusals:
         ({"messages": MESSAGES, "logprobs": "yes"}, "logprobs"),
         ({"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
         ({"messages": MESSAGES, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
-        ({"messages": MESSAGES, "response_format": {"type": "json_object"}}, "response_format"),
+        ({"messages": MESSAGES, "response_format": {"type": "xml"}}, "response_format.type"),
+        ({"messages": MESSAGES, "response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
         ({"messages": [MESSAGES[1], MESSAGES[1]]}, "messages"),  # the template's raise_exception
         ({"messages": MESSAGES, "max_tokens": 4, "max_completion_tokens": 4}, "max_completion_tokens"),
         ({"messages": MESSAGES, "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
     ])
     async def test_refused_with_the_field(self, checkpoint, body, param):
-        """Tools, tool messages, images, bad n or logprobs and what the template refuses are 400s naming the field."""
+        """Malformed tools and tool messages, images, bad n or logprobs, unknown response formats and what the
+        template refuses are 400s naming the field."""
         async with serving(model=str(checkpoint), max_context=512) as (engine, client):
             response = await client.post("/v1/chat/completions", json=body)
         error = response.json()["error"]

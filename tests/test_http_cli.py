@@ -66,3 +66,36 @@ class TestServeArguments:
         """An invalid engine option exits 2 with EngineConfig's own message, before anything binds."""
         assert main(["serve", "--page-size", "0"]) == 2
         assert capsys.readouterr().err == "kvlife: EngineConfig.page_size must be an integer >= 1, got 0\n"
+
+
+class TestToolAndReasoningOptions:
+    def test_parsers_become_settings(self):
+        """--tool-call-parser and --reasoning-parser set ServerSettings; none by default; vLLM's
+        --enable-auto-tool-choice is accepted."""
+        assert (server_settings_from_args(_parse()).tool_call_parser, server_settings_from_args(_parse())
+                .reasoning_parser) == (None, None)
+        settings = server_settings_from_args(_parse("--tool-call-parser", "llama3_json", "--reasoning-parser",
+                                                    "deepseek_r1", "--enable-auto-tool-choice"))
+        assert (settings.tool_call_parser, settings.reasoning_parser) == ("llama3_json", "deepseek_r1")
+
+    @pytest.mark.parametrize("option", ["--tool-call-parser", "--reasoning-parser"])
+    def test_an_unknown_parser_is_a_usage_error(self, option, capsys):
+        with pytest.raises(SystemExit) as exited:
+            main(["serve", option, "nope"])
+        assert exited.value.code == 2 and "invalid choice: 'nope'" in capsys.readouterr().err
+
+    def test_settings_name_the_field(self):
+        from engine.errors import InvalidConfig
+        from engine.serve.settings import ServerSettings
+
+        with pytest.raises(InvalidConfig, match="ServerSettings.tool_call_parser"):
+            ServerSettings(tool_call_parser="xml")
+
+    def test_the_cli_offers_every_parser(self):
+        """The CLI's choices (kept free of web imports) are exactly the parsers the server has."""
+        from engine.cli import serve_command
+        from engine.serve.reasoning import REASONING_PARSERS
+        from engine.serve.tool_parsers import TOOL_PARSERS
+
+        assert set(serve_command.TOOL_CALL_PARSERS) == set(TOOL_PARSERS)
+        assert set(serve_command.REASONING_PARSERS) == set(REASONING_PARSERS)

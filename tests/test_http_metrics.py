@@ -3,6 +3,8 @@ checked against what the test did."""
 
 from __future__ import annotations
 
+import socket
+
 import anyio
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -149,3 +151,25 @@ class TestGauges:
         assert 0 < _value(during, "kvlife:kv_cache_usage_ratio") <= 1
         assert _value(after, "kvlife:num_requests_running") == 0
         assert _value(after, "kvlife:kv_cache_usage_ratio") == 0
+
+
+class TestTransferMetrics:
+    @pytest.mark.asyncio
+    async def test_a_decode_servers_transfer_metrics_carry_model_name(self):
+        """A decode server with a remote prefill (here one that never answers) exports kvlife:transfer_*, and
+        every one of their samples has the model_name label, like every other metric."""
+        from engine.disagg.link.settings import RemotePrefill
+
+        with socket.socket() as unused:  # a port nobody listens on: the link stays down
+            unused.bind(("127.0.0.1", 0))
+            peer = f"127.0.0.1:{unused.getsockname()[1]}"
+        remote = RemotePrefill(peers=(peer,), connect_timeout=1.0)
+        async with serving(disaggregation="decode", remote_prefill=remote) as (_, client):
+            text = (await client.get("/metrics")).text
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        transfer = [f for name, f in families.items() if name.startswith("kvlife:transfer")]
+        assert {"kvlife:transfer_bytes", "kvlife:transfer_link_up", "kvlife:transfer_seconds"} <= {
+            f.name for f in transfer}
+        samples = [s for f in transfer for s in f.samples]
+        assert samples and all(s.labels.get("model_name") == "tiny" for s in samples), samples[:3]
+        assert any(s.name == "kvlife:transfer_bytes_total" and s.value == 0 for s in samples)

@@ -11,17 +11,13 @@ from engine.outputs import TokenLogprob
 from engine.serve.generation import Generation
 from engine.serve.openai_format import chat_events, chat_json, completion_json
 from engine.serve.schemas import GenerateBody
-from http_helpers import parse_sse, serving, stream_events
+from http_helpers import openai_client as _client, parse_sse, serving, stream_events
 
 import openai  # noqa: E402 - in the test extra: a missing one fails, never skips
 
 PROMPT = "The quick brown fox"
 SEEDED = {"temperature": 0.9, "top_p": 0.95, "seed": 11}
 
-
-def _client(client) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=str(client.base_url).rstrip("/") + "/v1", api_key="unused", max_retries=0,
-                              timeout=10)
 
 
 async def _expected(engine, prompt, i: int, max_tokens: int, **params):
@@ -87,13 +83,18 @@ class TestN:
         assert engine.stats.finishes[("normal", "ABORT")] == 3
 
 
+#: Logprobs of the same tokens computed along different paths (a prefix-cache hit computes the prompt's last
+#: token alone, a miss in one batch with the rest) differ by float32 rounding (about 1e-6), not more.
+LOGPROB_TOL = 1e-4
+
+
 class TestLogprobs:
     @pytest.mark.asyncio
     async def test_completion_logprobs_are_the_engines(self):
-        """logprobs=2: per token the engine's logprob and its top 2, text offsets that add up."""
-        # NOTE: no prefix cache: a cache hit prefills the prompt's tail alone, whose K/V then differ from the
-        # first run's in the last float32 bits (GEMM results depend on the rows in a call)
-        async with serving(prefix_cache=False) as (engine, client):
+        """logprobs=2: per token the engine's logprob and its top 2 (equal within float rounding: the server's
+        request hits the prefix cache the engine's filled), top values consistent with token_logprobs, text
+        offsets that never decrease and stay inside the text."""
+        async with serving() as (engine, client):
             stream = engine.generate(PROMPT, SamplingParams(max_new_tokens=6, logprobs=2))
             entries = [e async for out in stream for e in (out.logprobs or ())]
             oa = _client(client)
@@ -102,12 +103,76 @@ class TestLogprobs:
                                                      logprobs=2)
             finally:
                 await oa.close()
-        logprobs = answer.choices[0].logprobs
-        assert logprobs.token_logprobs == [e.logprob for e in entries]
+        logprobs, text = answer.choices[0].logprobs, answer.choices[0].text
+        assert logprobs.token_logprobs == pytest.approx([e.logprob for e in entries], abs=LOGPROB_TOL)
         assert [len(top) for top in logprobs.top_logprobs] == [2] * 6
-        assert [max(top.values()) for top in logprobs.top_logprobs] == [e.top[0][1] for e in entries]
-        assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(6)]
+        assert [max(top.values()) for top in logprobs.top_logprobs] == pytest.approx(
+            [e.top[0][1] for e in entries], abs=LOGPROB_TOL)
+        assert all(top[token] == lp for token, lp, top in
+                   zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs) if token in top)
+        offsets = logprobs.text_offset
+        assert offsets == sorted(offsets) and offsets[0] == 0 and offsets[-1] <= len(text)
         assert all(lp <= 0 for lp in logprobs.token_logprobs)
+
+    @pytest.mark.asyncio
+    async def test_colliding_top_texts_keep_token_logprobs(self):
+        """Greedy with logprobs=20 on the byte model: many alternatives decode to the same U+FFFD; each
+        text appears once, and the sampled token's text carries exactly its token_logprobs value."""
+        async with serving() as (_, client):
+            oa = _client(client)
+            try:
+                answer = await oa.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0,
+                                                     logprobs=20)
+            finally:
+                await oa.close()
+        logprobs = answer.choices[0].logprobs
+        shared = [i for i, (token, top) in enumerate(zip(logprobs.tokens, logprobs.top_logprobs))
+                  if token in top and len(top) < 20]  # the sampled token's text is shared with another
+        assert shared, "no colliding texts: the test would not test anything"
+        for i in shared:
+            assert logprobs.top_logprobs[i][logprobs.tokens[i]] == logprobs.token_logprobs[i]
+        assert all(top[t] == lp for t, lp, top in
+                   zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs) if t in top)
+
+    @pytest.mark.asyncio
+    async def test_text_offsets_stay_inside_the_text(self):
+        """A character spread over two tokens (the byte model's greedy output holds one) moves the offset
+        once: each whole token's text is found at its offset, offsets never decrease and never pass the end
+        of the text, whole or streamed."""
+        body = {"prompt": PROMPT, "max_tokens": 16, "temperature": 0, "logprobs": 1}
+        async with serving() as (_, client):
+            oa = _client(client)
+            try:
+                answer = await oa.completions.create(model="tiny", **body)
+            finally:
+                await oa.close()
+            events = await stream_events(client, "/v1/completions", {**body, "stream": True})
+        text, logprobs = answer.choices[0].text, answer.choices[0].logprobs
+        assert len(text) < sum(len(t) for t in logprobs.tokens)  # some character spans tokens
+        streamed = [o for e in events[:-1] if e["choices"][0]["logprobs"]
+                    for o in e["choices"][0]["logprobs"]["text_offset"]]
+        for offsets in (logprobs.text_offset, streamed):
+            assert len(offsets) == 16 and offsets == sorted(offsets) and 0 <= offsets[-1] <= len(text)
+            whole = [(t, o) for t, o in zip(logprobs.tokens, offsets) if t and "\ufffd" not in t]
+            assert whole and all(text[o:o + len(t)] == t for t, o in whole), (text, logprobs.tokens, offsets)
+
+    @pytest.mark.asyncio
+    async def test_chat_logprob_bytes_rebuild_the_message(self):
+        """Chat logprobs' bytes are each token's own bytes (a lone byte of a multi-byte character is that
+        byte, not U+FFFD's three), so joined they decode to the message."""
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 12, "temperature": 1.0, "seed": 0,
+                "logprobs": True, "top_logprobs": 2}
+        async with serving() as (engine, client):
+            oa = _client(client)
+            try:
+                answer = await oa.chat.completions.create(model="tiny", **body)
+            finally:
+                await oa.close()
+        content, message = answer.choices[0].logprobs.content, answer.choices[0].message.content
+        assert any(entry.bytes == [b] and b >= 0x80 for entry in content for b in entry.bytes)
+        assert bytes(b for entry in content for b in entry.bytes).decode("utf-8", errors="replace") == message
+        assert all(list(engine.tokenizer.encode(entry.token)) == entry.bytes
+                   for entry in content if entry.token != "\ufffd")
 
     @pytest.mark.asyncio
     async def test_chat_logprobs_whole_and_streamed(self):
@@ -127,6 +192,20 @@ class TestLogprobs:
         streamed = [entry for e in events[:-1] if e["choices"][0]["logprobs"]
                     for entry in e["choices"][0]["logprobs"]["content"]]
         assert [entry["logprob"] for entry in streamed] == [entry.logprob for entry in content]
+
+
+class TestLogprobDocs:
+    def test_docs_describe_the_logprobs_the_server_computes(self):
+        """docs/http.md describes logprobs as computed (the tests above check them end to end), with the
+        bytes, colliding texts and offsets rules; it no longer says they are missing or expected to fail."""
+        from pathlib import Path
+
+        text = " ".join((Path(__file__).resolve().parents[1] / "docs" / "http.md").read_text().split())
+        section = text[text.index("- **Logprobs**"):text.index("### Failed requests")]
+        assert "does not compute" not in section and "xfail" not in section and "empty entries" not in section
+        for rule in ("the token's own bytes", "sampled token's own logprob", "never pass the end of the text",
+                     "the model dtype's rounding"):
+            assert rule in section, rule
 
 
 class TestStopStrings:
@@ -242,3 +321,28 @@ class TestFormats:
         answer = openai.types.chat.ChatCompletion.model_validate(chat_json(generation, "tiny"))
         assert [c.logprobs for c in answer.choices] == [None, None]
         assert [c.message.content for c in answer.choices] == ["hi", "yo"]
+
+    @pytest.mark.asyncio
+    async def test_split_characters_and_colliding_texts(self):
+        """'éé!' as five byte tokens: chat bytes are each token's own byte; completion offsets move once per
+        character and end inside the text; alternatives that all show U+FFFD keep the sampled one's value."""
+        ids = [0xC3, 0xA9, 0xC3, 0xA9, 0x21]
+        top = {0xC3: ((0x80, -0.5), (0xC3, -2.0), (0x41, -3.0))}  # a better token shares the sampled one's text
+        outputs = [RequestOutput("r", [t], all_ids=[], num_ids=0, new_text="é" if i % 2 else ("!" if i == 4 else ""),
+                                 logprobs=(TokenLogprob(t, -2.0 if t == 0xC3 else -0.25,
+                                                        top.get(t, ((t, -0.25), (0x80, -4.0)))),),
+                                 finished=i == 4, finish_reason=FinishReason.LENGTH if i == 4 else None)
+                   for i, t in enumerate(ids)]
+        body = GenerateBody("x", [1], SamplingParams(max_new_tokens=5, logprobs=3))
+        completion = Generation(_Engine(outputs), body, route="/v1/completions")
+        await self._drain(completion)
+        chat = Generation(_Engine(outputs), body, route="/v1/chat/completions")
+        await self._drain(chat)
+        legacy = openai.types.Completion.model_validate(completion_json(completion, "tiny")).choices[0]
+        content = openai.types.chat.ChatCompletion.model_validate(chat_json(chat, "tiny")).choices[0].logprobs.content
+        assert legacy.text == "éé!" and legacy.logprobs.text_offset == [0, 0, 1, 1, 2]
+        assert [e.bytes for e in content] == [[t] for t in ids]
+        assert bytes(b for e in content for b in e.bytes).decode() == "éé!"
+        assert legacy.logprobs.top_logprobs[0] == {"\ufffd": -2.0, "A": -3.0}  # the sampled token's own value
+        assert legacy.logprobs.top_logprobs[1] == {"\ufffd": -0.25}  # two U+FFFD alternatives: the best
+        assert legacy.logprobs.token_logprobs[:2] == [-2.0, -0.25]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
+from engine import InvalidRequest, SamplingParams
 from engine.testing import FaultInjector
 from engine.serve.server import ServerSettings
 from http_helpers import StepGate, serving
@@ -18,6 +19,8 @@ BAD_BODIES = [
     ("/generate", b"[1, 2]", "body"),
     ("/generate", b'{"input_ids": [1], "sampling_params": {"temperature": NaN}}', "body"),
     ("/generate", b"\xff\xfe", "body"),
+    ("/generate", b'{"input_ids": ' + b"[" * 5000 + b"]" * 5000 + b"}", "body"),  # past the decoder's nesting bound
+    ("/generate", b'{"rid": ' + b"[" * 900 + b'"\\ud800"' + b"]" * 900 + b"}", "rid" + "[0]" * 900),
     ("/generate", {}, "text"),
     ("/generate", {"text": "a", "input_ids": [1]}, "text"),
     ("/generate", {"text": ""}, "text"),
@@ -52,7 +55,7 @@ BAD_BODIES = [
     ("/v1/completions", {"prompt": "a", "n": 0}, "n"),
     ("/v1/completions", {"prompt": "a", "n": 1000}, "n"),
     ("/v1/completions", {"prompt": "a", "n": 2, "best_of": 3}, "best_of"),
-    ("/v1/completions", {"prompt": "a", "echo": True}, "echo"),
+    ("/v1/completions", {"prompt": "a", "echo": "yes"}, "echo"),
     ("/v1/completions", {"prompt": "a", "logprobs": 21}, "logprobs"),
     ("/v1/completions", {"prompt": "a", "logprobs": True}, "logprobs"),
     ("/v1/completions", {"prompt": "a", "max_tokens": 0}, "max_tokens"),
@@ -61,6 +64,10 @@ BAD_BODIES = [
     ("/v1/completions", {"prompt": "a", "stop": 5}, "stop"),
     ("/v1/completions", {"prompt": "a", "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
     ("/v1/completions", {"prompt": "a", "functions": []}, "functions"),
+    ("/v1/completions", rb'{"prompt": "a\ud800"}', "prompt"),  # a lone surrogate: no encoder takes it
+    ("/generate", rb'{"text": "\udc00"}', "text"),
+    ("/v1/chat/completions", rb'{"messages": [{"role": "user", "content": "\ud800"}]}', "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{"role": ["user"], "content": "x"}]}, "messages[0].role"),
     ("/abort", {}, "rid"),
     ("/abort", {"rid": 5}, "rid"),
     ("/abort", {"rid": "x", "force": True}, "force"),
@@ -110,6 +117,68 @@ class TestBadBodies:
         assert second.status_code == 400 and second.json()["error"]["param"] == "rid"
         assert first["response"].status_code == 200
         assert engine.stats.submitted == 1
+
+
+#: Values of every JSON type, the edges of each, and text no encoder takes.
+ODD_VALUES = [None, True, -1, 2**64, 1.5, "x", "\ud800", [None], [["x"]], {"a": None}]
+#: Each route's base body and the fields (dotted into objects, [i] into lists) that get each odd value in turn.
+FUZZED = [
+    ("/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}},
+     ["text", "input_ids", "input_ids[0]", "sampling_params", "stream", "rid", "extra",
+      *(f"sampling_params.{f}" for f in ("max_new_tokens", "temperature", "top_p", "top_k", "stop",
+                                         "stop_token_ids", "ignore_eos", "seed"))]),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 1},
+     ["prompt", "model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "n", "best_of",
+      "logprobs", "echo", "suffix", "logit_bias", "presence_penalty", "user", "stop_token_ids", "ignore_eos",
+      "stream_options", "stream_options.include_usage"]),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+     ["messages", "messages[0]", "messages[0].role", "messages[0].content", "messages[0].name",
+      "messages[0].content[0]", "max_completion_tokens", "logprobs", "top_logprobs", "n", "tools", "tool_choice",
+      "response_format", "add_generation_prompt", "chat_template_kwargs", "stream", "stop"]),
+    ("/abort", {"rid": "nope"}, ["rid"]),
+]
+
+
+def _with(body: dict, path: str, value):
+    """`body` with the value at `path` (a.b[0].c) replaced, creating the last step if it is missing."""
+    import copy
+    import re
+
+    body = copy.deepcopy(body)
+    steps = [int(s) if s.isdigit() else s for s in re.findall(r"[^.\[\]]+", path)]
+    node = body
+    for step in steps[:-1]:
+        if isinstance(node, dict):
+            node = node.setdefault(step, {})
+        elif isinstance(step, int) and isinstance(node, list) and step < len(node):
+            node = node[step]
+        else:
+            return body
+    if isinstance(node, dict) or (isinstance(node, list) and isinstance(steps[-1], int) and steps[-1] < len(node)):
+        node[steps[-1]] = value
+    return body
+
+
+class TestNoServerErrors:
+    @pytest.mark.asyncio
+    async def test_no_body_gets_a_500(self):
+        """Every route, every field, every odd value (each JSON type, edges, lone surrogates): never a 5xx;
+        a 400 names a field."""
+        import json
+
+        from engine import configure_logging
+
+        configure_logging("warning")  # NOTE: ~500 requests; their debug lines would take most of the time
+        async with serving(model="null") as (_, client):
+            for path, base, fields in FUZZED:
+                for field in fields:
+                    for value in ODD_VALUES:
+                        raw = json.dumps(_with(base, field, value)).encode()  # ASCII: surrogates stay escaped
+                        response = await client.post(path, content=raw, headers={"content-type": "application/json"})
+                        case = f"{path} {raw!r}"
+                        assert response.status_code < 500, (case, response.text)
+                        if response.status_code == 400:
+                            assert response.json()["error"]["param"], case
 
 
 class TestBounds:
@@ -165,6 +234,20 @@ class TestBackpressure:
         assert rejected.status_code == 503 and rejected.headers["retry-after"] == "1"
         assert "queue is full" in rejected.json()["error"]["message"]
         assert sorted(statuses) == [200, 200, 200]
+
+    @pytest.mark.asyncio
+    async def test_n_over_max_queued_is_400_on_n(self):
+        """n over max_queued can never be queued: a 400 naming n and the limit, even on an idle server (not a
+        503 to retry); the engine refuses it the same way, before anything is queued."""
+        async with serving(max_queued=4) as (engine, client):
+            response = await client.post("/v1/completions", json={"prompt": "x", "n": 5, "max_tokens": 1})
+            fits = await client.post("/v1/completions", json={"prompt": "x", "n": 4, "max_tokens": 1})
+            with pytest.raises(InvalidRequest, match=r"SamplingParams.n must be <= max_queued = 4"):
+                engine.generate("x", SamplingParams(n=5))
+        error = response.json()["error"]
+        assert response.status_code == 400 and error["param"] == "n" and "max_queued = 4" in error["limit"], error
+        assert error["message"].startswith("n must be") and "retry-after" not in response.headers
+        assert fits.status_code == 200 and engine.stats.submitted == 1
 
     @pytest.mark.asyncio
     async def test_inflight_bound_is_503(self):

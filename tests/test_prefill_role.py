@@ -40,6 +40,7 @@ S = RequestState
 MATRIX = list(itertools.product([False, True], ["tiny", "tiny-moe"]))
 PROMPT = list(range(10, 31))  # 21 tokens: two chunks of 16
 LONG = list(range(40, 90))  # 50 tokens: four chunks
+FRESH = list(range(100, 121))  # 21 tokens nobody else uses: never in the prefix cache, always two chunks
 GREEDY = SamplingParams(max_new_tokens=4, ignore_eos=True)
 
 
@@ -112,9 +113,15 @@ async def _reference(model: str, prompt: list[int]) -> int:
 async def test_every_prefill_finish_path_releases_everything(hisparse, model):
     """Each prefill finish path reaches RELEASED once, answers its job, and leaves every pool whole."""
     recorders = Recorders()
-    gate = StepGate(match=lambda ids: any("hold" in i for i in ids))
+    gate = StepGate(match=lambda ids: any("hold-a" in i or "hold-shutdown" in i for i in ids))
     gate.set_open(True)
-    faults = FaultInjector(stall_step=gate, fail_step=lambda ids: any(i.endswith("error") for i in ids),
+    last_gate = StepGate(match=lambda ids: any("hold-last" in i for i in ids))  # closed: one chunk per permit
+
+    def stall(ids) -> None:
+        gate(ids)
+        last_gate(ids)
+
+    faults = FaultInjector(stall_step=stall, fail_step=lambda ids: any(i.endswith("error") for i in ids),
                            fail_transfer=lambda rid: rid == "send-failed")
     config = _config(hisparse, model, recorders)
     device = resolve_device(config)
@@ -146,18 +153,13 @@ async def test_every_prefill_finish_path_releases_everything(hisparse, model):
             # cancelled while prefilling (its second chunk is held), and during its last chunk
             runtime.cancel(jobs["hold-a"])
             gate.set_open(True)  # its held chunk ends, then the cancel applies
+            last_gate.allow(1)  # hold-last's first chunk passes, its second (last) is held
+            last = submit("hold-last", FRESH)
             with anyio.fail_after(DEADLINE):
-                while gate.waiting:
+                while not (last_gate.passed == 1 and last_gate.waiting == 1):
                     await anyio.sleep(0.002)
-            last = submit("hold-last")  # two chunks: the cancel lands while the last one runs
-            gate.set_open(False)
-            gate.revoke()
-            gate.allow(1)
-            with anyio.fail_after(DEADLINE):
-                while not any(r.request_id == "prefill:hold-last" and r.kv_len for r in runtime.loop.requests()):
-                    await anyio.sleep(0.002)
-            runtime.cancel(last)
-            gate.set_open(True)
+            runtime.cancel(last)  # during its last chunk
+            last_gate.set_open(True)
             for rid in ("hold-a", "hold-last"):
                 assert isinstance((await _answered(jobs[rid]))[1], TransferCancelled)
             await runtime.loop.wait_idle(DEADLINE)

@@ -10,11 +10,11 @@ import pytest
 
 PUBLIC = {
     "engine": {
-        "Engine", "EngineClosed", "EngineConfig", "EngineDead", "EngineOverloaded", "FinishReason",
+        "Constraint", "Engine", "EngineClosed", "EngineConfig", "EngineDead", "EngineOverloaded", "FinishReason",
         "HealthCheckFailed", "HealthCheckTimeout", "HealthReport", "HiSparseConfig", "InvalidConfig", "InvalidRequest",
         "LOG_LEVELS", "LeakError",
         "MemoryReport", "RequestKind", "RequestOutput", "RequestState", "RequestStream", "SamplingParams",
-        "TokenLogprob", "configure_logging",
+        "SessionInfo", "StructuredConfig", "TokenLogprob", "configure_logging",
     },
     "states": {
         "HELD_STATES", "LIVE_STATES", "TRANSITIONS", "DoubleRelease", "Fence", "FencePending",

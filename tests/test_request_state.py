@@ -96,9 +96,9 @@ class TestStateSets:
 
 class TestFinishReason:
     def test_reasons(self):
-        """The six finish reasons; a health check is a request kind, not a reason."""
+        """The seven finish reasons; a health check is a request kind, not a reason."""
         assert {r.name for r in FinishReason} == {
-            "STOP", "LENGTH", "ABORT", "ERROR", "TRANSFER_FAILED", "SHUTDOWN"
+            "STOP", "LENGTH", "ABORT", "ERROR", "TRANSFER_FAILED", "SHUTDOWN", "DEADLINE"
         }
         assert RequestKind.HEALTH_CHECK.name not in {r.name for r in FinishReason}
 

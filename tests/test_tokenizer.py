@@ -154,3 +154,47 @@ class TestWithoutTokenizer:
         with capture_logs() as logs:
             tokenizer = load_tokenizer(tmp_path, ModelConfig.tiny(), byte_level=True)
         assert isinstance(tokenizer, ByteTokenizer) and not logs
+
+
+class TestTokenBytes:
+    """`token_bytes`: the bytes a token stands for, so a token holding part of a character is not U+FFFD."""
+
+    TEXT = "héllo wörld ✓"
+
+    def test_byte_tokenizer(self):
+        """The byte model's token t is byte t; special ids stand for no bytes."""
+        tokenizer = ByteTokenizer()
+        assert b"".join(tokenizer.token_bytes(t) for t in tokenizer.encode(self.TEXT)) == self.TEXT.encode()
+        assert tokenizer.token_bytes(0xC3) == b"\xc3" and tokenizer.token_bytes(256) == b""
+
+    def test_byte_level_bpe(self):
+        """A GPT-2 style byte-level tokenizer (Llama 3, Qwen): joined, the tokens' bytes are the text's."""
+        tokenizers = pytest.importorskip("tokenizers")
+        alphabet = tokenizers.pre_tokenizers.ByteLevel.alphabet()
+        vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+        vocab["<s>"] = len(vocab)
+        backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
+        backend.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        backend.decoder = tokenizers.decoders.ByteLevel()
+        tokenizer = HFTokenizer(backend, bos_token_id=vocab["<s>"], eos_token_id=None, pad_token_id=None)
+        ids = tokenizer.encode(self.TEXT)
+        assert any(tokenizer.decode([t]) == "\ufffd" for t in ids)  # some tokens hold part of a character
+        assert b"".join(tokenizer.token_bytes(t) for t in ids) == self.TEXT.encode()
+        assert tokenizer.token_bytes(vocab["<s>"]) == b""
+
+    def test_sentencepiece_byte_fallback(self):
+        """A sentencepiece-style tokenizer (Llama 2, Mistral, Gemma): `<0xNN>` pieces are their byte, `▁` a space."""
+        tokenizers = pytest.importorskip("tokenizers")
+        vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, "▁h": 257, "llo": 258, "▁w": 259}
+        backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[], byte_fallback=True,
+                                                             unk_token="<unk>"))
+        backend.normalizer = tokenizers.normalizers.Sequence([tokenizers.normalizers.Prepend("▁"),
+                                                              tokenizers.normalizers.Replace(" ", "▁")])
+        backend.decoder = tokenizers.decoders.Sequence([
+            tokenizers.decoders.Replace("▁", " "), tokenizers.decoders.ByteFallback(), tokenizers.decoders.Fuse(),
+            tokenizers.decoders.Strip(" ", 1, 0)])
+        tokenizer = HFTokenizer(backend, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+        assert tokenizer.token_bytes(1 + 0xC3) == b"\xc3" and tokenizer.token_bytes(257) == b" h"
+        ids = [257, 1 + 0xC3, 1 + 0xA9, 258]  # "▁h", "é" as two byte pieces, "llo"
+        assert tokenizer.decode(ids) == "héllo"
+        assert b"".join(tokenizer.token_bytes(t) for t in ids).decode() == " héllo"  # the piece's own space

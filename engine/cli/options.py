@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 from pathlib import Path
 from typing import Any
 
@@ -87,10 +86,19 @@ ENGINE_OPTIONS: list[tuple[str, type, str]] = [
     ("max_context", int, "prompt + output tokens per request"),
     ("max_prefill_tokens", int, "prefill tokens per step (chunked prefill)"),
     ("max_queued", int, "requests that may wait in the engine's inbox"),
-    ("disaggregation", str, "none or decode (serve: also prefill, a prefill server)"),
+    ("disaggregation", str, "this engine's role"),
     ("leak_check", str, "raise, log or off"),
     ("fence_timeout", float, "seconds a fence may stay pending before its handle is quarantined"),
+    ("starvation_timeout", float, "seconds a request may wait for memory before it is reported starved "
+                                  "(after a leak check naming what it waits for)"),
+    # issue 21 (docs/scheduling.md)
+    ("priority_aging", float, "seconds of waiting worth one priority step (bounds the lowest class's wait)"),
+    ("max_sessions", int, "sessions open at once (0: none)"),
+    ("session_idle_timeout", float, "seconds after its latest turn a session closes"),
+    ("session_max_pages", int, "KV pages one session may keep"),
 ]
+#: the `--disaggregation` roles of every command (serve adds "prefill", a prefill server)
+ROLES = ("none", "decode")
 #: (HiSparseConfig field, help)
 HISPARSE_OPTIONS: list[tuple[str, str]] = [
     ("top_k", "enable HiSparse, attending over the top K tokens per decode step"),
@@ -100,15 +108,20 @@ HISPARSE_OPTIONS: list[tuple[str, str]] = [
 _CONFIG_DEFAULTS = {f.name: f.default for f in attrs.fields(EngineConfig)}
 
 
-def add_engine_options(parser: argparse.ArgumentParser, defaults: dict[str, Any] | None = None) -> None:
-    """The EngineConfig fields as options; `defaults` are this command's own, shown in --help."""
+def add_engine_options(parser: argparse.ArgumentParser, defaults: dict[str, Any] | None = None, *,
+                       roles: tuple[str, ...] = ROLES) -> None:
+    """The EngineConfig fields as options; `defaults` are this command's own, shown in --help; `roles`
+    the `--disaggregation` values this command takes (a bad one is refused listing them)."""
     defaults = defaults or {}
     group = parser.add_argument_group("engine options (EngineConfig fields)")
     for name, kind, help_text in ENGINE_OPTIONS:
         shown = defaults.get(name, _CONFIG_DEFAULTS[name])
         shown = "derived from the pool and the model" if shown is None else shown
+        choices = roles if name == "disaggregation" else None
+        if choices:
+            help_text = f"{help_text}: {', '.join(roles)}"
         group.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=defaults.get(name),
-                           help=f"{help_text} (default: {shown})")
+                           choices=choices, help=f"{help_text} (default: {shown})")
     group.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", default=None,
                        help="turn the radix prefix cache off")
     group.add_argument("--no-plugins", dest="use_entry_points", action="store_false", default=None,
@@ -136,15 +149,24 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> Engin
 
 
 def writable_path(path: str) -> Path:
-    """`path` can be written (checked before a long run, not after it), else CLIError."""
+    """`path` can be written (checked before a long run, not after it), else CLIError.
+
+    NOTE: checked by opening it for appending (and removing it again if that created it), not with
+    os.access: permission bits say nothing for root, nor for /proc, read-only mounts or quotas."""
     target = Path(path)
     parent = target.parent if str(target.parent) else Path(".")
     if target.is_dir():
         raise CLIError(f"--json {path}: is a directory")
     if not parent.is_dir():
         raise CLIError(f"--json {path}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
-        raise CLIError(f"--json {path}: not writable")
+    existed = target.exists()
+    try:
+        with open(target, "a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        raise CLIError(f"--json {path}: not writable ({exc.strerror or exc})") from None
+    if not existed:
+        target.unlink(missing_ok=True)
     return target
 
 
@@ -153,3 +175,11 @@ def logging_choice(args: argparse.Namespace) -> tuple[str, bool]:
     level = args.log_level or args.default_log_level
     json_logs = args.log_json if args.log_json is not None else getattr(args, "default_log_json", False)
     return level, json_logs
+
+
+def write_text(target: Path, text: str) -> None:
+    """Write a file the user named; an OSError is a CLIError (one line, exit 2), never a traceback."""
+    try:
+        target.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise CLIError(f"--json {target}: could not be written ({exc.strerror or exc})") from None

@@ -3,11 +3,14 @@
     kvlife run [--requests 48] [--concurrency 16] [--json PATH] [engine options]
 
 A deliberately small pool by default (`RUN_DEFAULTS`, shown in --help), so
-the run shows queueing and retraction; the workload fits its prompts and
-output lengths to the engine's max_context. The progress bar (rich: done /
-total, elapsed time, requests/s) is drawn only when stderr is a terminal;
-the report is printed to stdout whatever happens, and `--json` is checked
-before the run so a bad path cannot lose it. Exit code 1 on a leak.
+the run shows queueing and retraction; max_context is the engine's own
+default (what the pool and the model allow), and the workload fits its
+prompts and output lengths to it, so any model runs. The progress bar (rich:
+done / total, elapsed time, requests/s) is drawn only when stderr is a
+terminal; the report is printed to stdout whatever happens, and `--json` is
+checked before the run so a bad path cannot lose it. Exit code 1 on a leak
+(or a pool that cannot be checked); a leak that leaves requests starving
+ends the run early (`workload.run_workload`).
 """
 
 from __future__ import annotations
@@ -21,9 +24,9 @@ from contextlib import contextmanager
 
 import anyio
 
-from engine.cli.options import add_engine_options, engine_config_from_args, int_at_least, writable_path
+from engine.cli.options import add_engine_options, engine_config_from_args, int_at_least, writable_path, write_text
 
-RUN_DEFAULTS = {"num_kv_pages": 160, "max_context": 1024, "leak_check": "log"}
+RUN_DEFAULTS = {"num_kv_pages": 160, "leak_check": "log", "starvation_timeout": 10.0}
 
 
 def add_run_parser(subparsers: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
@@ -74,5 +77,5 @@ def cmd_run(args: argparse.Namespace) -> int:
                                                 seed=args.workload_seed, progress=progress))
     print(format_report(report))
     if target is not None:
-        target.write_text(json.dumps(report, indent=2, default=str))
+        write_text(target, json.dumps(report, indent=2, default=str))
     return 0 if report["leak_check"] == "clean" else 1

@@ -26,7 +26,8 @@ from typing import Any
 
 import anyio
 
-from engine.cli.options import CLIError, add_engine_options, engine_config_from_args, int_at_least, logging_choice, port
+from engine.cli.options import (ROLES, CLIError, add_engine_options, engine_config_from_args, int_at_least,
+                                logging_choice, port)
 from engine.cli.options import positive_seconds
 from engine.errors import InvalidConfig
 
@@ -40,7 +41,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction, parents: list[argpa
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     serve.add_argument("--port", type=port, default=30000, help="port to listen on; 0 picks a free one "
                        "(default: 30000)")
-    add_engine_options(serve, {"leak_check": "log"})
+    add_engine_options(serve, {"leak_check": "log"}, roles=(*ROLES, "prefill"))
     server = serve.add_argument_group("server options")
     server.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer <key>' on every route "
                         f"but /health (default: ${API_KEY_ENV} if set, else no key)")
@@ -53,8 +54,28 @@ def add_serve_parser(subparsers: argparse._SubParsersAction, parents: list[argpa
     server.add_argument("--health-timeout", type=positive_seconds, default=10.0,
                         help="seconds for a /health_generate probe, and without progress under load (default: 10)")
     server.add_argument("--served-model-name", default=None, help="model id in /v1 (default: --model)")
+    server.add_argument("--default-deadline", type=positive_seconds, default=None,
+                        help="seconds a generation request may take when its body gives no deadline "
+                             "(default: none)")
+    _add_structured_options(serve)
     _add_disaggregation_options(serve)
     serve.set_defaults(func=run_serve, default_log_level="info", default_log_json=True)
+
+
+#: the parsers `engine.serve.tool_parsers` and `engine.serve.reasoning` name (not imported here: no web libraries)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
+
+
+def _add_structured_options(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group("tool calls and reasoning (docs/structured.md)")
+    group.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                       help="read tool calls in this model format, for tool_choice 'auto' (default: none; "
+                            "'auto' is then refused, 'required' and named tools still work)")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="accepted for vLLM's command lines; 'auto' is on whenever --tool-call-parser is given")
+    group.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                       help="move a reasoning model's <think>...</think> into reasoning_content (default: none)")
 
 
 def api_key_from(args: argparse.Namespace) -> str | None:
@@ -132,7 +153,9 @@ def server_settings_from_args(args: argparse.Namespace) -> Any:
 
     return ServerSettings(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                           max_inflight=args.max_inflight, health_timeout=args.health_timeout,
-                          served_model_name=args.served_model_name, api_key=api_key_from(args))
+                          served_model_name=args.served_model_name, api_key=api_key_from(args),
+                          default_deadline=args.default_deadline, tool_call_parser=args.tool_call_parser,
+                          reasoning_parser=args.reasoning_parser)
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -6,7 +6,16 @@ Each request is fitted to the engine's max_context (`fit_to_context`: the
 output length first capped, then the prompt cut), so any valid EngineConfig
 runs the whole workload; the report says how many were fitted.
 The report counts finishes by reason, throughput and latency percentiles,
-transitions per edge, and every pool with the leak-check verdict.
+transitions per edge, and every pool with the leak-check verdict: "clean",
+"LEAK", or "UNCHECKED" (a pool whose stats() raises cannot be checked).
+
+A leak can keep the engine from ever going idle (a hook that leaks its pool
+dry leaves every later request waiting for it). The engine finds it while
+busy (`resources.leak_watch`); once a request has starved (waited
+`starvation_timeout`) with a leak found, the run stops: the clients leave,
+their requests are aborted, and the report says LEAK, names the starved
+requests, the pool they waited for and its holders. So the run ends within
+starvation_timeout + about a second of the pool running dry.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ async def run_workload(
     health: Counter = Counter()
     limiter = anyio.Semaphore(concurrency)
     start = time.perf_counter()
+    stopped: list[dict[str, Any]] = []  # the starvation records that ended the run early
     engine = Engine(config)
     async with engine:
 
@@ -60,8 +70,19 @@ async def run_workload(
                     health["failed"] += 1
                 await anyio.sleep(0.05)
 
+        async def watchdog(scope: anyio.CancelScope) -> None:
+            """A leak that starves requests would keep the run waiting forever: stop it."""
+            while done < num_requests:
+                report = engine.memory_report()
+                if report.last_leak and report.starved:
+                    stopped.extend(report.starved)
+                    scope.cancel()
+                    return
+                await anyio.sleep(0.1)
+
         async with anyio.create_task_group() as tg:
             tg.start_soon(health_checker)
+            tg.start_soon(watchdog, tg.cancel_scope)
             for plan in plans:
                 tg.start_soon(client, plan)
         await engine.wait_idle(timeout=30)
@@ -70,7 +91,10 @@ async def run_workload(
         try:
             report = engine.check_memory()
         except LeakError as exc:
-            verdict, problems, report = "LEAK", exc.problems, exc.report
+            problems, report = exc.problems, exc.report
+            verdict = "LEAK" if report.leaks() else "UNCHECKED"
+        if stopped and verdict == "clean":  # the leak that starved them was found while busy
+            verdict, problems = "LEAK", list(engine.memory_report().last_leak or ("a leak starved requests",))
     stats = engine.stats
     return {
         "requests": num_requests,
@@ -88,6 +112,8 @@ async def run_workload(
         "pools": report.as_dict()["pools"],
         "leak_check": verdict,
         "leak_problems": problems,
+        "stopped_early": [{k: r.get(k) for k in ("request_id", "waited_s", "waiting_for", "holders")}
+                          for r in stopped],
     }
 
 
@@ -151,4 +177,9 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append(f"  leak check     {report['leak_check']}")
     for problem in report["leak_problems"]:
         lines.append(f"    {problem}")
+    for record in report.get("stopped_early", ()):
+        lines.append(f"  stopped early: {record['request_id']} starved {record['waited_s']} s waiting for "
+                     f"{', '.join(record['waiting_for'] or ['memory'])}")
+        for pool, holders in (record["holders"] or {}).items():
+            lines.append(f"    {pool} held by: {'; '.join(holders) or 'nobody recorded'}")
     return "\n".join(lines)

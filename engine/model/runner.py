@@ -19,7 +19,9 @@ under the engine's device (`resources.device_io.on_device`)::
     forward: the model, attention planned once for all layers, the LM head
              on the sampling rows only (or a CUDA graph's replay)
     sample: every sampled row at once on the device (`engine.model.sampling`),
-            logprobs from the same logits
+            logprobs from the same logits; rows a grammar constrains take an
+            allowed-token mask (`token_masks`, computed on the host once the
+            forward is launched: on a device it runs meanwhile)
     read back: tokens, MoE routing and logprobs in one copy and one wait
                (`resources.device_io.read_back`), the step's only host sync
 
@@ -37,14 +39,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 import torch
 
 from engine.model.attention import AttentionBackend, AttentionMetadata, PagedAttention, PagedFactory
-from engine.model.batch import ScheduledSeq
+from engine.model.batch import MakesFences, ScheduledSeq
 from engine.model.llama import LlamaModel
+from engine.model.prompt_logprobs import PromptEntries, PromptLogprobPlan
 from engine.model.decode_graphs import FIELD_ROWS, DecodeGraphs
 from engine.model.sampling import SamplingBatch, format_logprobs, logprob_tensors, sample_tokens
 from engine.model.step_upload import Sections, StepUpload
@@ -62,13 +65,20 @@ if TYPE_CHECKING:
 AttentionFactory = Callable[[Sequence[ScheduledSeq], AttentionMetadata], AttentionBackend]
 
 
-@runtime_checkable
-class MakesFences(Protocol):
-    """An attention backend whose step starts copies (HiSparse's host backups): it lists each
-    copy's fence with its request, and the step's output carries them back to the loop."""
+#: the masks of one step: `allowed` [S, V] bool on the logits' device, and the rows that allow nothing
+#: (they are sampled unmasked and answered -1: no token, never an unconstrained one)
+StepMasks = tuple[torch.Tensor, list[int]]
 
-    @property
-    def fences(self) -> Sequence[tuple[Request, Fence]]: ...
+
+class TokenMasks(Protocol):
+    """Per sampled row, the tokens it may take (structured output's grammars); the runner's
+    `token_masks`. Called from the step's thread with the sampled rows' requests."""
+
+    def begin(self, requests: Sequence[Request], device: torch.device,
+              vocab: int) -> Callable[[], StepMasks | None] | None:
+        """None when no row needs a mask this step (nothing computed; a CUDA graph may run); else
+        a callable, called once the forward pass is launched, giving the step's masks (or None)."""
+        ...
 
 
 @attrs.define
@@ -83,6 +93,8 @@ class StepOutput:
     logprobs: list[TokenLogprob | None] = attrs.field(factory=list)
     #: (request, fence) of every copy the step started that may still be in flight
     fences: Sequence[tuple[Request, Fence]] = ()
+    #: issue 21: prompt logprobs of the step's prefill chunks that asked (engine.model.prompt_logprobs)
+    prompt_logprobs: list[PromptEntries] = attrs.field(factory=list)
 
 
 @attrs.frozen
@@ -133,6 +145,7 @@ class ModelRunner:
         embedder: Callable[[Sequence[ScheduledSeq], torch.Tensor], torch.Tensor | None] | None = None,
         faults: FaultInjector | None = None,
         cuda_graphs: bool = True,
+        token_masks: TokenMasks | None = None,
     ) -> None:
         self.faults = faults
         self.model = model
@@ -152,6 +165,8 @@ class ModelRunner:
         if pack is not None:
             with on_device(device):
                 pack()
+        #: allowed-token masks of the sampled rows (structured output, a feature's runner part); None: none
+        self.token_masks = token_masks
         #: CUDA graphs of decode steps (`engine.model.decode_graphs`); None: every step eager
         self.graphs: DecodeGraphs | None = None
         factory = self.attention_factory
@@ -256,7 +271,13 @@ class ModelRunner:
         t0 = time.perf_counter() if timed else 0.0
         params = [s.request.params for s in seqs if s.samples]
         batch = SamplingBatch(params, [s.request.num_output_tokens for s in seqs if s.samples]) if params else None
-        if self.graphs is not None and batch is not None and len(batch) == len(seqs):
+        plan = PromptLogprobPlan.build(seqs)  # issue 21: None unless a prefill chunk asked
+        masks = None
+        if self.token_masks is not None and batch is not None:
+            masks = self.token_masks.begin([s.request for s in seqs if s.samples], self.device,
+                                           self.model.config.vocab_size)
+        if (self.graphs is not None and batch is not None and len(batch) == len(seqs) and plan is None
+                and masks is None):
             replayed = self._replay(seqs, batch)
             if replayed is not None:
                 logits, greedy, stacked, fields = replayed
@@ -269,9 +290,14 @@ class ModelRunner:
         attention = self.attention_factory(seqs, inputs.meta)
         t1 = time.perf_counter() if timed else 0.0
         routing: list[torch.Tensor] = []
-        logits = self.model(inputs.ids, inputs.positions, attention, embeds, output_rows=inputs.sample_rows,
-                            routing=routing)
-        out = self._finish(logits, batch, inputs.fields, torch.stack(routing) if routing else None)
+        rows = inputs.sample_rows if plan is None else plan.output_rows(inputs.sample_rows, self.device)
+        logits = self.model(inputs.ids, inputs.positions, attention, embeds, output_rows=rows, routing=routing)
+        prompt_logprobs: list[PromptEntries] = []
+        if plan is not None:  # issue 21: read back on their own (one more sync, in such steps only)
+            logits, prompt_logprobs = plan.split(logits, inputs.sample_rows, len(params))
+        out = self._finish(logits, batch, inputs.fields, torch.stack(routing) if routing else None,
+                           masks=masks() if masks is not None else None)
+        out.prompt_logprobs = prompt_logprobs
         if isinstance(attention, MakesFences):
             out.fences = attention.fences
         if timed:
@@ -311,13 +337,16 @@ class ModelRunner:
         return logits, greedy, routing, fields
 
     def _finish(self, logits: torch.Tensor, batch: SamplingBatch | None, fields: torch.Tensor | None,
-                routing: torch.Tensor | None, greedy: torch.Tensor | None = None) -> StepOutput:
+                routing: torch.Tensor | None, greedy: torch.Tensor | None = None,
+                masks: StepMasks | None = None) -> StepOutput:
         """Sample on the device, then read tokens, routing ([layers, T, top_k]) and logprobs
         back in one copy."""
         parts: list[torch.Tensor] = []
         tokens = None
         if batch is not None:
-            tokens = greedy if greedy is not None and batch.greedy else sample_tokens(logits, batch, fields)
+            allowed = None if masks is None else masks[0]
+            tokens = (greedy if greedy is not None and batch.greedy and allowed is None
+                      else sample_tokens(logits, batch, fields, allowed=allowed))
             parts.append(tokens)
             if batch.wants_logprobs:
                 parts.extend(logprob_tensors(logits, tokens, batch, fields))
@@ -327,6 +356,8 @@ class ModelRunner:
             return StepOutput([])
         host = read_back(parts)
         token_ids = host[0].tolist() if batch is not None else []
+        for row in masks[1] if masks is not None else ():
+            token_ids[row] = -1  # NOTE: nothing was allowed: no token (the loop ends the request)
         logprobs: list[TokenLogprob | None] = []
         if batch is not None and batch.wants_logprobs:
             logprobs = format_logprobs(batch, token_ids, *host[1:4])

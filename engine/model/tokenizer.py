@@ -18,6 +18,7 @@ import structlog
 from engine.errors import InvalidRequest
 from engine.model.hf_config import CheckpointError
 from engine.model.model_config import BYTE_BOS_ID, BYTE_EOS_ID, BYTE_IMAGE_ID, BYTE_PAD_ID, TINY_VOCAB_SIZE
+from engine.model.token_bytes import PieceBytes
 
 if TYPE_CHECKING:
     import tokenizers
@@ -62,6 +63,11 @@ class Tokenizer(Protocol):
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, token_ids: Sequence[int]) -> str: ...
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes `token_id` stands for: part of a multi-byte character is its raw bytes (where
+        `decode([token_id])` gives U+FFFD); b"" for a token `decode` drops (BOS, EOS, ...)."""
+        ...
 
 
 class _SpecialIds:
@@ -151,6 +157,9 @@ class ByteTokenizer(_SpecialIds):
     def decode(self, token_ids: Sequence[int]) -> str:
         return bytes(t for t in token_ids if 0 <= t < 256).decode("utf-8", errors="replace")
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id]) if 0 <= token_id < 256 else b""
+
     def incremental_decoder(self) -> ByteStreamDecoder:
         """A decoder that turns ids into text as they come, O(1) per id (the engine's
         streaming path uses it instead of re-decoding a window)."""
@@ -203,6 +212,8 @@ class HFTokenizer(_SpecialIds):
         self._backend = backend
         added = backend.get_added_tokens_decoder()
         self._special_ids = self._named_special_ids() | {i for i, token in added.items() if token.special}
+        self._added = {i: token.content.encode() for i, token in added.items()}
+        self._piece_bytes = PieceBytes.for_decoder(backend.decoder)
 
     @classmethod
     def from_file(cls, path: str | Path, config: ModelConfig,
@@ -231,9 +242,27 @@ class HFTokenizer(_SpecialIds):
         kept = [t for t in token_ids if t not in self._special_ids]
         return self._backend.decode(kept, skip_special_tokens=True)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        if token_id in self._special_ids:
+            return b""
+        if token_id in self._added:  # added tokens are matched as written, never byte-mapped
+            return self._added[token_id]
+        piece = self._backend.id_to_token(token_id)
+        return b"" if piece is None else self._piece_bytes(piece)
+
+    def backend_json(self) -> str:
+        """The whole tokenizer as ``tokenizer.json`` text (the declared special tokens included),
+        for libraries that build their own view of the vocabulary (structured output's)."""
+        return self._backend.to_str()
+
     def added_by_encode(self) -> list[int]:
         """The ids `encode` adds around any text (e.g. ``[bos]``)."""
         return self._backend.encode("", add_special_tokens=True).ids
+
+    def id_to_token(self, token_id: int) -> str:
+        """The token's own string in the vocabulary (``Ġhello``), as transformers'
+        ``convert_ids_to_tokens`` gives it (`/tokenize`'s ``token_strs``)."""
+        return self._backend.id_to_token(token_id) or ""
 
 
 class TokenIdsOnly(_SpecialIds):
@@ -256,6 +285,9 @@ class TokenIdsOnly(_SpecialIds):
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return ""
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return b""
 
 
 def load_tokenizer(directory: Path, config: ModelConfig, *, byte_level: bool = False) -> Tokenizer:

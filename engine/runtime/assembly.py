@@ -13,7 +13,7 @@ the decode role's in-process prefill is a second, separate `assemble` call
 Registration order (ties of the release order)::
 
     moe_record, hisparse_*, kv_transfer | kv_send, prefill_job, kv, request_slot, multimodal,
-    plugins..., timing
+    session, session_turn, grammar, plugins..., timing
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ from engine.runtime.features.moe import install_moe
 from engine.runtime.features.paged_kv import install_paged_kv
 from engine.runtime.features.plugins import install_plugins
 from engine.runtime.features.roles import DecodeRole, PrefillRole
+from engine.runtime.features.sessions import install_sessions
+from engine.runtime.features.structured import install_structured
 from engine.runtime.features.vision import install_vision
 from engine.runtime.prefill_runtime import PrefillRuntime
 from engine.runtime.parts import EngineParts
@@ -60,7 +62,7 @@ ModelBundle = tuple[ModelConfig, LlamaModel, Tokenizer]
 def features(role: Install | None) -> list[Install]:
     """The installs of an engine, in order (the role's in its place)."""
     return [install_moe, install_hisparse, *([role] if role is not None else []), install_paged_kv, install_vision,
-            install_plugins]
+            install_sessions, install_structured, install_plugins]
 
 
 def build_parts(config: EngineConfig, *, faults: FaultInjector | None = None) -> EngineParts:
@@ -94,6 +96,7 @@ def build_local_prefill(config: EngineConfig, *, device: torch.device, bundle: M
     # NOTE: a configured hook *instance* has one pool, so it serves the decode engine only;
     # factories (and entry points) build the prefill runtime a hook of its own.
     prefill_config = attrs.evolve(config, disaggregation="none", hisparse=None, remote_prefill=None, cuda_graphs=False,
+                                  max_sessions=0,
                                   resources=tuple(r for r in config.resources if not is_hook_instance(r)))
     role = PrefillRole(lambda ctx: LoopbackSender(ctx.kv_buffers, fence_timeout=config.fence_timeout, faults=faults))
     parts = assemble(prefill_config, device=device, bundle=bundle, role=role.install, faults=faults)
@@ -136,13 +139,16 @@ def assemble(config: EngineConfig, *, device: torch.device, bundle: ModelBundle,
         attention = wrap_attention(attention)
     runner_cls = NoComputeRunner if config.model == "null" else ModelRunner
     runner = runner_cls(model, kv_buffers, kv_pool.slots, device, slot_of=slot_of, attention_factory=attention,
-                        embedder=installed.embedder, faults=faults, cuda_graphs=config.cuda_graphs)
+                        embedder=installed.embedder, faults=faults, cuda_graphs=config.cuda_graphs,
+                        token_masks=installed.token_masks)
     scheduler = Scheduler(max_running=config.max_running, max_prefill_tokens=config.max_prefill_tokens,
-                          page_size=config.page_size)
+                          page_size=config.page_size, priority_aging=config.priority_aging)
     return EngineParts(config, device, model_config, model, tokenizer, max_context, ledger, kv_buffers, kv_pool,
                        ordered, installed.pools, machine, scheduler, runner, role=installed.role,
                        step_observers=installed.step_observers, expert_distribution=installed.expert_distribution,
-                       prefill_client=installed.prefill_client, mm_cache_bytes=installed.mm_cache_bytes)
+                       prefill_client=installed.prefill_client, mm_cache_bytes=installed.mm_cache_bytes,
+                       sessions=installed.sessions, structured=installed.structured,
+                       token_checks=installed.token_checks)
 
 
 def resolve_device(config: EngineConfig) -> torch.device:

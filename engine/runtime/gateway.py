@@ -39,15 +39,23 @@ class RequestGateway:
         self.release_observers: list[ReleaseObserver] = []
 
     # ------------------------------------------------------------- intake
-    def intake(self) -> None:
+    def start(self, request: Request) -> None:
+        """Start a request that no submission carries (a session's anchor) in QUEUED; raises as
+        `RequestMachine.start` does (`ResourceExhausted`: nothing changed)."""
+        self.machine.start(request)
+
+    def intake(self) -> Request | None:
         """Start submitted requests (QUEUED, in order; a refused start waits, FIFO) and apply
-        the aborts queued since the last iteration."""
+        the aborts queued since the last iteration. Returns the request whose start was refused
+        for want of memory (it waits at the head), if any."""
         table = self.table
+        refused = None
         while table.unstarted:
             request = table.unstarted[0]
             try:
                 self.machine.start(request)
             except ResourceExhausted:
+                refused = request
                 break  # FIFO: retried next iteration
             except Exception as exc:
                 table.unstarted.popleft()
@@ -59,6 +67,7 @@ class RequestGateway:
         while table.aborts:
             submission, reason = table.aborts.popleft()
             self.abort_submission(submission, reason)
+        return refused
 
     # -------------------------------------------------------------- moves
     def advance(self, request: Request, dst: RequestState, *, reason: str) -> bool:

@@ -13,9 +13,12 @@ Its interface is narrow: `submit` (requests in, a stream out), `abort`,
        growth/retraction, the batch
     -> run the model step (in a worker thread unless it is small)
     -> apply (step applier): progress, tokens, outputs, finishes
-    -> when idle, the leak check (logged and counted, never raised here);
+    -> the leak check when idle, and every second while busy
+       (`resources.leak_watch`: logged and counted, never raised here);
        while a quarantined handle or a prefill client's job is left, it
-       polls, so a late fence is reaped with no new request
+       polls, so a late fence is reaped with no new request; deadlines and
+       session leases (issue 21) bound its waits, so they are seen without
+       traffic
 
 NOTE: requests in a running step are never transitioned while it runs: the
 loop is the only task that transitions, and it is awaiting the step. That is
@@ -40,15 +43,18 @@ from anyio.abc import TaskStatus
 import structlog
 
 from engine.errors import EngineClosed, EngineDead, EngineOverloaded
+from engine.runtime.deadlines import DeadlineTimer
 from engine.runtime.gateway import RequestGateway
 from engine.runtime.output_builder import OutputBuilder
 from engine.runtime.output_sender import OutputSender
 from engine.runtime.planner import Planner
+from engine.runtime.sessions import SessionManager
 from engine.runtime.stats import EngineStats
 from engine.runtime.step_applier import StepApplier, StepObserver
 from engine.runtime.table import OutputSink, RequestTable, Submission, close_stream
 from engine.stream import OutputChannel, RequestStream
-from resources.ledger import LeakError, MemoryReport
+from resources.leak_watch import LeakWatch
+from resources.ledger import MemoryReport
 from states import FinishReason, Request, RequestState
 
 if TYPE_CHECKING:
@@ -77,6 +83,7 @@ class RuntimeLoop:
         self.tokenizer = tokenizer
         self._check_memory = check_memory
         self.stats = EngineStats()
+        self.leak_watch = LeakWatch(memory_report, enabled=config.leak_check != "off", counters=self.stats)
         self.machine.transition_observers.append(self.stats.on_transition)
         self.table = RequestTable()
         self.outputs = OutputSender(self.table)
@@ -85,47 +92,77 @@ class RuntimeLoop:
                                    role=parts.role, stop_ids=frozenset(parts.model_config.stop_token_ids),
                                    max_context=max_context)
         self.applier.step_observers.extend(parts.step_observers)
+        self.applier.token_checks.extend(parts.token_checks)
         self.planner = Planner(gateway=self.gateway, applier=self.applier, table=self.table, stats=self.stats,
                                scheduler=parts.scheduler, kv_pool=parts.kv_pool, role=parts.role,
                                starvation_timeout=config.starvation_timeout, clock=self.machine.clock,
-                               report=memory_report)
-        self.gateway.release_observers.append(self.planner.forget_starved)
+                               report=self.leak_watch.check_now)
+        # issue 21: deadlines and sessions, both seen on a timer even without traffic
+        self.deadlines = DeadlineTimer()
+        self.sessions = SessionManager(parts.sessions, self.gateway, max_context=max_context,
+                                       idle_timeout=config.session_idle_timeout, max_pages=config.session_max_pages,
+                                       clock=self.machine.clock)
+        self.gateway.release_observers.extend((self.planner.forget_starved, self.deadlines.discard,
+                                               self.sessions.on_released))
         self.errored: BaseException | None = None
-        self.last_leak: tuple[str, ...] = ()
         self.step_running = False
         self.closing = False
         self._wake = anyio.Event()
         self._idle_event = anyio.Event()
         self._idle_event.set()
-        self._checked_idle = True
         self._thread: int | None = None
+        self._held = 0  # requests submitted held (their grammar compiles): they count as queued
 
     # ------------------------------------------------------------ interface
-    def submit(self, request_id: str, requests: Sequence[Request]) -> RequestStream:
-        """Hand requests over; the returned stream carries their outputs."""
+    def submit(self, request_id: str, requests: Sequence[Request], *, held: bool = False) -> RequestStream:
+        """Hand requests over; the returned stream carries their outputs. `held`: they are live
+        (their id is taken, abort and shutdown finish them) but start only at `start_held`."""
         channel = OutputChannel()
-        submission = self.submit_to(request_id, requests, channel)
+        submission = self.submit_to(request_id, requests, channel, held=held)
         return RequestStream(request_id, channel, lambda: self.abandon(submission), n=len(requests))
 
-    def submit_to(self, request_id: str, requests: Sequence[Request], sink: OutputSink | None) -> Submission:
+    def submit_to(self, request_id: str, requests: Sequence[Request], sink: OutputSink | None, *,
+                  held: bool = False) -> Submission:
         """Hand requests over with their outputs going to `sink` (None: nobody streams them, as
         for the prefill role's jobs, which their hooks answer); returns the submission."""
         if self.errored is not None:
             raise EngineDead(self.errored)
         if self.closing:
             raise EngineClosed("the engine is shutting down")
-        queued = len(self.table.unstarted) + len(self.table.waiting)
+        queued = len(self.table.unstarted) + len(self.table.waiting) + self._held
         if queued + len(requests) > self.max_queued:
             raise EngineOverloaded(f"{queued} requests already queued (max_queued = {self.max_queued})")
         submission = Submission(request_id, list(requests), sink,
                                 {r: OutputBuilder(r, self.tokenizer, index=i, request_id=request_id)
                                  for i, r in enumerate(requests)})
-        self.table.add(submission)
+        self.table.add(submission, start=not held)
+        self._held += len(requests) if held else 0
+        for request in requests:  # issue 21
+            self.deadlines.add(request)
+            self.sessions.bind(request)
         self.stats.submitted += 1
         if self._idle_event.is_set():
             self._idle_event = anyio.Event()
         self.wake()
         return submission
+
+    def start_held(self, requests: Sequence[Request], error: Exception | None = None) -> None:
+        """Start requests submitted `held` (those not finished meanwhile); or, with `error`,
+        refuse them before they hold anything: their stream raises `error`. Called once per held
+        submission, whatever happened to it meanwhile."""
+        self._held -= len(requests)
+        waiting = [r for r in requests if r in self.table.owner and not r.history and not r.is_finished]
+        if not waiting:
+            return
+        if error is None:
+            self.table.unstarted.extend(waiting)
+        else:
+            submission = self.table.owner[waiting[0]]
+            if submission.send is not None:
+                submission.send.send(error)
+            for request in waiting:
+                self.gateway.finish(request, FinishReason.ERROR, error=error)
+        self.wake()
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
         """Abort a live submission by id; False if unknown or already finished."""
@@ -169,6 +206,11 @@ class RuntimeLoop:
         """Admitted requests that have not finished."""
         return len(self.table.running())
 
+    @property
+    def last_leak(self) -> tuple[str, ...]:
+        """The problems the latest leak check found (idle or busy); () once one passes."""
+        return self.leak_watch.problems
+
     def starved(self) -> tuple[dict[str, Any], ...]:
         """The reports of requests now waiting past the starvation bound."""
         return tuple(self.planner.starved.values())
@@ -180,12 +222,13 @@ class RuntimeLoop:
         return {"submissions": len(table.submissions), "owner": len(table.owner), "waiting": len(table.waiting),
                 "unstarted": len(table.unstarted), "aborts": len(table.aborts),
                 "starved": len(self.planner.starved), "prefix_locks": len(self._prefix_locks),
-                "quarantined": len(self.machine.quarantined)}
+                "quarantined": len(self.machine.quarantined), "deadlines": len(self.deadlines),
+                "session_turns": self.sessions.num_turns_in_flight(), "held": self._held}
 
     @property
     def checked_idle(self) -> bool:
         """Whether the leak check has run since the loop last went idle."""
-        return self._checked_idle
+        return self.leak_watch.idle_checked
 
     @property
     def idle(self) -> bool:
@@ -205,6 +248,13 @@ class RuntimeLoop:
         self._wake.set()
 
     # ------------------------------------------------------------ the task
+    def bind(self) -> None:
+        """Create the waiting primitives in the async library about to run the loop (call on entry:
+        the engine may have been built under another one, or outside any)."""
+        self._wake = anyio.Event()
+        self._idle_event = anyio.Event()
+        self._idle_event.set()
+
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         self._thread = threading.get_ident()
         task_status.started()
@@ -219,15 +269,19 @@ class RuntimeLoop:
         if self.closing:  # shutdown owns the requests now
             await self._wait(None)
             return
-        self.gateway.intake()
+        refused = self.gateway.intake()
+        if refused is not None:
+            self.planner.check_starvation(refused)
+        timed_out = self._timers()  # issue 21
         reaped = self.gateway.release_finished()
         if not self.table:
             self._idle_event.set()
-            self._on_idle(recheck=bool(reaped))
+            if self.idle:
+                self.leak_watch.on_idle(recheck=bool(reaped) or timed_out)
             # NOTE: poll while a late copy may still land or the prefill client still works
             await self._wait(0.05 if self.machine.quarantined or not self.idle else None)
             return
-        self._checked_idle = False
+        self.leak_watch.on_busy()
         self.planner.prepare()
         batch = self.planner.batch()
         if not batch:
@@ -254,22 +308,24 @@ class RuntimeLoop:
             await self._wait(self.admission_window)
 
     async def _wait(self, timeout: float | None) -> None:
+        due = None if self.closing else min(
+            (t for t in (self.deadlines.next_due(), self.sessions.next_due()) if t is not None), default=None)
+        if due is not None:  # issue 21: a deadline or a lease is seen without new traffic (shutdown owns both)
+            left = max(0.0, due - self.machine.clock())
+            timeout = left if timeout is None else min(timeout, left)
         with anyio.move_on_after(timeout):
             await self._wake.wait()
         self._wake = anyio.Event()
 
-    # ------------------------------------------------------------ idleness
-    def _on_idle(self, *, recheck: bool) -> None:
-        if (self._checked_idle and not recheck) or self.leak_check == "off" or not self.idle:
-            return
-        self._checked_idle = True
-        self.stats.leak_checks += 1
-        try:
-            self._check_memory()
-            self.last_leak = ()
-        except LeakError as exc:  # a diagnostic never ends service: logged, counted, reported
-            self.stats.leak_check_failures += 1
-            self.last_leak = tuple(exc.problems)
+    def _timers(self) -> bool:
+        """Issue 21: finish requests past their deadline (through the one release path), then
+        apply session closes and expired leases; True if a session was released."""
+        now = self.machine.clock()
+        for request in self.deadlines.due(now):
+            waited = now - request.arrival_time
+            self.gateway.finish(request, FinishReason.DEADLINE,
+                                error=TimeoutError(f"deadline passed {waited:.3f}s after submission"))
+        return self.sessions.expire(now)
 
     # ------------------------------------------------------------ endings
     def _die(self, exc: BaseException) -> None:
@@ -281,6 +337,10 @@ class RuntimeLoop:
                 submission.send.send(dead)
                 close_stream(submission)
         self.gateway.release_what_can_be(exc)  # best effort: release what can be released
+        try:
+            self.sessions.shutdown()  # issue 21: their kept KV too
+        except Exception as again:  # noqa: BLE001
+            log.error("engine.dead_release_failed", request_id="sessions", error=repr(again))
 
     async def shutdown(self) -> None:
         """Finish every live request with SHUTDOWN and release all (call shielded).
@@ -302,6 +362,7 @@ class RuntimeLoop:
             if self.table.finished():
                 await anyio.sleep(0.005)
         self.gateway.release_finished()
+        self.sessions.shutdown()  # issue 21: after their turns, so nothing hands KV to a closed session
 
 
 #: the name before the prefill role ran on it too

@@ -115,6 +115,21 @@ class OutputBuilder:
         self._detok = IncrementalDetokenizer(tokenizer) if params.detokenize else None
         self._stops = StopMatcher(params.stop)
         self._parts: list[str] = []
+        # -- issue 21
+        #: the prompt's logprobs as the prefill steps compute them (the first token has none)
+        self.prompt_logprobs: list[TokenLogprob | None] | None = (
+            None if getattr(params, "prompt_logprobs", None) is None else [None])
+        self._prompt_logprobs_sent = False
+        if request.output_token_ids:  # a resumed request: its text continues the earlier output
+            self.add_tokens(request.output_token_ids)
+
+    def add_prompt_logprobs(self, first_position: int, entries: Sequence[TokenLogprob]) -> None:
+        """Entries for prompt positions [first_position, ...), in order; positions already
+        held (a prompt computed again after a retraction) are skipped."""
+        held = self.prompt_logprobs
+        if held is None or first_position > len(held):
+            return
+        held.extend(entries[len(held) - first_position :])
 
     def add_tokens(self, new_ids: Sequence[int]) -> tuple[str, bool]:
         """The new text the tokens add (held-back text excluded), and whether a stop string ended it."""
@@ -141,6 +156,9 @@ class OutputBuilder:
         common: dict[str, Any] = dict(request_id=self.request_id, new_token_ids=new_ids, all_ids=request.output_token_ids,
                       num_ids=len(request.output_token_ids), new_text=new_text, text_parts=self._parts,
                       num_parts=len(self._parts), index=self.index, logprobs=logprobs)
+        if self.prompt_logprobs is not None and (final or not self._prompt_logprobs_sent):
+            common["prompt_logprobs"] = tuple(self.prompt_logprobs)  # issue 21: first and final outputs
+            self._prompt_logprobs_sent = True
         if not final:
             return RequestOutput(**common)
         now = time.monotonic()

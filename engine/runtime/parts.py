@@ -17,6 +17,8 @@ from engine.model.model_config import ModelConfig
 from engine.model.runner import ModelRunner
 from engine.model.tokenizer import Tokenizer
 from engine.runtime.features.base import StepObserver
+from engine.runtime.step_applier import TokenCheck
+from engine.structured.install import StructuredInstall
 from engine.runtime.role import Role
 from engine.runtime.scheduler import Scheduler
 from resources.contract import ResourceHookProtocol
@@ -24,6 +26,7 @@ from resources.kv_buffers import KVBuffers
 from resources.kv_pool import KVPool
 from resources.ledger import Ledger, Pool
 from resources.moe_records import ExpertDistribution
+from resources.session_hook import SessionStore
 from states import RequestMachine
 
 
@@ -52,3 +55,9 @@ class EngineParts:
     #: the decode role's prefill client (in-process prefill runtime, or remote prefill servers)
     prefill_client: PrefillClient | None = None
     mm_cache_bytes: int | None = None
+    #: issue 21: open sessions' records and hooks (None when EngineConfig.max_sessions is 0)
+    sessions: SessionStore | None = None
+    #: structured output (the grammar hook, masks and compiler; or why constraints are refused)
+    structured: StructuredInstall | None = None
+    #: features' checks of each sampled token (the grammar's), run by the step applier before appending it
+    token_checks: list[TokenCheck] = attrs.field(factory=list)

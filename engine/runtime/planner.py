@@ -4,12 +4,15 @@ grows or is retracted, and the batch.
 In order: transfers that landed enter PREBUILT (decode role); moves that wait
 on memory or copies are retried (PREBUILT -> DECODING/STAGING, STAGING ->
 DECODING, RETRACTED -> QUEUED); the scheduler picks admissions (QUEUED ->
-PREFILLING/TRANSFERRING; in the decode role, while its prefill client says
-no peer can take a job, the requests that would need one finish
-TRANSFER_FAILED instead, holding no KV); every decoding request grows by
-one token through the machine, retracting the newest admitted under page
-pressure; the scheduler builds the batch. A request waiting past `starvation_timeout`
-while pools stay held is reported once (`memory.starved`).
+PREFILLING/TRANSFERRING) in priority order, retracting lower-priority running
+requests for the head of the queue when it does not fit; in the decode role,
+while its prefill client says no peer can take a job, the requests that
+would need one finish TRANSFER_FAILED instead, holding no KV; every decoding
+request grows by one token through the machine, retracting the lowest
+priority, newest admitted under page pressure; the scheduler builds the
+batch. A request waiting past `starvation_timeout` while pools stay held is
+reported once (`memory.starved`), after a leak check, naming the pools it
+waits for and their holders (`resources.leak_watch.starvation_record`).
 
 The planner decides; moves go through the gateway, progress through the step
 applier.
@@ -33,6 +36,7 @@ from engine.runtime.stats import EngineStats
 from engine.runtime.step_applier import StepApplier
 from engine.runtime.table import RequestTable
 from resources.kv_pool import KVPool
+from resources.leak_watch import starvation_record
 from resources.ledger import MemoryReport
 from states import FinishReason, Request, RequestState, ResourceExhausted
 
@@ -53,7 +57,7 @@ class Planner:
         self.role = role
         self.starvation_timeout = starvation_timeout
         self.clock = clock
-        #: memory_report(), for naming what a starved request waits on
+        #: runs the leak check and returns its memory report, for naming what a starved request waits on
         self.report = report
         self._admissions = 0
         #: request -> what it was reported starving for (reported once per request), until it
@@ -109,13 +113,29 @@ class Planner:
         waiting = self.table.waiting
         if not waiting:
             return
-        kv = self.kv_pool
         owner = self.table.owner
         role = self.role
-        ready = [r for r in waiting if owner[r].admissible(r)]
+        ready = self.scheduler.order(r for r in waiting if owner[r].admissible(r))  # issue 21: priority order
         why = role.transfer_unavailable() if role.transfer_unavailable is not None and ready else None
         if why is not None:
             ready = self._refuse_transfers(ready, why)
+        self._admit_in_order(ready)
+        if ready and ready[0].state is S.QUEUED and self._preempt_for(ready[0]):  # issue 21: priority retraction
+            self._admit_in_order([r for r in ready if r.state is S.QUEUED])
+        if ready and ready[0].state is S.QUEUED:
+            self.check_starvation(ready[0])
+
+    def _preempt_for(self, head: Request) -> bool:
+        """Retract lower-priority running requests so `head` fits (the scheduler decides who)."""
+        kv = self.kv_pool
+        victims = self.scheduler.select_preemptions(
+            head, self.table.in_state(S.DECODING), num_running=len(self.table.running()),
+            free_slots=kv.slots.num_free, available_pages=kv.available_pages, retractable=_retractable,
+            freed_pages=_own_pages)
+        return sum(self.retract(victim, reason=f"priority of {head.request_id}") for victim in victims) > 0
+
+    def _admit_in_order(self, ready: list[Request]) -> None:
+        kv, owner, waiting, role = self.kv_pool, self.table.owner, self.table.waiting, self.role
         chosen = self.scheduler.select_admissions(
             ready, num_running=len(self.table.running()), free_slots=kv.slots.num_free,
             available_pages=kv.available_pages, takes_pages=lambda r: role.takes_pages(r, owner[r].leader))
@@ -132,8 +152,6 @@ class Planner:
                 request.num_cached_tokens = request.kv_len
                 queried = request.num_prompt_tokens - 1 if into is S.PREFILLING else 0
                 self.stats.on_admit(request, time.monotonic(), request.kv_len, queried)
-        if ready and ready[0] in waiting:
-            self._check_starvation(ready[0])
 
     def _refuse_transfers(self, ready: list[Request], why: str) -> list[Request]:
         """No prefill can take a job: every ready request that would need one (and its waiting siblings)
@@ -144,17 +162,13 @@ class Planner:
                 self.gateway.finish(r, FinishReason.TRANSFER_FAILED, error=TransferFailed(why))
         return [r for r in ready if not r.is_finished]
 
-    def _check_starvation(self, head: Request) -> None:
-        queued_at = head.entered_at(S.QUEUED)
+    def check_starvation(self, head: Request) -> None:
+        """Report `head` (waiting for memory since it was queued, or since it arrived if its start
+        was refused) once it has waited past the bound."""
+        queued_at = head.entered_at(S.QUEUED) if head.history else head.arrival_time
         if head in self.starved or queued_at is None or self.clock() - queued_at < self.starvation_timeout:
             return
-        report = self.report()
-        short = {name: s for name, s in report.pools.items() if s.free + s.evictable < s.capacity}
-        holders = {name: [o.describe() for o in report.owners.get(name, [])][:8] for name in short}
-        record = {"request_id": head.request_id, "waited_s": round(self.clock() - queued_at, 3),
-                  "pools": {name: {"free": s.free, "evictable": s.evictable, "held": s.held,
-                                   "capacity": s.capacity} for name, s in short.items()},
-                  "holders": holders}
+        record = starvation_record(self.report(), head.request_id, self.clock() - queued_at)
         self.starved[head] = record
         self.stats.starved += 1
         log.warning("memory.starved", **record)
@@ -188,14 +202,20 @@ class Planner:
                 return False
         return False
 
-    def retract(self, request: Request) -> bool:
-        """DECODING -> RETRACTED -> QUEUED at the head of the queue; output is kept.
+    def retract(self, request: Request, *, reason: str = "page pressure") -> bool:
+        """DECODING -> RETRACTED -> QUEUED (back in its place in the queue); output is kept.
         False if the machine refused (the request stays where it was)."""
-        if not self.gateway.advance(request, S.RETRACTED, reason="page pressure"):
+        if not self.gateway.advance(request, S.RETRACTED, reason=reason):
             return False
         self.applier.retracted(request)
         self.gateway.requeue(request)
         return True
+
+
+def _own_pages(request: Request) -> int:
+    """KV pages a retraction gives back at least (the request's own; its prefix may be shared)."""
+    handle = request.handles.get("kv")
+    return 0 if handle is None else handle.amount
 
 
 def _retractable(request: Request) -> bool:

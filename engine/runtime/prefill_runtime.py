@@ -100,6 +100,7 @@ class PrefillRuntime:
         return self._submissions
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        self.loop.bind()  # NOTE: its waiting primitives in the async library running it, whichever built it
         await self.loop.run(task_status=task_status)
 
     async def close(self) -> None:

@@ -47,6 +47,8 @@ class Role:
 
     def admits(self, request: Request, leader: Request) -> RequestState:
         """The state `request` is admitted into (`leader`: the first sequence of its submission)."""
+        if request.local_prefill:  # issue 21: its KV (a session's) or its prompt logprobs live here
+            return S.PREFILLING
         if request.shares_prompt and request is not leader and not self.followers_transfer:
             return S.PREFILLING  # it prefills only the tail past the leader's published prompt pages
         return self.admit_into

@@ -69,6 +69,8 @@ class EngineStats:
     queue: SampleWindow = attrs.field(factory=SampleWindow)  # arrival -> first admission
 
     def on_transition(self, request: Request, src: RequestState, dst: RequestState) -> None:
+        if request.kind is RequestKind.SESSION:  # issue 21: a session's anchor is not a request of traffic
+            return
         self.transitions[(src.name, dst.name)] += 1
         if dst is RequestState.FINISHED and request.finish_reason is not None:
             self.finishes[(request.kind.value, request.finish_reason.name)] += 1

@@ -42,6 +42,9 @@ log = structlog.get_logger("kvlife.loop")
 
 #: called after every step with the batch and its output (the MoE record), on the loop's thread
 StepObserver = Callable[[Sequence[ScheduledSeq], StepOutput], None]
+#: (request, token) -> None, or (finish reason, error, whether the token is kept) ending the request;
+#: the token is -1 when the sampler found no allowed token for the request (a feature's check: the grammar's)
+TokenCheck = Callable[[Request, int], "tuple[FinishReason, BaseException | None, bool] | None"]
 
 
 class StepApplier:
@@ -55,6 +58,9 @@ class StepApplier:
         self.stop_ids = stop_ids
         self.max_context = max_context
         self.step_observers: list[StepObserver] = []
+        #: features' checks of each sampled token before it is appended (a grammar's: is it complete,
+        #: or at a dead end): None, or (reason, error, keep the token) to finish the request with
+        self.token_checks: list[TokenCheck] = []
 
     # ------------------------------------------------------------ progress
     def admitted(self, request: Request) -> None:
@@ -81,12 +87,17 @@ class StepApplier:
             self.gateway.add_fence(request, fence)
         tokens = iter(output.tokens)
         logprobs = iter(output.logprobs)
+        for request, first, entries in output.prompt_logprobs:  # issue 21
+            submission = self.table.owner.get(request)
+            if submission is not None:
+                submission.builders[request].add_prompt_logprobs(first, entries)
         now = time.monotonic()
         for s in batch:
             request = s.request
             request.kv_len = s.start + s.num_tokens
             if not s.samples:
                 continue
+            request.skip_prefix_match = False  # issue 21: its prompt is computed; a re-admission may match
             token = next(tokens)
             logprob = next(logprobs, None)
             if request.state in (S.PREFILLING, S.DECODING):
@@ -102,6 +113,10 @@ class StepApplier:
         """Append a sampled token (and its logprob); a completed prefill or transfer becomes
         PREBUILT, then finishes or moves on like any other request."""
         src = request.state
+        verdict = self._check_token(request, token)
+        if verdict is not None and not verdict[2]:  # a token the request cannot take ends it instead
+            self.gateway.finish(request, verdict[0], error=verdict[1])
+            return
         wants_logprobs = request.params.logprobs is not None
         request.output_token_ids.append(token)
         if wants_logprobs:
@@ -126,7 +141,7 @@ class StepApplier:
             submission.prompt_ready = True
         new_text, stopped = ("", False) if submission is None else submission.builders[request].add_tokens([token])
         logprobs = None if logprob is None else (logprob,)
-        reason = FinishReason.STOP if stopped else self._finish_reason(request, token)
+        reason = FinishReason.STOP if stopped else (verdict[0] if verdict else self._finish_reason(request, token))
         if reason is None and request.state is S.PREBUILT and self.role.after_prefill is None:
             reason = FinishReason.LENGTH  # the prefill role: the job ends with the first token
         if reason is not None:
@@ -136,6 +151,17 @@ class StepApplier:
         self.outputs.chunk(request, [token], new_text, logprobs)
         if request.state is S.PREBUILT and self.role.after_prefill is not None:
             self.gateway.advance(request, self.role.after_prefill, reason="first token")
+
+    def _check_token(self, request: Request, token: int) -> tuple[FinishReason, BaseException | None, bool] | None:
+        for check in self.token_checks:
+            try:
+                verdict = check(request, token)
+            except Exception as exc:  # a faulty check ends its request, never the loop
+                log.error("loop.token_check_failed", request_id=request.request_id, error=repr(exc))
+                return FinishReason.ERROR, exc, False
+            if verdict is not None:
+                return verdict
+        return None
 
     def _finish_reason(self, request: Request, token: int) -> FinishReason | None:
         params = request.params

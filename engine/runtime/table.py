@@ -77,11 +77,13 @@ class RequestTable:
         self.aborts: deque[tuple[Submission, FinishReason]] = deque()
 
     # ------------------------------------------------------------- writes
-    def add(self, submission: Submission) -> None:
+    def add(self, submission: Submission, *, start: bool = True) -> None:
+        """Take `submission` in; `start=False` keeps its requests out of `unstarted` (held)."""
         self.submissions[submission.request_id] = submission
         for request in submission.requests:
             self.owner[request] = submission
-            self.unstarted.append(request)
+            if start:
+                self.unstarted.append(request)
 
     def forget_unstarted(self, request: Request) -> None:
         """`request` was finished before its start succeeded."""

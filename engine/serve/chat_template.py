@@ -2,7 +2,13 @@
 
     template = ChatTemplate.for_model(engine.config.model)
     prompt = template.render(messages, add_generation_prompt=True)
-    token_ids = engine.tokenizer.encode(prompt)      # no BOS added: the template writes it
+    token_ids = engine.tokenizer.encode(prompt, add_special_tokens=template.add_special_tokens)
+
+A checkpoint's own template writes every special token itself (``{{ bos_token }}``),
+so its text is encoded adding none (`add_special_tokens` is False): the ids are
+transformers' ``apply_chat_template(messages, add_generation_prompt=True,
+tokenize=True)``, which encodes the same way. The built-in default writes none,
+so its text is encoded like any prompt, with the tokenizer's own BOS.
 
 Where the template comes from, as transformers reads a checkpoint directory:
 ``chat_template.jinja`` if present, else ``chat_template`` in
@@ -16,9 +22,11 @@ lines, then ``assistant:``).
 Rendering matches transformers: a sandboxed (immutable) jinja2 environment
 with ``trim_blocks`` and ``lstrip_blocks`` and the ``loopcontrols``
 extension; a ``tojson`` filter that does not escape HTML; the globals
-``raise_exception`` (raises `ChatTemplateError`, answered as a 400),
+``raise_exception`` (raises `ChatTemplateError`, answered as a 400, as is
+any other error the template raises on the messages, e.g. string operations
+on an assistant's ``content: null``),
 ``strftime_now``, a ``namespace`` that refuses underscore names, and the template variables ``messages``, ``tools``
-(always None: tools are refused), ``documents``, ``add_generation_prompt``
+(the request's tools, OpenAI's shape, or None), ``documents``, ``add_generation_prompt``
 and the special tokens. Chat templates from the Hub are untrusted code: the
 sandbox refuses attribute access to Python internals.
 """
@@ -109,10 +117,14 @@ def _read_json(path: Path) -> dict[str, Any]:
 class ChatTemplate:
     """A compiled chat template and the special tokens it is rendered with."""
 
-    def __init__(self, source: str, special_tokens: dict[str, str] | None = None, *, origin: str = "given") -> None:
+    def __init__(self, source: str, special_tokens: dict[str, str] | None = None, *, origin: str = "given",
+                 add_special_tokens: bool = False) -> None:
         self.source = source
         self.origin = origin
         self.special_tokens = dict(special_tokens or {})
+        #: whether the rendered text is encoded with the tokenizer's own special tokens (BOS): only for
+        #: the built-in default, which writes none; a checkpoint's template writes its own
+        self.add_special_tokens = add_special_tokens
         try:
             self._template = _environment().from_string(source)
         except jinja2.TemplateSyntaxError as exc:
@@ -123,7 +135,7 @@ class ChatTemplate:
         """The template of checkpoint directory `model`, or the default for a built-in model."""
         directory = Path(model)
         if not directory.is_dir():
-            return cls(DEFAULT_TEMPLATE, origin="the built-in default")
+            return cls(DEFAULT_TEMPLATE, origin="the built-in default", add_special_tokens=True)
         config_path = directory / "tokenizer_config.json"
         config = _read_json(config_path) if config_path.is_file() else {}
         special_map_path = directory / "special_tokens_map.json"
@@ -141,19 +153,23 @@ class ChatTemplate:
             named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
             source = named.get("default")
         if source is None:
-            return cls(DEFAULT_TEMPLATE, special, origin="the built-in default (the checkpoint has none)")
+            return cls(DEFAULT_TEMPLATE, special, origin="the built-in default (the checkpoint has none)",
+                       add_special_tokens=True)
         if not isinstance(source, str):
             raise ChatTemplateError(f"{config_path}: chat_template must be a string or a list of named templates")
         return cls(source, special, origin=str(config_path))
 
     def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
-               extra: dict[str, Any] | None = None) -> str:
+               extra: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None) -> str:
         """The prompt text; ChatTemplateError if the template refuses the messages."""
         variables = {**self.special_tokens, **(extra or {})}
         try:
-            return self._template.render(messages=messages, tools=None, documents=None,
+            return self._template.render(messages=messages, tools=tools, documents=None,
                                          add_generation_prompt=add_generation_prompt, **variables)
         except ChatTemplateError:
             raise
         except jinja2.TemplateError as exc:  # sandbox refusals, undefined calls, template bugs
             raise ChatTemplateError(f"the chat template failed on these messages: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - e.g. `content + ...` on a null content: the messages' fault
+            raise ChatTemplateError(f"the chat template failed on these messages: {type(exc).__name__}: {exc}"
+                                    ) from None

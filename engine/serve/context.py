@@ -8,8 +8,10 @@ from typing import Any
 
 import attrs
 from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse
 
 from engine.serve.chat_template import ChatTemplate
+from engine.serve.failures import GenerationFailed
 from engine.serve.http_errors import HTTPError
 from engine.serve.schemas import Limits, parse_json
 from engine.serve.settings import ServerSettings
@@ -35,6 +37,11 @@ class ServerContext:
 
     def unavailable(self, message: str) -> HTTPError:
         return HTTPError(503, message, headers={"Retry-After": str(self.settings.retry_after_s)})
+
+    def failure_response(self, failed: GenerationFailed) -> JSONResponse:
+        """A failed generation's HTTP error (503 with Retry-After when retrying can help)."""
+        headers = {"Retry-After": str(self.settings.retry_after_s)} if failed.retryable else None
+        return JSONResponse(failed.body(), status_code=failed.status, headers=headers)
 
     async def read_json(self, request: Request) -> dict[str, Any]:
         """The body as a JSON object, at most `max_body_bytes` (declared or streamed), else HTTPError."""

@@ -30,6 +30,7 @@ import structlog
 
 from engine.errors import EngineDead
 from engine.outputs import RequestOutput, TokenLogprob
+from engine.serve.failures import GenerationFailed
 from engine.serve.schemas import GenerateBody
 
 log = structlog.get_logger("kvlife.http")
@@ -59,6 +60,8 @@ class Choice:
     logprobs: list[TokenLogprob] = attrs.field(factory=list)
     finish_reason: str | None = None
     final: RequestOutput | None = None
+    #: issue 21: the prompt's logprobs (first entry None), from the sequence's first output
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
     @property
     def text(self) -> str:
@@ -66,14 +69,16 @@ class Choice:
 
 
 class Generation:
-    def __init__(self, engine: Any, body: GenerateBody, *, route: str, id_prefix: str = "") -> None:
+    def __init__(self, engine: Any, body: GenerateBody, *, route: str, id_prefix: str = "",
+                 default_deadline: float | None = None) -> None:
         self.request_id = body.rid or f"{id_prefix}{uuid.uuid4().hex}"
         self.body = body
         self.route = route
         self.tokenizer = engine.tokenizer  # for logprobs' token texts
         self.started = time.monotonic()
         self.created = int(time.time())
-        self.stream = engine.generate(body.token_ids, body.params, request_id=self.request_id)
+        self.stream = engine.generate(body.token_ids, body.params, request_id=self.request_id,
+                                      **body.submit.kwargs(default_deadline))  # issue 21
         self.choices = [Choice(i) for i in range(body.params.n)]
         self.first_chunk_at: float | None = None
         self.on_close: Callable[[], None] | None = None
@@ -94,6 +99,8 @@ class Generation:
             choice = next(c for c in self.choices if c.finish_reason is None)
             return self._finish(choice, "error" if isinstance(exc, EngineDead) else "abort")
         choice = self.choices[output.index]
+        if output.prompt_logprobs is not None and choice.prompt_logprobs is None:
+            choice.prompt_logprobs = output.prompt_logprobs
         choice.token_ids += output.new_token_ids
         if output.new_text:
             choice.parts.append(output.new_text)
@@ -140,6 +147,8 @@ class Generation:
 
     def usage(self) -> dict[str, int]:
         prompt, completion = len(self.body.token_ids), self.completion_tokens
+        if self.body.echo_only:  # issue 21: echo with max_tokens 0 answers the prompt alone
+            completion = 0
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def meta_info(self) -> dict[str, Any]:
@@ -170,23 +179,43 @@ async def run_to_end(generation: Generation, receive: Callable) -> bool:
 
 
 class EventStream:
-    """An ASGI response of server-sent events that aborts its request when the client leaves."""
+    """An ASGI response of server-sent events that aborts its request when the client leaves.
 
-    def __init__(self, events: AsyncGenerator[bytes, None], on_close: Callable[[], None]) -> None:
+    The response starts with the first event: if the events fail before it with
+    `GenerationFailed`, the answer is `on_failure`'s response (an HTTP error) instead."""
+
+    def __init__(self, events: AsyncGenerator[bytes, None], on_close: Callable[[], None], *,
+                 on_failure: Callable[[GenerationFailed], Any] | None = None) -> None:
         self.events = events
         self.on_close = on_close
+        self.on_failure = on_failure
 
     async def __call__(self, scope: Any, receive: Callable, send: Callable) -> None:
         headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                    (b"x-accel-buffering", b"no")]
+        refusal: Any = None
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_watch_disconnect, receive, tg.cancel_scope)
-                await send({"type": "http.response.start", "status": 200, "headers": headers})
-                async for event in self.events:
-                    await send({"type": "http.response.body", "body": event, "more_body": True})
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-                tg.cancel_scope.cancel()
+                try:
+                    first: bytes | None = await self.events.__anext__()
+                except StopAsyncIteration:
+                    first = None
+                except GenerationFailed as failed:
+                    if self.on_failure is None:
+                        raise
+                    refusal = self.on_failure(failed)
+                    tg.cancel_scope.cancel()
+                if refusal is None:
+                    await send({"type": "http.response.start", "status": 200, "headers": headers})
+                    if first is not None:
+                        await send({"type": "http.response.body", "body": first, "more_body": True})
+                        async for event in self.events:
+                            await send({"type": "http.response.body", "body": event, "more_body": True})
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                    tg.cancel_scope.cancel()
+            if refusal is not None:  # nothing was sent yet: an HTTP error instead of a stream
+                await refusal(scope, receive, send)
         except OSError:
             pass  # the client is gone; on_close aborts the request
         finally:

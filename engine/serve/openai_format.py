@@ -7,65 +7,35 @@ with `n` choices and logprobs.
 Streams follow OpenAI's chunk format, one choice per chunk (its `index`
 says which of the n): completions send ``text`` deltas; chat sends, for
 each choice, a first chunk with ``delta.role = "assistant"``, then
-``delta.content`` deltas, and the finish reason on the choice's last chunk.
+``delta.content`` deltas, and the finish reason on the choice's last chunk;
+with a reasoning parser or tools, ``delta.reasoning_content`` and
+``delta.tool_calls`` too (`engine.serve.chat_output`).
 With ``stream_options.include_usage`` every chunk carries ``"usage": null``
 and a last chunk with no choices carries the usage (all n choices), before
 ``[DONE]``.
 
+A stream starts with the request's first token: a request that fails before
+it raises `GenerationFailed` before any event (the route answers an HTTP
+error); one that fails after it ends with an error event (`engine.serve.failures`).
+
 Logprobs are the engine's (`RequestOutput.logprobs`, from the logits the
-sampler used), each token shown as its decoded text. Completions use the
-legacy shape (``tokens``, ``token_logprobs``, ``top_logprobs`` as
+sampler used), formatted by `engine.serve.logprob_format`: completions use
+the legacy shape (``tokens``, ``token_logprobs``, ``top_logprobs`` as
 ``{token: logprob}``, ``text_offset``); chat uses ``{"content": [{"token",
 "logprob", "bytes", "top_logprobs": [...]}]}``.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections import deque
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
-from engine.outputs import TokenLogprob
+from engine.serve.failures import GenerationFailed, is_failure
+from engine.serve.chat_output import ChatChoices
 from engine.serve.generation import DONE, Chunk, Generation, sse_event
-
-
-def _token(tokenizer: Any, token_id: int) -> str:
-    return tokenizer.decode([token_id])
-
-
-class _CompletionLogprobs:
-    """The legacy completions shape; `text_offset` runs on across a choice's chunks."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.offsets: dict[int, int] = {}
-
-    def __call__(self, index: int, entries: Sequence[TokenLogprob] | None) -> dict[str, Any] | None:
-        if entries is None:
-            return None
-        tokens, offsets = [], []
-        offset = self.offsets.get(index, 0)
-        for entry in entries:
-            text = _token(self.tokenizer, entry.token_id)
-            tokens.append(text)
-            offsets.append(offset)
-            offset += len(text)
-        self.offsets[index] = offset
-        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{_token(self.tokenizer, t): lp for t, lp in e.top} for e in entries],
-                "text_offset": offsets}
-
-
-def _chat_entry(tokenizer: Any, token_id: int, logprob: float) -> dict[str, Any]:
-    text = _token(tokenizer, token_id)
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-
-def _chat_logprobs(tokenizer: Any, entries: Sequence[TokenLogprob] | None) -> dict[str, Any] | None:
-    if entries is None:
-        return None
-    content = [_chat_entry(tokenizer, e.token_id, e.logprob)
-               | {"top_logprobs": [_chat_entry(tokenizer, t, lp) for t, lp in e.top]} for e in entries]
-    return {"content": content, "refusal": None}
+from engine.serve.logprob_format import CompletionLogprobs, chat_logprobs
+from engine.serve.prompt_format import echo_choice, prompt_logprobs_json, prompt_text, stream_choice
 
 
 def _wants_logprobs(generation: Generation) -> bool:
@@ -76,16 +46,35 @@ def _head(generation: Generation, model: str, kind: str) -> dict[str, Any]:
     return {"id": generation.request_id, "object": kind, "created": generation.created, "model": model}
 
 
-async def _events(generation: Generation, head: dict[str, Any], choice: Callable[[Chunk], dict],
+async def _started(generation: Generation) -> list[Chunk]:
+    """The chunks up to the first that carries a token or ends a choice; `GenerationFailed` if a
+    choice fails first (nothing was sent yet, so the route can still answer an HTTP error)."""
+    held: list[Chunk] = []
+    while (chunk := await generation.next()) is not None:
+        if is_failure(chunk.finish_reason):
+            raise GenerationFailed(chunk.finish_reason or "error")
+        held.append(chunk)
+        if chunk.new_token_ids or chunk.finished:
+            break
+    return held
+
+
+async def _events(generation: Generation, head: dict[str, Any], choice: Callable[[Chunk], dict | list[dict]],
                   first: Callable[[int], dict] | None) -> AsyncGenerator[bytes, None]:
     usage_field = {"usage": None} if generation.body.include_usage else {}
+    held = deque(await _started(generation))
     if first is not None:
         for index in range(len(generation.choices)):
             yield sse_event(head | {"choices": [first(index)]} | usage_field)
-    chunk: Chunk | None
-    while (chunk := await generation.next()) is not None:
+    while (chunk := held.popleft() if held else await generation.next()) is not None:
+        if is_failure(chunk.finish_reason):  # after the first token: an error event the SDK raises on
+            yield sse_event(GenerationFailed(chunk.finish_reason or "error").body())
+            yield DONE
+            return
         if chunk.delta or chunk.finished or chunk.logprobs:
-            yield sse_event(head | {"choices": [choice(chunk)]} | usage_field)
+            made = choice(chunk)  # NOTE: a list when the text is read (reasoning, tool calls): maybe none yet
+            for one in made if isinstance(made, list) else [made]:
+                yield sse_event(head | {"choices": [one]} | usage_field)
     if generation.body.include_usage:
         yield sse_event(head | {"choices": [], "usage": generation.usage()})
     yield DONE
@@ -93,21 +82,32 @@ async def _events(generation: Generation, head: dict[str, Any], choice: Callable
 
 def completion_events(generation: Generation, model: str) -> AsyncGenerator[bytes, None]:
     """`/v1/completions` as server-sent events."""
-    logprobs = _CompletionLogprobs(generation.tokenizer) if _wants_logprobs(generation) else None
+    logprobs = CompletionLogprobs(generation.tokenizer) if _wants_logprobs(generation) else None
+    started: set[int] = set()
 
     def choice(chunk: Chunk) -> dict[str, Any]:
-        return {"index": chunk.index, "text": chunk.delta,
-                "logprobs": None if logprobs is None else logprobs(chunk.index, chunk.logprobs or ()),
-                "finish_reason": chunk.finish_reason}
+        first = chunk.index not in started  # issue 21: the prompt's parts go on a choice's first chunk
+        started.add(chunk.index)
+        if first and generation.body.echo and logprobs is not None:
+            logprobs.start(chunk.index, prompt_text(generation))
+        entry = {"index": chunk.index, "text": chunk.delta,
+                 "logprobs": None if logprobs is None else logprobs(chunk.index, chunk.logprobs or (), chunk.delta),
+                 "finish_reason": chunk.finish_reason}
+        return stream_choice(generation, chunk, entry, first=first)
 
     return _events(generation, _head(generation, model, "text_completion"), choice, None)
 
 
 def completion_json(generation: Generation, model: str) -> dict[str, Any]:
-    logprobs = _CompletionLogprobs(generation.tokenizer) if _wants_logprobs(generation) else None
-    choices = [{"index": c.index, "text": c.text,
-                "logprobs": None if logprobs is None else logprobs(c.index, c.logprobs),
-                "finish_reason": c.finish_reason} for c in generation.choices]
+    logprobs = CompletionLogprobs(generation.tokenizer) if _wants_logprobs(generation) else None
+    choices: list[dict[str, Any]] = [
+        {"index": c.index, "text": c.text, "logprobs": None if logprobs is None else logprobs(c.index, c.logprobs, c.text),
+         "finish_reason": c.finish_reason} for c in generation.choices]
+    for c, entry in zip(generation.choices, choices):  # issue 21: echo and prompt logprobs
+        if generation.body.echo:
+            echo_choice(generation, c, entry)
+        if generation.body.params.prompt_logprobs is not None:
+            entry["prompt_logprobs"] = prompt_logprobs_json(generation.tokenizer, c.prompt_logprobs)
     return _head(generation, model, "text_completion") | {"choices": choices, "usage": generation.usage()}
 
 
@@ -119,17 +119,29 @@ def chat_events(generation: Generation, model: str) -> AsyncGenerator[bytes, Non
         return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                 "finish_reason": None}
 
-    def choice(chunk: Chunk) -> dict[str, Any]:
+    reader = ChatChoices(generation.body.chat) if generation.body.chat is not None else None
+
+    def choice(chunk: Chunk) -> dict[str, Any] | list[dict[str, Any]]:
+        logprobs = chat_logprobs(tokenizer, chunk.logprobs or ()) if wanted else None
+        if reader is not None:
+            return reader.chunk(chunk.index, chunk.delta, chunk.finish_reason, logprobs)
         return {"index": chunk.index, "delta": {"content": chunk.delta} if chunk.delta else {},
-                "logprobs": _chat_logprobs(tokenizer, chunk.logprobs or ()) if wanted else None,
-                "finish_reason": chunk.finish_reason}
+                "logprobs": logprobs, "finish_reason": chunk.finish_reason}
 
     return _events(generation, _head(generation, model, "chat.completion.chunk"), choice, first)
 
 
 def chat_json(generation: Generation, model: str) -> dict[str, Any]:
     tokenizer, wanted = generation.tokenizer, _wants_logprobs(generation)
-    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": _chat_logprobs(tokenizer, c.logprobs) if wanted else None,
-                "finish_reason": c.finish_reason} for c in generation.choices]
-    return _head(generation, model, "chat.completion") | {"choices": choices, "usage": generation.usage()}
+    reader = ChatChoices(generation.body.chat) if generation.body.chat is not None else None
+    choices = []
+    for c in generation.choices:
+        message, finish = (reader.whole(c.index, c.text, c.finish_reason) if reader is not None
+                           else ({"role": "assistant", "content": c.text}, c.finish_reason))
+        choices.append({"index": c.index, "message": message,
+                        "logprobs": chat_logprobs(tokenizer, c.logprobs) if wanted else None,
+                        "finish_reason": finish})
+    answer = _head(generation, model, "chat.completion") | {"choices": choices, "usage": generation.usage()}
+    if generation.body.params.prompt_logprobs is not None:  # issue 21: vLLM puts them at the top
+        answer["prompt_logprobs"] = prompt_logprobs_json(tokenizer, generation.choices[0].prompt_logprobs)
+    return answer

@@ -76,7 +76,7 @@ class PrefillCollector:
 def prefill_app(server: PrefillServer) -> Starlette:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(PrefillCollector(server))
-    registry.register(TransferCollector(server.stats))
+    registry.register(TransferCollector(server.stats, model_name=server.config.model))
     state = {"draining": False}
 
     async def health(request: Request) -> Response:

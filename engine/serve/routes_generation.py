@@ -3,8 +3,10 @@
 One path for all three: refuse while draining, read and validate the body
 (400/413 before the engine is called), check the model name (404) and the
 in-flight bound (503), submit (a full engine inbox is 503 with
-Retry-After), then answer streamed (SSE) or whole. The API only decides how
-the body is parsed and how the answer is written.
+Retry-After), then answer streamed (SSE) or whole. The API decides how the
+body is parsed and how the answer is written, and whether a failed
+generation is answered as an error (the OpenAI routes, `engine.serve.failures`)
+or as a finish reason (``/generate``, whose `meta_info` keeps the precise one).
 """
 
 from __future__ import annotations
@@ -20,10 +22,13 @@ from starlette.routing import Route
 from engine.errors import EngineClosed, EngineOverloaded, InvalidRequest
 from engine.serve.chat_schema import parse_chat
 from engine.serve.context import ServerContext
+from engine.serve.failures import first_failure
 from engine.serve.generation import EventStream, Generation, generate_events, generate_json, run_to_end
 from engine.serve.http_errors import HTTPError
 from engine.serve.openai_format import chat_events, chat_json, completion_events, completion_json
 from engine.serve.schemas import GenerateBody, parse_completion, parse_generate
+from engine.serve.scheduling_fields import engine_field
+from engine.serve.structured_fields import renamed
 
 
 @attrs.frozen
@@ -34,6 +39,8 @@ class API:
     events: Callable[[Generation, str], AsyncGenerator[bytes, None]]
     json: Callable[[Generation, str], dict[str, Any]]
     id_prefix: str = ""
+    #: a failed generation is an HTTP error or an error event (OpenAI), not a finish reason
+    failures_as_errors: bool = False
 
 
 def _parse_generate(ctx: ServerContext, raw: dict[str, Any]) -> tuple[GenerateBody, str | None]:
@@ -45,12 +52,13 @@ def _parse_completion(ctx: ServerContext, raw: dict[str, Any]) -> tuple[Generate
 
 
 def _parse_chat(ctx: ServerContext, raw: dict[str, Any]) -> tuple[GenerateBody, str | None]:
-    return parse_chat(raw, ctx.limits, ctx.engine.tokenizer, ctx.chat_template)
+    return parse_chat(raw, ctx.limits, ctx.engine.tokenizer, ctx.chat_template,
+                      tool_parser=ctx.settings.tool_call_parser, reasoning_parser=ctx.settings.reasoning_parser)
 
 
 GENERATE = API(_parse_generate, lambda g, model: generate_events(g), lambda g, model: generate_json(g))
-COMPLETIONS = API(_parse_completion, completion_events, completion_json, "cmpl-")
-CHAT = API(_parse_chat, chat_events, chat_json, "chatcmpl-")
+COMPLETIONS = API(_parse_completion, completion_events, completion_json, "cmpl-", failures_as_errors=True)
+CHAT = API(_parse_chat, chat_events, chat_json, "chatcmpl-", failures_as_errors=True)
 
 
 def _start(ctx: ServerContext, request: Request, api: API, raw: dict[str, Any]) -> tuple[Generation, str]:
@@ -64,15 +72,30 @@ def _start(ctx: ServerContext, request: Request, api: API, raw: dict[str, Any]) 
     if ctx.inflight >= ctx.max_inflight:
         raise ctx.unavailable(f"{ctx.max_inflight} requests already in flight; retry later")
     try:
-        generation = Generation(ctx.engine, body, route=request.url.path, id_prefix=api.id_prefix)
-    except InvalidRequest as exc:  # the engine's own checks (a rid already in flight)
-        field = "rid" if exc.field == "request_id" else exc.field
+        generation = Generation(ctx.engine, body, route=request.url.path, id_prefix=api.id_prefix,
+                                default_deadline=ctx.settings.default_deadline)
+    except InvalidRequest as exc:  # the engine's own checks (a rid in flight, a busy session, n over max_queued,
+        # a constraint it cannot serve)
+        exc = renamed(exc, body.constraint_field or "response_format")
+        field = engine_field(exc.field)
         raise HTTPError(400, str(exc).replace(exc.field, field, 1), field, exc.limit) from None
     except EngineOverloaded as exc:
         raise ctx.unavailable(f"the engine's queue is full ({exc}); retry later") from None
     except EngineClosed:
         raise ctx.unavailable("the engine is not running") from None
     return generation, model or ctx.limits.model_name
+
+
+async def _grammar_ready(generation: Generation) -> None:
+    """A constrained request enters the engine once its grammar is compiled; one that cannot be
+    (an invalid schema or grammar, a compile past its deadline) is a 400 naming the body's field."""
+    if generation.body.params.constraint is None:
+        return
+    try:
+        await generation.stream.ready()
+    except InvalidRequest as exc:
+        generation.close()
+        raise HTTPError.invalid(renamed(exc, generation.body.constraint_field or "response_format")) from None
 
 
 async def _serve(ctx: ServerContext, request: Request, api: API) -> Response | EventStream:
@@ -84,6 +107,7 @@ async def _serve(ctx: ServerContext, request: Request, api: API) -> Response | E
         except InvalidRequest as exc:
             raise HTTPError.invalid(exc) from None
         generation, model = _start(ctx, request, api, raw)
+        await _grammar_ready(generation)
     except HTTPError as exc:
         return exc.response()
     ctx.inflight += 1
@@ -93,9 +117,13 @@ async def _serve(ctx: ServerContext, request: Request, api: API) -> Response | E
 
     generation.on_close = done
     if generation.body.stream:
-        return EventStream(api.events(generation, model), generation.close)
+        return EventStream(api.events(generation, model), generation.close,
+                           on_failure=ctx.failure_response if api.failures_as_errors else None)
     if not await run_to_end(generation, request.receive):
         return Response(status_code=499)  # the client left; nobody reads this
+    failed = first_failure(c.finish_reason for c in generation.choices) if api.failures_as_errors else None
+    if failed is not None:
+        return ctx.failure_response(failed)
     return JSONResponse(api.json(generation, model))
 
 

@@ -14,6 +14,7 @@ from engine.serve.health import health_generate
 from engine.serve.http_errors import HTTPError
 from engine.serve.metrics import EngineCollector
 from engine.serve.schemas import parse_abort
+from engine.serve.structured_metrics import StructuredCollector
 from engine.serve.transfer_metrics import TransferCollector
 
 log = structlog.get_logger("kvlife.http")
@@ -23,9 +24,10 @@ def ops_routes(ctx: ServerContext) -> list[Route]:
     engine = ctx.engine
     registry = CollectorRegistry(auto_describe=False)
     registry.register(EngineCollector(engine, model_name=ctx.limits.model_name))
+    registry.register(StructuredCollector(engine, model_name=ctx.limits.model_name))
     transfer_stats = getattr(engine.prefill_client, "stats", None)
     if transfer_stats is not None:  # a decode with remote prefills: its links and transfers
-        registry.register(TransferCollector(transfer_stats))
+        registry.register(TransferCollector(transfer_stats, model_name=ctx.limits.model_name))
 
     async def abort(request: Request) -> Response:
         try:

@@ -12,15 +12,20 @@ Accepted bodies (unknown fields are rejected):
 
 - ``POST /generate``: ``text`` or ``input_ids`` (exactly one),
   ``sampling_params`` (``max_new_tokens``, ``temperature``, ``top_p``,
-  ``top_k``, ``stop``, ``stop_token_ids``, ``ignore_eos``, ``seed``),
-  ``stream``, ``rid``.
+  ``top_k``, ``stop``, ``stop_token_ids``, ``ignore_eos``, ``seed``, and
+  SGLang's constraints ``json_schema``, ``regex``, ``ebnf``), ``stream``, ``rid``.
 - ``POST /v1/completions``: ``model``, ``prompt`` (text, token ids, or a
   batch of one), ``max_tokens``, ``temperature``, ``top_p``, ``stop``
   (matched by the engine, `SamplingParams.stop`), ``seed``, ``n``,
   ``best_of`` (only equal to n), ``logprobs`` (k alternatives, 0 to 20),
-  ``stream``, ``stream_options``; ``echo``, penalties, ``suffix`` and
-  ``logit_bias`` only at their defaults; extensions ``top_k``,
-  ``ignore_eos``, ``stop_token_ids``.
+  ``echo`` (with ``max_tokens`` 0: the prompt only), ``stream``,
+  ``stream_options``; penalties, ``suffix`` and ``logit_bias`` only at
+  their defaults; extensions ``top_k``, ``ignore_eos``, ``stop_token_ids``;
+  a constraint as ``response_format`` or vLLM's fields
+  (`engine.serve.structured_fields`).
+- Issue 21's fields on each generation route (`scheduling_fields`):
+  ``priority``, ``deadline``, ``prompt_logprobs``, ``session_params``,
+  ``resume_output_ids``.
 - ``POST /abort``: ``rid``.
 """
 
@@ -33,6 +38,9 @@ import attrs
 
 from engine.config import SamplingParams
 from engine.errors import InvalidRequest
+from engine.serve import scheduling_fields
+from engine.serve.scheduling_fields import SubmitFields, parse_submit_fields
+from engine.serve.structured_fields import CONSTRAINT_FIELDS, GENERATE_FIELDS, chat_constraint, generate_constraint
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 64
@@ -65,10 +73,20 @@ class GenerateBody:
     stream: bool = False
     rid: str | None = None
     include_usage: bool = False
+    # -- issue 21 (engine.serve.scheduling_fields)
+    submit: SubmitFields = attrs.field(factory=SubmitFields)
+    #: completions: the answer starts with the prompt (and its logprobs); `echo_only`: max_tokens was 0
+    echo: bool = False
+    echo_only: bool = False
+    #: the body field `params.constraint` came from (named by a compile error's 400)
+    constraint_field: str | None = None
+    #: chat answers: how the text becomes the message (reasoning, tool calls); None: all content
+    chat: Any = None
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
-    """The body as a JSON object (no NaN or Infinity), or InvalidRequest('body', ...)."""
+    """The body as a JSON object (no NaN or Infinity, no lone UTF-16 surrogate in a string), or
+    InvalidRequest naming 'body' or the field that holds the bad string."""
 
     def reject_constant(name: str) -> None:
         raise ValueError(f"{name} is not JSON")
@@ -77,9 +95,32 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         value = json.loads(raw, parse_constant=reject_constant)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidRequest("body", "a JSON object", f"malformed JSON ({exc})") from None
+    except RecursionError:  # the decoder's own bound on nesting
+        raise InvalidRequest("body", "a JSON object nested less deeply", "nested too deeply") from None
     if not isinstance(value, dict):
         raise InvalidRequest("body", "a JSON object", value)
+    _check_text(value)
     return value
+
+
+def _check_text(body: dict[str, Any]) -> None:
+    """Every string is text that can be encoded: JSON's \\ud800 escapes can spell a lone surrogate,
+    which no tokenizer (and no UTF-8 encoder) takes. Walks the body without recursion."""
+    stack: list[tuple[Any, str]] = [(body, "")]
+    while stack:
+        value, field = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidRequest(field or "body", "valid Unicode text (no lone UTF-16 surrogate such as "
+                                     "\\ud800)", value.encode("utf-8", errors="backslashreplace").decode()) from None
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                stack.append((key, field or "body"))
+                stack.append((item, f"{field}.{key}" if field else key))
+        elif isinstance(value, list):
+            stack.extend((item, f"{field}[{i}]") for i, item in enumerate(value))
 
 
 def known_fields(body: dict[str, Any], allowed: frozenset[str], prefix: str = "") -> None:
@@ -105,22 +146,23 @@ def _stop_strings(value: Any, field: str) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def prompt_ids(prompt: Any, field: str, limits: Limits, tokenizer: Any) -> list[int]:
-    """Token ids of a text or token-id prompt, checked against the vocabulary and the bound."""
+def prompt_ids(prompt: Any, field: str, limits: Limits, tokenizer: Any, *,
+               add_special_tokens: bool = True) -> list[int]:
+    """Token ids of a text or token-id prompt, checked against the vocabulary and the bound; a text is
+    encoded with the tokenizer's own special tokens (BOS) unless `add_special_tokens` is False."""
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequest(field, "a non-empty string", prompt)
         if len(prompt) > limits.max_prompt_tokens * 16:  # NOTE: bounds tokenizer work before tokenizing
             raise InvalidRequest(field, f"at most {limits.max_prompt_tokens} tokens", f"{len(prompt)} characters")
-        ids = tokenizer.encode(prompt)
+        ids = tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
     elif isinstance(prompt, list):
         ids = prompt
-        bad = next((t for t in ids if not (isinstance(t, int) and not isinstance(t, bool))), None)
-        if bad is not None:
-            raise InvalidRequest(field, "a list of integer token ids", bad)
-        bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequest(field, f"token ids in [0, {limits.vocab_size})", bad)
+        for t in ids:  # NOTE: a loop, not next(..., None): the bad value may itself be null
+            if not (isinstance(t, int) and not isinstance(t, bool)):
+                raise InvalidRequest(field, "a list of integer token ids", t)
+            if not 0 <= t < limits.vocab_size:
+                raise InvalidRequest(field, f"token ids in [0, {limits.vocab_size})", t)
     else:
         raise InvalidRequest(field, "a string or a list of token ids", prompt)
     if not ids:
@@ -146,9 +188,9 @@ def _check_context(num_prompt: int, max_new: int, field: str, limits: Limits) ->
                              max_new)
 
 
-_GENERATE = frozenset({"text", "input_ids", "sampling_params", "stream", "rid"})
+_GENERATE = frozenset({"text", "input_ids", "sampling_params", "stream", "rid"}) | scheduling_fields.GENERATE
 _SAMPLING = frozenset({"max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids",
-                       "ignore_eos", "seed"})
+                       "ignore_eos", "seed", *GENERATE_FIELDS})
 
 
 def parse_generate(body: dict[str, Any], limits: Limits, tokenizer: Any) -> GenerateBody:
@@ -164,24 +206,27 @@ def parse_generate(body: dict[str, Any], limits: Limits, tokenizer: Any) -> Gene
         raise InvalidRequest("sampling_params", "a JSON object", sp)
     known_fields(sp, _SAMPLING, "sampling_params.")
     stop = _stop_strings(sp.get("stop"), "sampling_params.stop")
-    fields = {k: v for k, v in sp.items() if k != "stop" and v is not None}
+    constraint, constraint_field = generate_constraint(sp)
+    fields = {k: v for k, v in sp.items() if k != "stop" and k not in GENERATE_FIELDS and v is not None}
     names = {name: f"sampling_params.{name}" for name in _SAMPLING}
-    params = _sampling({**fields, "stop": stop}, names)
+    params = _sampling({**fields, "stop": stop, "constraint": constraint}, names)
     _check_context(len(token_ids), params.max_new_tokens, "sampling_params.max_new_tokens", limits)
     rid = body.get("rid")
     if rid is not None and not (isinstance(rid, str) and 0 < len(rid) <= MAX_RID_CHARS and rid.isprintable()):
         raise InvalidRequest("rid", f"a printable string of 1 to {MAX_RID_CHARS} characters", rid)
     stream = _bool(body.get("stream", False), "stream")
-    return GenerateBody(prompt, token_ids, params, stream=stream, rid=rid)
+    return GenerateBody(prompt, token_ids, params, stream=stream, rid=rid, constraint_field=constraint_field,
+                        submit=parse_submit_fields(body))
 
 
 _OPENAI_SAMPLING = frozenset({"model", "max_tokens", "temperature", "top_p", "stop", "seed", "stream",
                               "stream_options", "n", "presence_penalty", "frequency_penalty", "user",
                               "logit_bias", "top_k", "ignore_eos", "stop_token_ids"})
-_COMPLETION = _OPENAI_SAMPLING | {"prompt", "best_of", "echo", "logprobs", "suffix"}
+_COMPLETION = (_OPENAI_SAMPLING | {"prompt", "best_of", "echo", "logprobs", "suffix"} | scheduling_fields.COMPLETIONS
+               | CONSTRAINT_FIELDS)
 #: OpenAI fields accepted only at the value that means "off"
 DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
-    "echo": (False,), "presence_penalty": (0,), "frequency_penalty": (0,), "suffix": ("",), "logit_bias": ({},),
+    "presence_penalty": (0,), "frequency_penalty": (0,), "suffix": ("",), "logit_bias": ({},),
 }
 
 
@@ -202,9 +247,11 @@ def served_model(body: dict[str, Any], limits: Limits) -> str:
 
 def openai_body(body: dict[str, Any], token_ids: list[int], prompt: Any, limits: Limits, *,
                 max_tokens_field: str = "max_tokens", default_max_tokens: int = 16,
-                logprobs: tuple[str, Any] | None = None) -> GenerateBody:
+                logprobs: tuple[str, Any] | None = None, constraint: Any = None, constraint_field: str | None = None,
+                chat: Any = None) -> GenerateBody:
     """The sampling, stop and streaming fields shared by /v1/completions and /v1/chat/completions;
-    `logprobs` is (the body field, the SamplingParams.logprobs value) when the request asks for them."""
+    `logprobs` is (the body field, the SamplingParams.logprobs value) when the request asks for them;
+    `constraint` (from `constraint_field`) and `chat` (how chat answers are read) pass through."""
     fields: dict[str, Any] = {
         "max_new_tokens": default_max_tokens if body.get(max_tokens_field) is None else body[max_tokens_field],
         "temperature": 1.0 if body.get("temperature") is None else body["temperature"],
@@ -214,8 +261,12 @@ def openai_body(body: dict[str, Any], token_ids: list[int], prompt: Any, limits:
         if body.get(name) is not None:
             fields[name] = body[name]
     names = {"max_new_tokens": max_tokens_field}
+    if constraint is not None:
+        fields["constraint"] = constraint
     if logprobs is not None:
         names["logprobs"], fields["logprobs"] = logprobs
+    if body.get("prompt_logprobs") is not None:  # issue 21: vLLM's field
+        fields["prompt_logprobs"] = body["prompt_logprobs"]
     params = _sampling(fields, names)
     _check_context(len(token_ids), params.max_new_tokens, max_tokens_field, limits)
     options = body.get("stream_options") or {}
@@ -224,7 +275,8 @@ def openai_body(body: dict[str, Any], token_ids: list[int], prompt: Any, limits:
     known_fields(options, frozenset({"include_usage", "continuous_usage_stats"}), "stream_options.")
     include_usage = _bool(options.get("include_usage", False), "stream_options.include_usage")
     stream = _bool(False if body.get("stream") is None else body["stream"], "stream")
-    return GenerateBody(prompt, token_ids, params, stream=stream, include_usage=include_usage)
+    return GenerateBody(prompt, token_ids, params, stream=stream, include_usage=include_usage,
+                        constraint_field=constraint_field, chat=chat, submit=parse_submit_fields(body))
 
 
 def parse_completion(body: dict[str, Any], limits: Limits, tokenizer: Any) -> tuple[GenerateBody, str]:
@@ -244,7 +296,16 @@ def parse_completion(body: dict[str, Any], limits: Limits, tokenizer: Any) -> tu
     if best_of is not None and best_of != (1 if n is None else n):
         raise InvalidRequest("best_of", "absent or equal to n (beam search is not supported)", best_of)
     logprobs = None if body.get("logprobs") is None else ("logprobs", body["logprobs"])
-    return openai_body(body, token_ids, prompt, limits, logprobs=logprobs), model
+    echo = _bool(False if body.get("echo") is None else body["echo"], "echo")
+    echo_only = echo and body.get("max_tokens") == 0  # the prompt's logprobs only (lm-eval's loglikelihood)
+    if echo_only:
+        body = {**body, "max_tokens": 1}
+    if echo and logprobs is not None and body.get("prompt_logprobs") is None:
+        body = {**body, "prompt_logprobs": body["logprobs"]}  # as vLLM: echo's logprobs cover the prompt
+    constraint, field = chat_constraint(body)
+    parsed = openai_body(body, token_ids, prompt, limits, logprobs=logprobs, constraint=constraint,
+                         constraint_field=field)
+    return attrs.evolve(parsed, echo=echo, echo_only=echo_only), model
 
 
 def parse_abort(body: dict[str, Any]) -> str:

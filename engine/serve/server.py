@@ -14,6 +14,8 @@ Routes (bodies and answers in docs/http.md):
     GET  /health_generate       progress under load, a one-token probe when idle: 200 or 503
     GET  /metrics               Prometheus text, vLLM's names with a `kvlife:` prefix
     GET  /debug/memory          `memory_report()` as JSON, with owners
+    POST /open_session, /close_session   sessions whose KV is kept between turns (routes_sessions.py)
+    POST /tokenize, /detokenize          vLLM's shapes (routes_tokens.py)
 
 Routes live by concern in routes_generation.py and routes_ops.py; every
 error (unknown routes and wrong methods included) is JSON in OpenAI's shape
@@ -50,6 +52,8 @@ from engine.serve.context import ServerContext
 from engine.serve.http_errors import error_handlers
 from engine.serve.routes_generation import generation_routes
 from engine.serve.routes_ops import ops_routes
+from engine.serve.routes_sessions import session_routes
+from engine.serve.routes_tokens import token_routes
 from engine.serve.settings import ServerSettings
 from resources import LeakError
 
@@ -62,7 +66,8 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> Starle
     """The ASGI app serving `engine` (which the caller runs, inside `async with engine`)."""
     settings = settings or ServerSettings()
     ctx = ServerContext.build(engine, settings)
-    app = Starlette(routes=[*generation_routes(ctx), *ops_routes(ctx)], exception_handlers=error_handlers())
+    app = Starlette(routes=[*generation_routes(ctx), *ops_routes(ctx), *session_routes(ctx), *token_routes(ctx)],
+                    exception_handlers=error_handlers())
     if settings.api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
     app.state.kvlife = ctx  # NOTE: `serve` sets ctx.draining on SIGTERM
@@ -81,11 +86,16 @@ class _Server(uvicorn.Server):
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening-ready TCP socket on (host, port); port 0 picks a free one. Raises OSError."""
+    """A listening-ready TCP socket on (host, port); port 0 picks a free one. Raises OSError.
+
+    NOTE: TCP_NODELAY on the listener, which the accepted connections inherit: uvicorn writes a
+    response's head and body separately, and with Nagle's algorithm on, the body then waits for
+    the client's delayed ACK (about 40 ms on Linux) on every response and every stream chunk."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.bind((host, port))
     except OSError:
         sock.close()

@@ -14,6 +14,8 @@ from typing import Any
 import attrs
 
 from engine.errors import InvalidConfig
+from engine.serve.reasoning import REASONING_PARSERS
+from engine.serve.tool_parsers import TOOL_PARSERS
 
 
 def _int_at_least(low: int, *, optional: bool = False):
@@ -32,10 +34,24 @@ def _positive_seconds(inst: Any, attribute: attrs.Attribute, value: Any) -> None
         raise InvalidConfig(f"ServerSettings.{attribute.name}", "a finite number of seconds > 0", value)
 
 
+def _optional_seconds(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None:
+        _positive_seconds(inst, attribute, value)
+
+
 def _optional_text(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
     if value is not None and not (isinstance(value, str) and value):
         raise InvalidConfig(f"ServerSettings.{attribute.name}", "None or a non-empty string",
                             "<hidden>" if attribute.name == "api_key" else value)
+
+
+def _parser_name(choices: Any):
+    def check(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if value is not None and value not in choices:
+            raise InvalidConfig(f"ServerSettings.{attribute.name}", f"None or one of {', '.join(sorted(choices))}",
+                                value)
+
+    return check
 
 
 @attrs.frozen
@@ -52,3 +68,9 @@ class ServerSettings:
     graceful_timeout: float = attrs.field(default=10.0, validator=_positive_seconds)
     #: None: no access control; else every route but /health needs `Authorization: Bearer <key>`
     api_key: str | None = attrs.field(default=None, validator=_optional_text, repr=False)
+    #: issue 21: seconds a generation request may take when its body gives no `deadline` (None: no deadline)
+    default_deadline: float | None = attrs.field(default=None, validator=_optional_seconds)
+    #: how tool calls are read from a model's text (`tool_choice` "auto"); None: "auto" is refused
+    tool_call_parser: str | None = attrs.field(default=None, validator=_parser_name(TOOL_PARSERS))
+    #: how a reasoning model's thinking is split into `reasoning_content`; None: it stays content
+    reasoning_parser: str | None = attrs.field(default=None, validator=_parser_name(REASONING_PARSERS))

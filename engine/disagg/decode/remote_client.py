@@ -173,6 +173,7 @@ class RemotePrefillClient:
                 await anyio.sleep(TICK)
 
     async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+        self._limiter = anyio.CapacityLimiter(len(self.peers))  # NOTE: of the async library running it
         try:
             async with anyio.create_task_group() as tg:
                 for peer in self.peers:

@@ -28,10 +28,11 @@ from engine.disagg.decode.kv_transfer_hook import Landing, PrefillClient
 from engine.model.batch import ScheduledSeq
 from engine.model.llama import LlamaModel
 from engine.model.model_config import ModelConfig
-from engine.model.runner import AttentionFactory
+from engine.model.runner import AttentionFactory, TokenMasks
 from engine.model.tokenizer import Tokenizer
 from engine.runtime.role import Role
-from engine.runtime.step_applier import StepObserver
+from engine.runtime.step_applier import StepObserver, TokenCheck
+from engine.structured.install import StructuredInstall
 
 __all__ = ["BuildContext", "Embedder", "FeatureInstall", "Install", "Installed", "SlotLookup", "StepObserver"]
 from engine.testing import FaultInjector
@@ -40,6 +41,7 @@ from resources.kv_buffers import KVBuffers
 from resources.kv_pool import KVPool
 from resources.ledger import Pool
 from resources.moe_records import ExpertDistribution
+from resources.session_hook import SessionStore
 from states import Request, RequestState, TransitionObserver
 
 #: the runner's lookup of a request's token-table row (None: its backend keeps its KV itself)
@@ -74,6 +76,10 @@ class FeatureInstall:
     pools: list[Pool] = attrs.field(factory=list)
     transition_observers: list[TransitionObserver] = attrs.field(factory=list)
     step_observers: list[StepObserver] = attrs.field(factory=list)
+    #: checks of each sampled token before it is appended (a grammar's)
+    token_checks: list[TokenCheck] = attrs.field(factory=list)
+    #: the sampled rows' allowed-token masks (a grammar's), the runner's `token_masks`
+    token_masks: TokenMasks | None = None
     #: wraps the runner's attention factory (HiSparse: sparse decode rows)
     attention: Callable[[AttentionFactory], AttentionFactory] | None = None
     #: wraps the runner's slot lookup
@@ -89,6 +95,10 @@ class FeatureInstall:
     prefill_client: PrefillClient | None = None
     expert_distribution: ExpertDistribution | None = None
     mm_cache_bytes: int | None = None
+    #: open sessions' records and hooks (issue 21)
+    sessions: SessionStore | None = None
+    #: structured output: the grammar hook, masks and compiler, or why constraints are refused
+    structured: StructuredInstall | None = None
 
 
 @attrs.define
@@ -99,6 +109,8 @@ class Installed:
     pools: list[Pool] = attrs.field(factory=list)
     transition_observers: list[TransitionObserver] = attrs.field(factory=list)
     step_observers: list[StepObserver] = attrs.field(factory=list)
+    token_checks: list[TokenCheck] = attrs.field(factory=list)
+    token_masks: TokenMasks | None = None
     attention: list[Callable[[AttentionFactory], AttentionFactory]] = attrs.field(factory=list)
     slot_of: list[Callable[[SlotLookup], SlotLookup]] = attrs.field(factory=list)
     embedder: Embedder | None = None
@@ -109,17 +121,22 @@ class Installed:
     prefill_client: PrefillClient | None = None
     expert_distribution: ExpertDistribution | None = None
     mm_cache_bytes: int | None = None
+    sessions: SessionStore | None = None
+    structured: StructuredInstall | None = None
 
     def plus(self, piece: FeatureInstall) -> Installed:
         """This fold with one more feature's parts (a feature only adds; two features that
         both set a single-valued part are a bug, raised here)."""
-        for name in ("embedder", "landing", "prefill_client", "expert_distribution", "mm_cache_bytes"):
+        for name in ("embedder", "landing", "prefill_client", "expert_distribution", "mm_cache_bytes",
+                     "token_masks", "sessions", "structured"):
             if getattr(piece, name) is not None and getattr(self, name) is not None:
                 raise ValueError(f"two features install {name}")
         return Installed(
             hooks=[*self.hooks, *piece.hooks], pools=[*self.pools, *piece.pools],
             transition_observers=[*self.transition_observers, *piece.transition_observers],
             step_observers=[*self.step_observers, *piece.step_observers],
+            token_checks=[*self.token_checks, *piece.token_checks],
+            token_masks=piece.token_masks or self.token_masks,
             attention=[*self.attention, *([piece.attention] if piece.attention else [])],
             slot_of=[*self.slot_of, *([piece.slot_of] if piece.slot_of else [])],
             embedder=piece.embedder or self.embedder,
@@ -130,6 +147,7 @@ class Installed:
             prefill_client=piece.prefill_client or self.prefill_client,
             expert_distribution=piece.expert_distribution or self.expert_distribution,
             mm_cache_bytes=piece.mm_cache_bytes if piece.mm_cache_bytes is not None else self.mm_cache_bytes,
+            sessions=piece.sessions or self.sessions, structured=piece.structured or self.structured,
         )
 
 
