@@ -19,8 +19,8 @@ the prefix cache fills and evicts; 1-16 new tokens) and come from
 `--clients` concurrent clients. 10% are aborted by the client with
 `engine.abort()` at a random point and 10% disconnect (the client closes its
 stream mid-way); the rest read to the end. Reported per run: requests/s,
-finish reasons, resident memory after warm-up and at the end (growth must
-stay under 5%), the size of every internal table at the end (all zero: the
+finish reasons, resident memory after warm-up (once the latency windows are
+full, in a run long enough) and at the end (growth must stay under 5%), the size of every internal table at the end (all zero: the
 decode role's include its prefill runtime's), and the leak check's verdict
 (`check_memory()` every 1,000 requests while busy, at idle at the end, plus
 every automatic idle check the loop ran, and in the decode role every idle
@@ -47,6 +47,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from engine.logging import configure_logging  # noqa: E402
 from engine.runtime.prefill_runtime import PrefillRuntime  # noqa: E402
+from engine.runtime.stats import SAMPLE_WINDOW  # noqa: E402
 from resources import LeakError  # noqa: E402
 
 ABORT, DISCONNECT = "abort", "disconnect"
@@ -209,7 +210,9 @@ def main() -> None:
         for model, total in (("null", null_total), ("tiny", args.tiny_requests)):
             if total <= 0:
                 continue
-            warmup = min(max(total // 20, 500), total // 2)  # RSS is compared from here to the end
+            # RSS is compared from here to the end: past the latency windows' filling when the run is long
+            # enough (they keep SAMPLE_WINDOW samples each, then stop growing)
+            warmup = min(max(total // 20, 500, SAMPLE_WINDOW + 10_000), total // 2)
             print(f"load average {os.getloadavg()[0]:.2f} before {model}/{role}", flush=True)
             result = anyio.run(soak, model, total, args.clients, args.seed, warmup, args.device, role)
             result["load_average"] = os.getloadavg()
@@ -219,7 +222,7 @@ def main() -> None:
             print(f"{model:>5}/{role}: {total} requests in {result['wall_s']:.1f}s = {result['requests_per_s']:.0f}"
                   f" req/s; RSS {rss['after_warmup']:.0f} -> {rss['end']:.0f} MiB ({result['rss_growth_pct']:+.2f}%);"
                   f" tables at end {nonzero or 'all zero'} ({len(result['internal_tables_at_end'])} tables);"
-                  f" leak check {result['leak_check']} (idle checks {result['idle_leak_checks']}, prefill's"
+                  f" leak check {result["leak_check"]} (checks run {result["idle_leak_checks"]}, the prefill's"
                   f" {result['prefill_idle_leak_checks']})", flush=True)
             print(f"       client outcomes {result['client_outcomes']}; engine finishes {result['engine_finishes']}",
                   flush=True)

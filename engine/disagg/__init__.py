@@ -1,6 +1,8 @@
-"""The decode role of prefill/decode disaggregation: prefill workers,
-transfer backends and the `kv_transfer` hook; and the multi-process roles
-(docs/disaggregation.md):
+"""Prefill/decode disaggregation below the runtime: the decode side (the
+`kv_transfer` hook, where received KV lands, the remote prefill client and its
+links), the prefill side (the prefill role's hooks and senders, its side of a
+link) and what both share (settings, wire, transport, staging); the runtime
+runs both roles (docs/disaggregation.md):
 
     EngineConfig(disaggregation="decode", remote_prefill=RemotePrefill(peers=["host:31001"]))
     async with PrefillServer(EngineConfig(), PrefillServerConfig(bootstrap_port=31001)): ...

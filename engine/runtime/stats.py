@@ -13,7 +13,9 @@ import attrs
 
 from states import Request, RequestKind, RequestState
 
-_SAMPLES = 100_000
+#: latency samples each window keeps (a long run's memory stops growing once they are full)
+SAMPLE_WINDOW = 100_000
+_SAMPLES = SAMPLE_WINDOW
 
 
 class SampleWindow:
