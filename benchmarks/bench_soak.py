@@ -222,7 +222,7 @@ def main() -> None:
             print(f"{model:>5}/{role}: {total} requests in {result['wall_s']:.1f}s = {result['requests_per_s']:.0f}"
                   f" req/s; RSS {rss['after_warmup']:.0f} -> {rss['end']:.0f} MiB ({result['rss_growth_pct']:+.2f}%);"
                   f" tables at end {nonzero or 'all zero'} ({len(result['internal_tables_at_end'])} tables);"
-                  f" leak check {result["leak_check"]} (checks run {result["idle_leak_checks"]}, the prefill's"
+                  f" leak check {result['leak_check']} (checks run {result['idle_leak_checks']}, the prefill's"
                   f" {result['prefill_idle_leak_checks']})", flush=True)
             print(f"       client outcomes {result['client_outcomes']}; engine finishes {result['engine_finishes']}",
                   flush=True)

@@ -19,7 +19,7 @@ from collections import Counter
 from pathlib import Path
 
 PACKAGES = ("states", "resources", "hisparse", "engine")
-ROOMS = ("model", "disagg", "runtime", "serve", "cli", "structured")
+ROOMS = ("model", "disagg", "runtime", "serve", "cli", "structured", "kv_events")
 
 
 def package_of(rel: str) -> str:

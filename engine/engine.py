@@ -307,6 +307,11 @@ class Engine:
             return HealthReport(False, "stuck", f"no step or token for {stuck_after}s", **common)
         return HealthReport(True, "ok", **common)
 
+    def flush_prefix_cache(self) -> tuple[int, int]:
+        """Free the prefix cache's pages that no request holds (SGLang's /flush_cache, vLLM's
+        /reset_prefix_cache): (pages freed, pages still cached for running requests or sessions)."""
+        return self.parts.kv_pool.flush_prefix_cache()
+
     # --------------------------------------------------------------- memory
     def _report_extra(self) -> dict[str, Any]:
         return dict(live_requests=self.loop.num_live, leaks_found=self.loop.stats.leak_check_failures,

@@ -115,6 +115,13 @@ class KVPool:
         self.allocator.free(self.radix.evict_pages(short))
         return True
 
+    def flush_prefix_cache(self) -> tuple[int, int]:
+        """Free every prefix-cache page no request holds: the whole cache (`RadixCache.clear`) when
+        nothing is locked, else the evictable pages. Returns (pages freed, pages still cached)."""
+        pages = self.radix.evict_pages(self.radix.evictable_pages) if self.radix.protected_pages else self.radix.clear()
+        self.allocator.free(pages)
+        return int(pages.shape[0]), self.radix.total_pages
+
     def write_locations(self, slot: int, first_page_index: int, pages: np.ndarray) -> None:
         """Fill `req_to_token[slot]` for `pages`, starting at page index `first_page_index`."""
         if not pages.shape[0]:

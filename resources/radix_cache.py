@@ -22,6 +22,18 @@ int64 array) that hold them. Contracts:
 `match`, `insert` and `evict` are the same calls with page ids as Python
 lists (the KV hook's current form; the array forms skip the conversions).
 
+`clear()` empties a cache with nothing locked and returns every page (the
+caller frees them); `walk()` yields every node's (parent page, tokens,
+pages), parents first.
+
+Observer: with `observer` set (a `CacheObserver`), the cache reports each
+page run that enters it (`stored(parent_page, tokens, pages)`, where
+`parent_page` is the last page before the run or None at the root), each
+eviction (`removed(pages)`) and `clear()` (`cleared()`), in the order they
+happen, on the thread that changed the cache. Without one (the default)
+nothing is reported and nothing is computed: one `is None` test per insert
+that adds a node and per eviction call.
+
 NOTE: eviction keeps a heap of the evictable leaves keyed by last access,
 updated as nodes become or stop being evictable leaves, so an eviction costs
 O(log n) per leaf instead of a walk of the whole tree; entries made stale by
@@ -34,7 +46,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -45,6 +58,17 @@ def _no_pages() -> np.ndarray:
     """A new empty array of page ids."""
     out: np.ndarray = _NO_PAGES.copy()
     return out
+
+
+class CacheObserver(Protocol):
+    """Told what enters and leaves the cache (engine.kv_events publishes it). Must not block, and must
+    not change `tokens` or `pages` (the cache keeps them)."""
+
+    def stored(self, parent_page: int | None, tokens: list[int], pages: np.ndarray) -> None: ...
+
+    def removed(self, pages: np.ndarray) -> None: ...
+
+    def cleared(self) -> None: ...
 
 
 class _Node:
@@ -70,6 +94,7 @@ class RadixCache:
         self.protected_pages = 0
         #: (last access, order, node): the evictable leaves, and stale entries
         self._leaves: list[tuple[int, int, _Node]] = []
+        self.observer: CacheObserver | None = None
 
     @property
     def total_pages(self) -> int:
@@ -156,6 +181,8 @@ class RadixCache:
                 node.children[tuple(tokens[i : i + ps])] = new
                 self.evictable_pages += new.pages.shape[0]  # NOTE: a new leaf starts unlocked
                 self._push_leaf(new)
+                if self.observer is not None:
+                    self.observer.stored(_last_page(node), new.key, new.pages)
                 break
             n = self._common_pages(child.key, tokens, i, len(tokens))
             if n < child.pages.shape[0]:
@@ -197,12 +224,36 @@ class RadixCache:
         if not freed:
             return _no_pages()
         out: np.ndarray = freed[0] if len(freed) == 1 else np.concatenate(freed)
+        if self.observer is not None:
+            self.observer.removed(out)
         return out
 
     def evict(self, num_pages: int) -> list[int]:
         """`evict_pages` with the page ids as a list."""
         ids: list[int] = self.evict_pages(num_pages).tolist()
         return ids
+
+    def clear(self) -> np.ndarray:
+        """Empty the cache and return all its pages (the caller frees them). Only with nothing locked:
+        ValueError otherwise (a running request still reads its prefix)."""
+        if self.protected_pages:
+            raise ValueError(f"clear: {self.protected_pages} prefix-cache pages are locked by requests")
+        pages = [pages for _, _, pages in self.walk()]
+        self.root.children = {}
+        self._leaves = []
+        self.evictable_pages = 0
+        if self.observer is not None:
+            self.observer.cleared()
+        return np.concatenate(pages) if pages else _no_pages()
+
+    def walk(self) -> Iterator[tuple[int | None, list[int], np.ndarray]]:
+        """Every node as (the page before it or None, its tokens, its pages), parents before children."""
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            assert node.parent is not None
+            yield _last_page(node.parent), node.key, node.pages
+            stack.extend(node.children.values())
 
     # ------------------------------------------------------------- internals
     def _push_leaf(self, node: _Node) -> None:
@@ -250,3 +301,8 @@ class RadixCache:
         child.key, child.pages, child.parent = child.key[n * ps :], child.pages[n:], upper
         upper.children[tuple(child.key[:ps])] = child
         return upper
+
+
+def _last_page(node: _Node) -> int | None:
+    """The last page of `node` (the parent page of its children), None for the root."""
+    return int(node.pages[-1]) if node.pages.shape[0] else None

@@ -30,6 +30,16 @@ async def serving(settings: ServerSettings | None = None, *, deadline: float = D
             await engine.wait_idle(5)
 
 
+async def leak_once(engine: Engine, client: httpx.AsyncClient) -> None:
+    """Run one request through an engine whose kv release leaks (FaultInjector(fail_release={"kv"},
+    release_leaks=True), leak_check="log") and wait for the idle leak check to find it."""
+    engine._expect_leak = True  # NOTE: the conftest check then skips this engine's pools
+    await client.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})
+    with anyio.fail_after(5):
+        while engine.stats.leak_check_failures == 0:
+            await anyio.sleep(0.01)
+
+
 def openai_client(client: httpx.AsyncClient) -> Any:
     """The real `openai` SDK's async client for a `serving()` server (no retries: every failure shows)."""
     import openai

@@ -14,7 +14,7 @@ from engine.serve.server import create_app
 from engine.serve.settings import ServerSettings
 from engine.testing import FaultInjector
 from helpers import small_config
-from http_helpers import StepGate, serving
+from http_helpers import StepGate, leak_once, serving
 from states import RequestState
 
 LONG = {"input_ids": [5, 6, 7, 8], "stream": True, "sampling_params": {"max_new_tokens": 240, "ignore_eos": True}}
@@ -85,11 +85,7 @@ class TestUnhealthy:
         """A release that leaks is found by the idle leak check; the health check then says 'leaking'."""
         faults = FaultInjector(fail_release={"kv"}, release_leaks=True)
         async with serving(faults=faults, leak_check="log") as (engine, client):
-            engine._expect_leak = True
-            await client.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})
-            with anyio.fail_after(5):
-                while engine.stats.leak_check_failures == 0:
-                    await anyio.sleep(0.01)
+            await leak_once(engine, client)
             answer = await client.get("/health_generate")
         assert answer.status_code == 503 and answer.json()["reason"] == "leaking" and answer.json()["detail"]
 

@@ -10,7 +10,7 @@ breaks it fails here, not in review:
 - imports point one way (states < resources < hisparse < engine.{config, model, ...} <
   engine.disagg < engine.runtime < Engine and the prefill server < engine.{serve, cli}),
   with no import cycle, and serve and cli use only public names (engine.structured, the grammars,
-  sits beside engine.model).
+  and engine.kv_events, the prefix cache's events, sit beside engine.model).
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ def _layer(module: str) -> float | None:
     if len(parts) == 1:
         return 6.5  # the package's facade (engine/__init__.py): Engine and the public names
     sub = parts[1]
-    if sub in ("config", "model", "errors", "outputs", "logging", "stream", "testing", "structured"):
+    if sub in ("config", "model", "errors", "outputs", "logging", "stream", "testing", "structured", "kv_events"):
         return 3
     return {"disagg": 4, "runtime": 5, "engine": 6, "prefill_server": 6, "serve": 7, "cli": 7}[sub]
 
@@ -229,7 +229,7 @@ def test_no_import_cycles():
 def test_serve_and_cli_use_public_names_only():
     """What engine.serve and engine.cli import from the rest is in a package's `__all__`."""
     public: set[str] = set()
-    for package in ("engine", "engine.disagg", "resources", "states", "hisparse"):
+    for package in ("engine", "engine.disagg", "engine.kv_events", "resources", "states", "hisparse"):
         public |= set(importlib.import_module(package).__all__)
     private = []
     for rel, _path, tree in _modules():

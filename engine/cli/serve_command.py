@@ -29,6 +29,7 @@ import anyio
 from engine.cli.options import (ROLES, CLIError, add_engine_options, engine_config_from_args, int_at_least,
                                 logging_choice, port)
 from engine.cli.options import positive_seconds
+from engine.cli.router_options import add_router_options, kv_events_from_args, refuse_router_options_for_prefill
 from engine.errors import InvalidConfig
 
 API_KEY_ENV = "KVLIFE_API_KEY"
@@ -58,6 +59,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction, parents: list[argpa
                         help="seconds a generation request may take when its body gives no deadline "
                              "(default: none)")
     _add_structured_options(serve)
+    add_router_options(serve)
     _add_disaggregation_options(serve)
     serve.set_defaults(func=run_serve, default_log_level="info", default_log_json=True)
 
@@ -155,7 +157,9 @@ def server_settings_from_args(args: argparse.Namespace) -> Any:
                           max_inflight=args.max_inflight, health_timeout=args.health_timeout,
                           served_model_name=args.served_model_name, api_key=api_key_from(args),
                           default_deadline=args.default_deadline, tool_call_parser=args.tool_call_parser,
-                          reasoning_parser=args.reasoning_parser)
+                          reasoning_parser=args.reasoning_parser,
+                          vllm_metric_names=getattr(args, "vllm_metric_names", False),
+                          kv_events=kv_events_from_args(args))
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -166,6 +170,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise CLIError(f"serve needs the `serve` extra (pip install 'kvlife[serve]'): {exc}") from None
     config = engine_config_from_serve_args(args)
     if args.disaggregation == "prefill":
+        refuse_router_options_for_prefill(args)
         from engine.serve.prefill_http import serve_prefill
 
         prefill = prefill_settings_from_args(args)

@@ -1,4 +1,4 @@
-"""API-key access: every route but ``/health`` needs ``Authorization: Bearer <key>``.
+"""API-key access: every route but the probes (``/health``, ``/live``) needs ``Authorization: Bearer <key>``.
 
     app = APIKeyMiddleware(app, api_key)   # create_app does this when ServerSettings.api_key is set
 
@@ -17,7 +17,7 @@ from typing import Any
 
 from engine.serve.http_errors import error_body
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/live"})
 
 
 class APIKeyMiddleware:

@@ -2,7 +2,7 @@
 
     body, model = parse_chat(raw, limits, engine.tokenizer, template)
 
-Accepted (unknown fields are rejected, as for completions):
+Accepted (other fields as for completions: `engine.serve.field_policy`):
 
 - ``messages``: a non-empty list of ``{"role", "content", "name"?}`` with
   role ``system``, ``developer``, ``user`` or ``assistant``; ``content`` a
@@ -50,6 +50,7 @@ _CHAT = frozenset({"model", "messages", "max_tokens", "max_completion_tokens", "
                    "seed", "stream", "stream_options", "n", "logprobs", "top_logprobs", "presence_penalty",
                    "frequency_penalty", "user", "logit_bias", "tool_choice",
                    "add_generation_prompt", "chat_template_kwargs", "top_k", "ignore_eos", "stop_token_ids",
+                   "add_special_tokens",
                    *_TOOL_FIELDS, *CONSTRAINT_FIELDS})
 _CHAT_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {"presence_penalty": (0,), "frequency_penalty": (0,),
                                                   "logit_bias": ({},)}
@@ -136,7 +137,11 @@ def parse_chat(body: dict[str, Any], limits: Limits, tokenizer: Any, template: C
                                  tools=None if tools is None else tools.template_tools)
     except ChatTemplateError as exc:
         raise InvalidRequest("messages", "accepted by the model's chat template", str(exc)) from None
-    token_ids = prompt_ids(prompt, "messages", limits, tokenizer, add_special_tokens=template.add_special_tokens)
+    special = body.get("add_special_tokens")  # vLLM's; by default as the template needs (chat_template)
+    if special is not None and not isinstance(special, bool):
+        raise InvalidRequest("add_special_tokens", "true or false", special)
+    token_ids = prompt_ids(prompt, "messages", limits, tokenizer,
+                           add_special_tokens=template.add_special_tokens if special is None else special)
     field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     room = max(1, limits.max_context - len(token_ids))
     reasoning = None if reasoning_parser is None else initial_state(reasoning_parser, prompt)

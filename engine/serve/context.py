@@ -26,6 +26,7 @@ class ServerContext:
     max_inflight: int
     inflight: int = 0
     draining: bool = False  # NOTE: `serve` sets it on SIGTERM: new generation requests get 503
+    kv_events: Any = None  # the KV events publisher while one runs (engine.kv_events), for /server_info
     started_at: float = attrs.field(factory=time.monotonic)
 
     @classmethod

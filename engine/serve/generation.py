@@ -182,17 +182,20 @@ class EventStream:
     """An ASGI response of server-sent events that aborts its request when the client leaves.
 
     The response starts with the first event: if the events fail before it with
-    `GenerationFailed`, the answer is `on_failure`'s response (an HTTP error) instead."""
+    `GenerationFailed`, the answer is `on_failure`'s response (an HTTP error) instead.
+    `headers` are added to the stream's (the request id)."""
 
     def __init__(self, events: AsyncGenerator[bytes, None], on_close: Callable[[], None], *,
-                 on_failure: Callable[[GenerationFailed], Any] | None = None) -> None:
+                 on_failure: Callable[[GenerationFailed], Any] | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         self.events = events
         self.on_close = on_close
         self.on_failure = on_failure
+        self.extra_headers = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
 
     async def __call__(self, scope: Any, receive: Callable, send: Callable) -> None:
         headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-                   (b"x-accel-buffering", b"no")]
+                   (b"x-accel-buffering", b"no"), *self.extra_headers]
         refusal: Any = None
         try:
             async with anyio.create_task_group() as tg:

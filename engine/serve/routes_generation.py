@@ -20,12 +20,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from engine.errors import EngineClosed, EngineOverloaded, InvalidRequest
+from engine.serve.body_conventions import openai_conventions, sglang_generate
 from engine.serve.chat_schema import parse_chat
 from engine.serve.context import ServerContext
 from engine.serve.failures import first_failure
 from engine.serve.generation import EventStream, Generation, generate_events, generate_json, run_to_end
 from engine.serve.http_errors import HTTPError
 from engine.serve.openai_format import chat_events, chat_json, completion_events, completion_json
+from engine.serve.request_ids import take_request_id, unique
 from engine.serve.schemas import GenerateBody, parse_completion, parse_generate
 from engine.serve.scheduling_fields import engine_field
 from engine.serve.structured_fields import renamed
@@ -39,30 +41,34 @@ class API:
     events: Callable[[Generation, str], AsyncGenerator[bytes, None]]
     json: Callable[[Generation, str], dict[str, Any]]
     id_prefix: str = ""
+    openai: bool = True
     #: a failed generation is an HTTP error or an error event (OpenAI), not a finish reason
     failures_as_errors: bool = False
 
 
 def _parse_generate(ctx: ServerContext, raw: dict[str, Any]) -> tuple[GenerateBody, str | None]:
-    return parse_generate(raw, ctx.limits, ctx.engine.tokenizer), None
+    body, model = sglang_generate(raw)  # SGLang's native body, as routers send it
+    return parse_generate(body, ctx.limits, ctx.engine.tokenizer), model
 
 
 def _parse_completion(ctx: ServerContext, raw: dict[str, Any]) -> tuple[GenerateBody, str | None]:
-    return parse_completion(raw, ctx.limits, ctx.engine.tokenizer)
+    return parse_completion(openai_conventions(raw), ctx.limits, ctx.engine.tokenizer)
 
 
 def _parse_chat(ctx: ServerContext, raw: dict[str, Any]) -> tuple[GenerateBody, str | None]:
-    return parse_chat(raw, ctx.limits, ctx.engine.tokenizer, ctx.chat_template,
+    return parse_chat(openai_conventions(raw), ctx.limits, ctx.engine.tokenizer, ctx.chat_template,
                       tool_parser=ctx.settings.tool_call_parser, reasoning_parser=ctx.settings.reasoning_parser)
 
 
-GENERATE = API(_parse_generate, lambda g, model: generate_events(g), lambda g, model: generate_json(g))
+GENERATE = API(_parse_generate, lambda g, model: generate_events(g), lambda g, model: generate_json(g),
+               openai=False)
 COMPLETIONS = API(_parse_completion, completion_events, completion_json, "cmpl-", failures_as_errors=True)
 CHAT = API(_parse_chat, chat_events, chat_json, "chatcmpl-", failures_as_errors=True)
 
 
 def _start(ctx: ServerContext, request: Request, api: API, raw: dict[str, Any]) -> tuple[Generation, str]:
     try:
+        raw, wanted_id = take_request_id(raw, request.headers, openai=api.openai)
         body, model = api.parse(ctx, raw)
     except InvalidRequest as exc:
         raise HTTPError.invalid(exc) from None
@@ -72,8 +78,7 @@ def _start(ctx: ServerContext, request: Request, api: API, raw: dict[str, Any]) 
     if ctx.inflight >= ctx.max_inflight:
         raise ctx.unavailable(f"{ctx.max_inflight} requests already in flight; retry later")
     try:
-        generation = Generation(ctx.engine, body, route=request.url.path, id_prefix=api.id_prefix,
-                                default_deadline=ctx.settings.default_deadline)
+        generation = _generation(ctx, request, api, body, wanted_id)
     except InvalidRequest as exc:  # the engine's own checks (a rid in flight, a busy session, n over max_queued,
         # a constraint it cannot serve)
         exc = renamed(exc, body.constraint_field or "response_format")
@@ -84,6 +89,23 @@ def _start(ctx: ServerContext, request: Request, api: API, raw: dict[str, Any]) 
     except EngineClosed:
         raise ctx.unavailable("the engine is not running") from None
     return generation, model or ctx.limits.model_name
+
+
+def _generation(ctx: ServerContext, request: Request, api: API, body: GenerateBody,
+                wanted_id: str | None) -> Generation:
+    """The generation under the body's rid, else the id a header or /v1 field asked for (made unique if
+    that one is already in flight: a router's retry), else a new one."""
+    deadline = ctx.settings.default_deadline
+    if body.rid is not None or wanted_id is None:
+        return Generation(ctx.engine, body, route=request.url.path, id_prefix=api.id_prefix, default_deadline=deadline)
+    try:
+        return Generation(ctx.engine, attrs.evolve(body, rid=wanted_id), route=request.url.path,
+                          default_deadline=deadline)
+    except InvalidRequest as exc:
+        if exc.field != "request_id":
+            raise
+    return Generation(ctx.engine, attrs.evolve(body, rid=unique(wanted_id)), route=request.url.path,
+                      default_deadline=deadline)
 
 
 async def _grammar_ready(generation: Generation) -> None:
@@ -116,15 +138,16 @@ async def _serve(ctx: ServerContext, request: Request, api: API) -> Response | E
         ctx.inflight -= 1
 
     generation.on_close = done
+    id_header = {"X-Request-Id": generation.request_id}
     if generation.body.stream:
         return EventStream(api.events(generation, model), generation.close,
-                           on_failure=ctx.failure_response if api.failures_as_errors else None)
+                           on_failure=ctx.failure_response if api.failures_as_errors else None, headers=id_header)
     if not await run_to_end(generation, request.receive):
         return Response(status_code=499)  # the client left; nobody reads this
     failed = first_failure(c.finish_reason for c in generation.choices) if api.failures_as_errors else None
     if failed is not None:
         return ctx.failure_response(failed)
-    return JSONResponse(api.json(generation, model))
+    return JSONResponse(api.json(generation, model), headers=id_header)
 
 
 def generation_routes(ctx: ServerContext) -> list[Route]:

@@ -13,6 +13,8 @@ from engine.serve.context import ServerContext
 from engine.serve.health import health_generate
 from engine.serve.http_errors import HTTPError
 from engine.serve.metrics import EngineCollector
+from engine.serve.probes import readiness
+from engine.serve.router_metrics import router_collector
 from engine.serve.schemas import parse_abort
 from engine.serve.structured_metrics import StructuredCollector
 from engine.serve.transfer_metrics import TransferCollector
@@ -23,7 +25,8 @@ log = structlog.get_logger("kvlife.http")
 def ops_routes(ctx: ServerContext) -> list[Route]:
     engine = ctx.engine
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(EngineCollector(engine, model_name=ctx.limits.model_name))
+    registry.register(router_collector(EngineCollector(engine, model_name=ctx.limits.model_name), engine,
+                                       model_name=ctx.limits.model_name, vllm_names=ctx.settings.vllm_metric_names))
     registry.register(StructuredCollector(engine, model_name=ctx.limits.model_name))
     transfer_stats = getattr(engine.prefill_client, "stats", None)
     if transfer_stats is not None:  # a decode with remote prefills: its links and transfers
@@ -47,14 +50,9 @@ def ops_routes(ctx: ServerContext) -> list[Route]:
                 "max_model_len": ctx.limits.max_context}
         return JSONResponse({"object": "list", "data": [card]})
 
-    async def health(request: Request) -> Response:
-        if ctx.draining or not engine.running:
-            return JSONResponse({"status": "stopping" if ctx.draining else "stopped"}, status_code=503)
-        report = engine.health()
-        if report.reason == "no_prefill":  # a decode that cannot admit: not ready
-            return JSONResponse({"status": "unavailable", "reason": report.reason, "detail": report.detail},
-                                status_code=503)
-        return JSONResponse({"status": "ok"})
+    async def health(request: Request) -> Response:  # readiness (engine.serve.probes)
+        status, body = readiness(ctx)
+        return JSONResponse(body, status_code=status)
 
     async def health_check(request: Request) -> Response:
         status, body = await health_generate(ctx)

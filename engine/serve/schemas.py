@@ -8,7 +8,8 @@ here allocates: a body that fails never reaches the engine's pools.
     limits = Limits.for_engine(engine)
     body = parse_generate(parse_json(raw), limits, engine.tokenizer)
 
-Accepted bodies (unknown fields are rejected):
+Accepted bodies (other fields are ignored with a warning, or refused when their loss would change
+the answer: `engine.serve.field_policy`):
 
 - ``POST /generate``: ``text`` or ``input_ids`` (exactly one),
   ``sampling_params`` (``max_new_tokens``, ``temperature``, ``top_p``,
@@ -38,6 +39,7 @@ import attrs
 
 from engine.config import SamplingParams
 from engine.errors import InvalidRequest
+from engine.serve.field_policy import unknown_field
 from engine.serve import scheduling_fields
 from engine.serve.scheduling_fields import SubmitFields, parse_submit_fields
 from engine.serve.structured_fields import CONSTRAINT_FIELDS, GENERATE_FIELDS, chat_constraint, generate_constraint
@@ -124,9 +126,11 @@ def _check_text(body: dict[str, Any]) -> None:
 
 
 def known_fields(body: dict[str, Any], allowed: frozenset[str], prefix: str = "") -> None:
+    """Fields outside `allowed` go to `engine.serve.field_policy`: ignored with one warning per field
+    name, or a 400 if vLLM or SGLang would have changed the answer with them."""
     for key in body:
         if key not in allowed:
-            raise InvalidRequest(f"{prefix}{key}", f"a known field (one of {', '.join(sorted(allowed))})", key)
+            unknown_field(prefix, key, body[key])
 
 
 def _bool(value: Any, field: str) -> bool:
@@ -207,7 +211,8 @@ def parse_generate(body: dict[str, Any], limits: Limits, tokenizer: Any) -> Gene
     known_fields(sp, _SAMPLING, "sampling_params.")
     stop = _stop_strings(sp.get("stop"), "sampling_params.stop")
     constraint, constraint_field = generate_constraint(sp)
-    fields = {k: v for k, v in sp.items() if k != "stop" and k not in GENERATE_FIELDS and v is not None}
+    fields = {k: v for k, v in sp.items()
+              if k in _SAMPLING and k != "stop" and k not in GENERATE_FIELDS and v is not None}
     names = {name: f"sampling_params.{name}" for name in _SAMPLING}
     params = _sampling({**fields, "stop": stop, "constraint": constraint}, names)
     _check_context(len(token_ids), params.max_new_tokens, "sampling_params.max_new_tokens", limits)
@@ -222,8 +227,8 @@ def parse_generate(body: dict[str, Any], limits: Limits, tokenizer: Any) -> Gene
 _OPENAI_SAMPLING = frozenset({"model", "max_tokens", "temperature", "top_p", "stop", "seed", "stream",
                               "stream_options", "n", "presence_penalty", "frequency_penalty", "user",
                               "logit_bias", "top_k", "ignore_eos", "stop_token_ids"})
-_COMPLETION = (_OPENAI_SAMPLING | {"prompt", "best_of", "echo", "logprobs", "suffix"} | scheduling_fields.COMPLETIONS
-               | CONSTRAINT_FIELDS)
+_COMPLETION = (_OPENAI_SAMPLING | {"prompt", "best_of", "echo", "logprobs", "suffix", "add_special_tokens"}
+               | scheduling_fields.COMPLETIONS | CONSTRAINT_FIELDS)
 #: OpenAI fields accepted only at the value that means "off"
 DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (0,), "frequency_penalty": (0,), "suffix": ("",), "logit_bias": ({},),
@@ -291,7 +296,8 @@ def parse_completion(body: dict[str, Any], limits: Limits, tokenizer: Any) -> tu
         if len(prompt) != 1:
             raise InvalidRequest("prompt", "a single prompt (batches are not supported)", f"{len(prompt)} prompts")
         prompt = prompt[0]
-    token_ids = prompt_ids(prompt, "prompt", limits, tokenizer)
+    special = _bool(body.get("add_special_tokens", True), "add_special_tokens")  # vLLM's: a text prompt's BOS
+    token_ids = prompt_ids(prompt, "prompt", limits, tokenizer, add_special_tokens=special)
     n, best_of = body.get("n"), body.get("best_of")
     if best_of is not None and best_of != (1 if n is None else n):
         raise InvalidRequest("best_of", "absent or equal to n (beam search is not supported)", best_of)

@@ -10,8 +10,10 @@ Routes (bodies and answers in docs/http.md):
     POST /v1/chat/completions   OpenAI chat, prompts rendered with the model's chat template
     GET  /v1/models             the served model
     POST /abort                 abort by request id (404 if unknown or already finished)
-    GET  /health                liveness, makes no request (and needs no API key)
+    GET  /health                readiness: 200 only while the engine can admit (no API key needed)
+    GET  /live                  liveness: 200 while the engine's loop is alive (no API key needed)
     GET  /health_generate       progress under load, a one-token probe when idle: 200 or 503
+    GET  /model_info, /server_info (and their /get_ names), POST /flush_cache: for routers
     GET  /metrics               Prometheus text, vLLM's names with a `kvlife:` prefix
     GET  /debug/memory          `memory_report()` as JSON, with owners
     POST /open_session, /close_session   sessions whose KV is kept between turns (routes_sessions.py)
@@ -27,8 +29,11 @@ engine releases the request like any other.
 `serve` owns the process: it binds, runs engine and server, and on SIGTERM
 or SIGINT stops accepting, leaves the engine (every request in flight
 finishes with SHUTDOWN, so each SSE client gets a final event), logs the
-final leak-check verdict and returns 0 (1 if the leak check failed). It
-does not configure logging: the caller (the CLI) does, once.
+final leak-check verdict and returns 0 (1 if the leak check failed). If the
+engine's loop dies it stops the same way and returns 1 (`server.engine_dead`),
+so a supervisor restarts it. With `ServerSettings.kv_events` it publishes KV
+cache events while it serves (engine.kv_events). It does not configure
+logging: the caller (the CLI) does, once.
 """
 
 from __future__ import annotations
@@ -47,11 +52,13 @@ from starlette.applications import Starlette
 
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.errors import EngineDead, InvalidConfig
 from engine.serve.auth import APIKeyMiddleware
 from engine.serve.context import ServerContext
 from engine.serve.http_errors import error_handlers
 from engine.serve.routes_generation import generation_routes
 from engine.serve.routes_ops import ops_routes
+from engine.serve.routes_routers import router_routes
 from engine.serve.routes_sessions import session_routes
 from engine.serve.routes_tokens import token_routes
 from engine.serve.settings import ServerSettings
@@ -66,7 +73,8 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> Starle
     """The ASGI app serving `engine` (which the caller runs, inside `async with engine`)."""
     settings = settings or ServerSettings()
     ctx = ServerContext.build(engine, settings)
-    app = Starlette(routes=[*generation_routes(ctx), *ops_routes(ctx), *session_routes(ctx), *token_routes(ctx)],
+    app = Starlette(routes=[*generation_routes(ctx), *ops_routes(ctx), *session_routes(ctx), *token_routes(ctx),
+                            *router_routes(ctx)],
                     exception_handlers=error_handlers())
     if settings.api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
@@ -125,15 +133,41 @@ async def _start(tg: Any, server: _Server, sock: socket.socket, done: anyio.Even
 
 
 @contextlib.asynccontextmanager
+async def kv_events(engine: Engine, settings: ServerSettings) -> AsyncIterator[Any]:
+    """Publish `engine`'s KV cache events while the block runs if `settings.kv_events` is set (yields the
+    publisher, else None); an endpoint that cannot be opened is an InvalidConfig naming it."""
+    if settings.kv_events is None:
+        yield None
+        return
+    try:
+        from engine.kv_events.publisher import KVEventPublisher, publishing
+    except ImportError as exc:
+        raise InvalidConfig("ServerSettings.kv_events", "None unless the `kv-events` extra is installed "
+                            "(pip install 'kvlife[kv-events]')", str(exc)) from None
+    cm = publishing(engine, settings.kv_events)
+    try:
+        publisher: KVEventPublisher = await cm.__aenter__()
+    except OSError as exc:
+        raise InvalidConfig("KVEventsConfig.endpoint", f"an endpoint this process can open ({exc})",
+                            settings.kv_events.endpoint) from None
+    try:
+        yield publisher
+    finally:
+        await cm.__aexit__(None, None, None)
+
+
+@contextlib.asynccontextmanager
 async def running_server(engine: Engine, host: str = "127.0.0.1", port: int = 0, *,
                          settings: ServerSettings | None = None) -> AsyncIterator[str]:
     """Serve a running `engine` in this task group; yields the base URL (asyncio only)."""
     settings = settings or ServerSettings()
     sock = bind_socket(host, port)
-    server = _uvicorn_server(create_app(engine, settings), settings)
+    app = create_app(engine, settings)
+    server = _uvicorn_server(app, settings)
     done = anyio.Event()
     try:
-        async with anyio.create_task_group() as tg:
+        async with kv_events(engine, settings) as publisher, anyio.create_task_group() as tg:
+            app.state.kvlife.kv_events = publisher
             await _start(tg, server, sock, done)
             try:
                 yield f"http://{host}:{sock.getsockname()[1]}"
@@ -162,12 +196,19 @@ async def serve(config: EngineConfig, host: str, port: int, *, settings: ServerS
     uvicorn_log.propagate = False
     settings = settings or ServerSettings()
     sock = bind_socket(host, port)
-    try:
-        engine = Engine(config)
-        app = create_app(engine, settings)
-    except BaseException:
-        sock.close()
-        raise
+    async with contextlib.AsyncExitStack() as stack:
+        try:
+            engine = Engine(config)
+            app = create_app(engine, settings)
+            app.state.kvlife.kv_events = await stack.enter_async_context(kv_events(engine, settings))
+        except BaseException:
+            sock.close()
+            raise
+        return await _serve(engine, app, settings, host, sock, config)
+
+
+async def _serve(engine: Engine, app: Starlette, settings: ServerSettings, host: str, sock: socket.socket,
+                 config: EngineConfig) -> int:
     server = _uvicorn_server(app, settings)
     stop, done = anyio.Event(), anyio.Event()
     engine_error: BaseException | None = None
@@ -185,6 +226,11 @@ async def serve(config: EngineConfig, host: str, port: int, *, settings: ServerS
         app.state.kvlife.draining = True
         server.should_exit = True
 
+    async def watch_engine() -> None:
+        while engine.errored is None:  # NOTE: polled; a dead loop stops the server within this period
+            await anyio.sleep(0.2)
+        log.error("server.engine_dead", error=repr(engine.errored))
+
     async with anyio.create_task_group() as tg:
         tg.start_soon(watch_signals)
         try:
@@ -198,9 +244,16 @@ async def serve(config: EngineConfig, host: str, port: int, *, settings: ServerS
                         await event.wait()
                         waiters.cancel_scope.cancel()
 
+                    async def until_after(watch: Any) -> None:
+                        await watch()
+                        waiters.cancel_scope.cancel()
+
                     waiters.start_soon(until, stop)
                     waiters.start_soon(until, done)
-                if not stop.is_set():
+                    waiters.start_soon(until_after, watch_engine)
+                if engine.errored is not None:
+                    engine_error = EngineDead(engine.errored)
+                elif not stop.is_set():
                     engine_error = RuntimeError("the HTTP server stopped on its own")
                 stop_accepting()  # leaving the engine then ends every request in flight with SHUTDOWN
         except Exception as exc:  # noqa: BLE001 - a leak at exit, or the engine failed: reported below

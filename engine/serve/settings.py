@@ -74,3 +74,7 @@ class ServerSettings:
     tool_call_parser: str | None = attrs.field(default=None, validator=_parser_name(TOOL_PARSERS))
     #: how a reasoning model's thinking is split into `reasoning_content`; None: it stays content
     reasoning_parser: str | None = attrs.field(default=None, validator=_parser_name(REASONING_PARSERS))
+    #: also export the router-read metrics under vLLM's names (`vllm:num_requests_waiting`, ...)
+    vllm_metric_names: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    #: an `engine.kv_events.KVEventsConfig`: publish KV cache events (the `kv-events` extra); None: off
+    kv_events: Any = attrs.field(default=None)
