@@ -9,9 +9,11 @@ run, side by side, are what the benchmarks quote.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import time
+from pathlib import Path
 
 import torch
 
@@ -82,3 +84,12 @@ def fmt(stat: dict | None, digits: int = 0) -> str:
     if stat is None:
         return "-"
     return f"{stat['median']:,.{digits}f} ({stat['min']:,.{digits}f}-{stat['max']:,.{digits}f})"
+
+
+def write_results(path: str, results: dict) -> dict:
+    """Write `results` as JSON to `path` (its folder made if missing), say so, and return them."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"wrote {out}")
+    return results

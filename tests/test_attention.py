@@ -13,11 +13,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.model import attention as attention_module
+from engine.model import paged_attend
 from engine.model.attention import AttentionMetadata, PagedAttention
 from engine.model.dense_reference import dense_forward
 from engine.model.model_config import ModelConfig
 from engine.model.llama import LlamaModel
+from naive_attention import naive_attention as _naive_attention
 from resources.kv_buffers import KVBuffers
 
 PAGE_SIZE = 4
@@ -82,24 +83,6 @@ def _assert_matches_dense(model: LlamaModel, seq: _PagedSequence, count: int, lo
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
 
 
-def _naive_attention(q, k_buf, v_buf, meta: AttentionMetadata) -> torch.Tensor:
-    """Per sequence, per head, explicit float64 softmax over the gathered context."""
-    out = torch.empty_like(q, dtype=torch.float64)
-    group = q.shape[1] // k_buf.shape[1]
-    row = 0
-    for b, (q_len, kv_len) in enumerate(zip(meta.q_lens, meta.kv_lens, strict=True)):
-        locs = meta.kv_locs[b, :kv_len]
-        for i in range(q_len):
-            visible = kv_len - q_len + i + 1
-            for h in range(q.shape[1]):
-                keys = k_buf[locs[:visible], h // group].double()
-                values = v_buf[locs[:visible], h // group].double()
-                scores = keys @ q[row + i, h].double() / q.shape[2] ** 0.5
-                out[row + i, h] = torch.softmax(scores, 0) @ values
-        row += q_len
-    return out
-
-
 class TestAttentionMetadata:
     def test_from_locations_pads_and_takes_trailing_locations(self):
         """out_locs are each sequence's last q_len locations; kv_locs rows are padded with 0."""
@@ -145,12 +128,12 @@ def _paged_context(shapes, num_pages: int, gen: torch.Generator):
 @contextlib.contextmanager
 def _bag_path():
     """Every decode batch through the embedding-bag path (normally only large ones)."""
-    saved = attention_module._BAG_MIN_TOKENS
-    attention_module._BAG_MIN_TOKENS = 0
+    saved = paged_attend.BAG_MIN_TOKENS
+    paged_attend.BAG_MIN_TOKENS = 0
     try:
         yield
     finally:
-        attention_module._BAG_MIN_TOKENS = saved
+        paged_attend.BAG_MIN_TOKENS = saved
 
 
 class TestPagedMetadata:

@@ -72,6 +72,8 @@ ENGINE_CONFIG = [
     ({"admission_window": -0.001}, E + "admission_window", ">= 0"),
     ({"admission_window": 5.0}, E + "admission_window", "[0, 0.1]"),
     ({"inline_step_tokens": -1}, E + "inline_step_tokens", ">= 0"),
+    ({"weight_layout": "fast"}, E + "weight_layout", "one of"),
+    ({"weight_layout": "onednn", "device": "cuda"}, E + "weight_layout", "other than 'cpu'"),
     ({"starvation_timeout": 0}, E + "starvation_timeout", "> 0"),
     ({"structured": {"compile_timeout": 1}}, E + "structured", "StructuredConfig"),
 ]
@@ -81,6 +83,7 @@ ENGINE_BUILD = [
     ({"device": "nonsense"}, E + "device", "torch device"),
     ({"device": "meta"}, E + "device", "available"),
     ({"model": "/nonexistent/checkpoint"}, E + "model", "checkpoint"),
+    ({"dtype": "float16", "weight_layout": "onednn"}, E + "weight_layout", "'auto' or 'packed' for this model"),
 ]
 if not torch.cuda.is_available():
     ENGINE_BUILD.append(({"device": "cuda"}, E + "device", "available"))

@@ -106,6 +106,14 @@ class TestGreedyParity:
         assert (hits > 0) == prefix_cache
 
     @pytest.mark.anyio
+    async def test_packed_layout_too(self, family):
+        """weight_layout="packed" (torch.mm, no oneDNN copy) gives transformers' ids as the default layout does."""
+        async with Engine(_config(family, weight_layout="packed", prefix_cache=False)) as engine:
+            assert engine.parts.model.weight_layout == "packed"
+            got = await _run_together(engine, family.prompts)
+        assert got == family.expected
+
+    @pytest.mark.anyio
     async def test_across_a_retraction(self, family):
         """A pool too small for every request at once retracts some; outputs still equal transformers'."""
         async with Engine(_config(family, num_kv_pages=24, max_context=92)) as engine:

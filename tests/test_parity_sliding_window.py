@@ -23,6 +23,7 @@ from engine.model.dense_reference import dense_forward
 from engine.model.llama import LlamaModel
 from engine.model.model_config import ModelConfig
 from hisparse import HiSparseConfig
+from naive_attention import naive_attention as _naive
 from resources.kv_buffers import KVBuffers
 
 PAGE = 4
@@ -31,24 +32,6 @@ PAGE = 4
 def _kv(num_layers: int, num_pages: int, num_kv_heads: int, head_dim: int) -> KVBuffers:
     return KVBuffers(num_layers=num_layers, num_pages=num_pages, page_size=PAGE, num_kv_heads=num_kv_heads,
                      head_dim=head_dim, dtype=torch.float32, device="cpu")
-
-
-def _naive(q, k_buf, v_buf, meta: AttentionMetadata, window: int | None) -> torch.Tensor:
-    """Per-query float64 softmax over the sequence's last `window` positions."""
-    out = torch.empty(q.shape, dtype=torch.float64)
-    group = q.shape[1] // k_buf.shape[1]
-    row = 0
-    for b, (q_len, kv_len) in enumerate(zip(meta.q_lens, meta.kv_lens)):
-        locs = meta.kv_locs[b, :kv_len]
-        for i in range(q_len):
-            pos = kv_len - q_len + i
-            first = 0 if window is None else max(0, pos - window + 1)
-            keys, values = k_buf[locs[first : pos + 1]].double(), v_buf[locs[first : pos + 1]].double()
-            for h in range(q.shape[1]):
-                scores = keys[:, h // group] @ q[row, h].double() * q.shape[2] ** -0.5
-                out[row, h] = torch.softmax(scores, 0) @ values[:, h // group]
-            row += 1
-    return out
 
 
 class TestPagedWindow:

@@ -21,14 +21,14 @@ sees context tokens 0 ..= that position; in a layer with a sliding window W
 (`layer_windows`), only the last W of them (positions > that position - W),
 as transformers masks it.
 
-Decode rows (q_len == 1) are attended in one padded batched call; each
-prefill chunk (q_len > 1) gets its own call. K/V are gathered a page at a
-time when the context is given by pages (the engine's runner always does:
-its allocator hands out whole pages), else token by token. Grouped-query
-attention never copies K/V: the query heads that share a KV head are folded
-into the query length of that KV head, so `scaled_dot_product_attention`
-sees ``[batch, kv_heads, group * q_len, head_dim]`` against
-``[batch, kv_heads, context, head_dim]``.
+Per layer, `PagedAttention` makes one attention call for all of a step's
+decode rows (q_len == 1) and one for all of its prefill chunks (q_len > 1,
+padded to the longest chunk), planned once per step (`ContextBatch`) and
+reused by every layer with no host synchronisation. K/V are read a page at a
+time when the context is given by pages (the engine's runner always does: its
+allocator hands out whole pages), else token by token; the forms of the call
+(SDPA with or without a mask, the CPU's embedding bags, bounded blocks) are
+`engine.model.paged_attend`'s.
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ from typing import TYPE_CHECKING, Protocol
 
 import attrs
 import torch
-import torch.nn.functional as F
 from torch import Tensor
-from resources.paging import pages_for, round_up
+
+from engine.model.paged_attend import ContextBatch, attend, attend_fresh
 
 if TYPE_CHECKING:
     from resources.kv_buffers import KVBuffers
@@ -153,11 +153,10 @@ class AttentionMetadata:
 class PagedAttention:
     """`AttentionBackend` over paged KV buffers, for one step.
 
-    Construct one per step; the per-step plan (which rows decode together,
-    the gather indices, the padding masks) is built once here and reused by
+    Construct one per step; the plan (which rows decode together, which
+    prefill chunks, their contexts and masks) is built once here and reused by
     every layer, with no host synchronisation. `layer_windows[layer_id]` is
-    that layer's sliding window (None or absent: full causal attention); one
-    set of masks is built per distinct window.
+    that layer's sliding window (None or absent: full causal attention).
     """
 
     def __init__(self, kv: KVBuffers, meta: AttentionMetadata, layer_windows: Sequence[int | None] = ()) -> None:
@@ -167,32 +166,66 @@ class PagedAttention:
         # NOTE: a window at least as long as every context is no window
         self._windows = tuple(None if w is not None and w >= longest else w for w in layer_windows)
         device = meta.out_locs.device
-        q_lens, kv_lens = meta.q_lens, meta.kv_lens
-        self._decode_rows: Tensor | slice | None = None
-        self._decode: _Gather | None = None
-        # (row slice in T, context gather, window -> causal mask [1, 1, q_len, width]) per prefill chunk
-        self._prefills: list[tuple[slice, _Gather, dict[int | None, Tensor]]] = []
+        q_lens, kv_lens, ps = meta.q_lens, meta.kv_lens, kv.page_size
+        context, unit = (meta.kv_locs, 1) if meta.kv_pages is None else (meta.kv_pages, meta.page_size)
+        assert context is not None  # exactly one of kv_locs and kv_pages (checked at construction)
+        #: the decode rows' batch and their rows of T (None: every row, in order)
+        self._decode: ContextBatch | None = None
+        self._decode_rows: Tensor | None = None
+        #: the prefill chunks' batch ([C, Q] queries), where its queries come from and its outputs go
+        self._prefill: ContextBatch | None = None
+        self._prefill_queries: Tensor | None = None  # rows of T, [C * Q]; None: T is exactly [C, Q]
+        self._prefill_out: tuple[Tensor, Tensor | None] | None = None  # (rows of [C * Q], rows of T or None: all)
+        #: every sequence a whole prompt in one chunk, all of one length: attended on their own k/v ([C, Q])
+        self._fresh: tuple[int, int] | None = None
+        self._fresh_masks: dict[int | None, Tensor] = {}
+        if q_lens == kv_lens and min(q_lens) == max(q_lens) > 1:
+            self._fresh = (len(q_lens), q_lens[0])
+            return
         if meta.is_decode_only:
-            self._decode_rows = slice(None)
-            self._decode = _Gather.of(kv, meta, range(len(q_lens)), device)
+            positions = torch.tensor(kv_lens, device=device)[:, None] - 1
+            self._decode = ContextBatch.of(context, unit, ps, kv_lens, positions, q_lens)
             return
         starts = [0]
         for q_len in q_lens:
             starts.append(starts[-1] + q_len)
-        decode_seqs = [b for b, q_len in enumerate(q_lens) if q_len == 1]
-        if decode_seqs:
-            self._decode_rows = torch.tensor([starts[b] for b in decode_seqs], device=device)
-            self._decode = _Gather.of(kv, meta, decode_seqs, device)
-        for b, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens, strict=True)):
-            if q_len == 1:
-                continue
-            gather = _Gather.of(kv, meta, [b], device)
-            query_pos = torch.arange(kv_len - q_len, kv_len, device=device)
-            keys = torch.arange(gather.width, device=device)[None, :]
-            masks: dict[int | None, Tensor] = {None: (keys <= query_pos[:, None])[None, None]}
-            for window in {w for w in self._windows if w is not None}:
-                masks[window] = masks[None] & (keys > query_pos[:, None] - window)[None, None]
-            self._prefills.append((slice(starts[b], starts[b + 1]), gather, masks))
+        decode = [b for b, q_len in enumerate(q_lens) if q_len == 1]
+        prefill = [b for b, q_len in enumerate(q_lens) if q_len > 1]
+        if decode:
+            self._decode_rows = torch.tensor([starts[b] for b in decode], device=device)
+            lens = [kv_lens[b] for b in decode]
+            self._decode = ContextBatch.of(context.index_select(0, torch.tensor(decode, device=device)), unit, ps,
+                                           lens, torch.tensor(lens, device=device)[:, None] - 1, [1] * len(decode))
+        self._plan_prefill(context, unit, ps, prefill, starts, q_lens, kv_lens, whole=not decode)
+
+    def _plan_prefill(self, context: Tensor, unit: int, page_size: int, seqs: list[int], starts: list[int],
+                      q_lens: Sequence[int], kv_lens: Sequence[int], whole: bool) -> None:
+        """The prefill chunks `seqs` as one batch ``[C, Q]``, Q the longest chunk;
+        a shorter chunk's padding queries repeat its last query. `whole`: the
+        chunks are every sequence of the step."""
+        device = context.device
+        width = max(q_lens[b] for b in seqs)
+        positions: list[int] = []
+        queries: list[int] = []
+        source: list[int] = []
+        for c, b in enumerate(seqs):
+            q_len, first, start = q_lens[b], kv_lens[b] - q_lens[b], starts[b]
+            pad = width - q_len
+            positions.extend(range(first, first + q_len))
+            positions.extend([first + q_len - 1] * pad)
+            queries.extend(range(start, start + q_len))
+            queries.extend([start + q_len - 1] * pad)
+            source.extend(range(c * width, c * width + q_len))
+        rows = context if whole else context.index_select(0, torch.tensor(seqs, device=device))
+        self._prefill = ContextBatch.of(rows, unit, page_size, [kv_lens[b] for b in seqs],
+                                        torch.tensor(positions, device=device).view(len(seqs), width),
+                                        [q_lens[b] for b in seqs])
+        if whole and len(source) == len(queries):  # every sequence a chunk of the same length: T is [C, Q]
+            return
+        self._prefill_queries = torch.tensor(queries, device=device)
+        target = None if whole else torch.tensor([starts[b] + i for b in seqs for i in range(q_lens[b])],
+                                                 device=device)
+        self._prefill_out = (torch.tensor(source, device=device), target)
 
     @classmethod
     def decode(cls, kv: KVBuffers, out_locs: Tensor, pages: Tensor, kv_lens: Tensor,
@@ -203,8 +236,9 @@ class PagedAttention:
         tokens in the pages `pages` ``[B, P]`` (page size `kv.page_size`)."""
         self = cls.__new__(cls)
         self._kv, self._out_locs, self._windows = kv, out_locs, tuple(layer_windows)
-        self._decode_rows, self._prefills = slice(None), []
-        self._decode = _Gather(pages, kv.page_size, kv_lens)
+        self._decode_rows, self._prefill, self._prefill_queries, self._prefill_out = None, None, None, None
+        self._fresh, self._fresh_masks = None, {}
+        self._decode = ContextBatch(pages, kv.page_size, kv_lens, (kv_lens - 1)[:, None], q_len=1)
         return self
 
     @classmethod
@@ -217,19 +251,34 @@ class PagedAttention:
         k_buf, v_buf = self._kv.k[layer_id], self._kv.v[layer_id]
         # NOTE: padded rows may all write location 0 in one step; which one
         # wins is unspecified, and harmless, since location 0 is never context.
-        k_buf.index_copy_(0, self._out_locs, k.to(k_buf.dtype))
-        v_buf.index_copy_(0, self._out_locs, v.to(v_buf.dtype))
+        k_buf.index_copy_(0, self._out_locs, k if k.dtype == k_buf.dtype else k.to(k_buf.dtype))
+        v_buf.index_copy_(0, self._out_locs, v if v.dtype == v_buf.dtype else v.to(v_buf.dtype))
         window = self._windows[layer_id] if layer_id < len(self._windows) else None
-        decode = self._decode
-        if decode is not None and not self._prefills:
-            return _decode_attend(q, k_buf, v_buf, decode, window)  # NOTE: the common case: no scatter into `out`
+        if self._fresh is not None:
+            chunks, width = self._fresh
+            shape = (chunks, width, -1, q.shape[2])
+            out = attend_fresh(q.view(shape), k.view(shape), v.view(shape), window, self._fresh_masks)
+            return out.reshape(q.shape)
+        decode, prefill, rows = self._decode, self._prefill, self._decode_rows
+        if prefill is None:  # NOTE: the common case, every row decodes: no scatter into `out`
+            assert decode is not None
+            return attend(q[:, None], k_buf, v_buf, decode, window)[:, 0]
+        tokens, heads, head_dim = q.shape
+        chunks, width = prefill.query_pos.shape
+        queries = q if self._prefill_queries is None else q.index_select(0, self._prefill_queries)
+        chunked = attend(queries.view(chunks, width, heads, head_dim), k_buf, v_buf, prefill, window)
+        if self._prefill_out is None:
+            return chunked.reshape(tokens, heads, head_dim)
+        source, target = self._prefill_out
+        chunked = chunked.reshape(chunks * width, heads, head_dim).index_select(0, source)
+        if target is None:
+            return chunked
         out = torch.empty_like(q)
+        out[target] = chunked
         if decode is not None:
-            rows = self._decode_rows
-            out[rows] = _decode_attend(q[rows], k_buf, v_buf, decode, window)
-        for rows, gather, masks in self._prefills:
-            out[rows] = _attend(q[rows][None], k_buf, v_buf, gather, masks[window])[0]
+            out[rows] = attend(q[rows][:, None], k_buf, v_buf, decode, window)[:, 0]
         return out
+
 
 
 @attrs.frozen
@@ -243,149 +292,3 @@ class PagedFactory:
 
     def __call__(self, seqs: Sequence[object], meta: AttentionMetadata) -> PagedAttention:
         return PagedAttention(self.kv, meta, self.layer_windows)
-
-
-class _Gather:
-    """Which K/V rows some sequences attend over, and how to fetch them: whole
-    pages when the context is given by pages (or its locations turn out
-    page-aligned), else token by token.
-
-    NOTE: gathering 16-token pages instead of single tokens moves the same
-    bytes in 16x fewer, 16x larger rows; on CPU that is most of a decode step.
-    """
-
-    __slots__ = ("index", "unit", "width", "mask", "_columns", "_kv_lens", "_decode_plan", "_additive")
-
-    def __init__(self, index: Tensor, unit: int, kv_lens: Tensor) -> None:
-        self._columns = index  # [B, columns] page ids (unit > 1) or token locations
-        self._kv_lens = kv_lens
-        self.index = index.reshape(-1)  # [B * columns], rows of `unit` tokens
-        self.unit = unit
-        self.width = index.shape[1] * unit
-        # [B, 1 (kv heads), 1 (query rows), width]: a decode query sees its whole context
-        self.mask = (torch.arange(self.width, device=index.device) < kv_lens[:, None])[:, None, None, :]
-        self._decode_plan: tuple[Tensor, Tensor] | None = None
-        self._additive: dict[int | None, Tensor] = {}
-
-    def additive_mask(self, window: int | None, dtype: torch.dtype) -> Tensor:
-        """``[B, 1, width]``: 0 where a decode query sees the key, -inf where not
-        (past its context, or before `window`); built once per step and window."""
-        additive = self._additive.get(window)
-        if additive is None:
-            visible = self.mask[:, 0]
-            if window is not None:  # the new token sits at kv_len - 1 and sees the keys after kv_len - 1 - window
-                first = (self._kv_lens - window)[:, None, None]
-                visible = visible & (torch.arange(self.width, device=visible.device) >= first)
-            zeros = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
-            additive = self._additive[window] = zeros.masked_fill_(~visible, float("-inf"))
-        return additive
-
-    def value_bags(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """(value-row bags ``[B * num_heads, width]``, scaled KV-head identity
-        ``[KVH, KVH]``), built on the first layer's call and reused by the others.
-
-        Bag ``b * num_heads + h`` lists, for each context column, the row of
-        ``v_buf.view(-1, head_dim)`` that query head h of sequence b reads:
-        ``location * num_kv_heads + h // group``.
-        """
-        if self._decode_plan is None:
-            columns = self._columns
-            device = columns.device
-            tokens = columns if self.unit == 1 else _token_locations(columns, self.unit)
-            kv_head = torch.arange(num_heads, device=device) // (num_heads // num_kv_heads)
-            bags = (tokens[:, None, :] * num_kv_heads + kv_head[None, :, None]).view(-1, self.width)
-            eye = torch.eye(num_kv_heads, dtype=dtype, device=device) * head_dim**-0.5
-            self._decode_plan = (bags, eye)
-        return self._decode_plan
-
-    @classmethod
-    def of(cls, kv: KVBuffers, meta: AttentionMetadata, seqs: Sequence[int], device: torch.device) -> _Gather:
-        lens = [meta.kv_lens[b] for b in seqs]
-        everyone = len(seqs) == len(meta.kv_lens)
-        rows = None if everyone else torch.tensor(list(seqs), device=device)
-        kv_lens = torch.tensor(lens, device=device)
-        ps = kv.page_size
-        if meta.kv_pages is not None and meta.page_size == ps:
-            pages = meta.kv_pages[:, : pages_for(max(lens), ps)]
-            return cls(pages if rows is None else pages.index_select(0, rows), ps, kv_lens)
-        locs = meta.kv_locs if meta.kv_pages is None else _token_locations(meta.kv_pages, meta.page_size)
-        assert locs is not None  # exactly one of kv_locs and kv_pages (checked at construction)
-        locs = locs[:, : max(lens)]
-        if rows is not None:
-            locs = locs.index_select(0, rows)
-        if ps > 1:  # page-aligned after all? (one check per step, not per layer)
-            width = round_up(locs.shape[1], ps)
-            padded = F.pad(locs, (0, width - locs.shape[1]))
-            pages = padded[:, ::ps] // ps
-            if bool((_token_locations(pages, ps)[:, : locs.shape[1]] == locs).all()):
-                return cls(pages, ps, kv_lens)
-        return cls(locs, 1, kv_lens)
-
-    def fetch(self, buf: Tensor) -> Tensor:
-        """``[B, width, kv_heads, head_dim]`` rows of `buf` at the planned locations."""
-        batch = self.mask.shape[0]
-        rows = buf.view(-1, self.unit, *buf.shape[1:]) if self.unit > 1 else buf
-        return rows.index_select(0, self.index).view(batch, self.width, *buf.shape[1:])
-
-
-def _token_locations(pages: Tensor, page_size: int) -> Tensor:
-    offsets = torch.arange(page_size, device=pages.device)
-    return (pages[:, :, None] * page_size + offsets).reshape(pages.shape[0], -1)
-
-
-#: below this many context tokens in a decode batch (measured: batch 1 x 192 tokens
-#: is faster through SDPA, batch 8 x 192 through the bags), gathering K and V for
-#: `scaled_dot_product_attention` costs less than the bag path's extra ops
-_BAG_MIN_TOKENS = 1024
-
-
-def _decode_attend(q: Tensor, k_buf: Tensor, v_buf: Tensor, gather: _Gather, window: int | None = None) -> Tensor:
-    """One query per sequence, `q` ``[B, H, D]``, over the context `gather`
-    names; returns ``[B, H, D]``.
-
-    NOTE: from `_BAG_MIN_TOKENS` context tokens on, the values are never
-    gathered: softmax(q . K) . V is one `embedding_bag` over the value rows
-    (a fused gather and weighted sum), and q . K one `bmm` of the gathered keys ``[B, width, KVH * D]`` against the
-    queries laid out block-diagonally ``[B, H, KVH * D]`` (head h's query in
-    the block of its KV head, zeros elsewhere: KVH times the multiply-adds of
-    a dot product per head, which here cost nothing next to the bytes). The
-    step reads each key once more and each value once, where gathering both
-    for `scaled_dot_product_attention` writes and reads them all again.
-    """
-    batch, num_heads, head_dim = q.shape
-    num_kv_heads = k_buf.shape[1]
-    group = num_heads // num_kv_heads
-    mask = gather.additive_mask(window, q.dtype)
-    if batch * gather.width < _BAG_MIN_TOKENS:
-        return _attend(q[:, None], k_buf, v_buf, gather, mask[:, :, None, :]).squeeze(1)
-    bags, eye = gather.value_bags(num_heads, num_kv_heads, head_dim, q.dtype)
-    keys = gather.fetch(k_buf).to(q.dtype).view(batch, gather.width, num_kv_heads * head_dim)
-    block_q = (q.view(batch, num_kv_heads, group, 1, head_dim) * eye.view(1, num_kv_heads, 1, num_kv_heads, 1))
-    scores = torch.bmm(block_q.view(batch, num_heads, num_kv_heads * head_dim), keys.transpose(1, 2))
-    weights = torch.softmax(scores + mask, dim=-1).to(v_buf.dtype)  # [B, H, width]
-    out = F.embedding_bag(bags, v_buf.view(-1, head_dim), per_sample_weights=weights.view(-1, gather.width),
-                          mode="sum")
-    return out.view(batch, num_heads, head_dim).to(q.dtype)
-
-
-def _attend(q: Tensor, k_buf: Tensor, v_buf: Tensor, gather: _Gather, mask: Tensor) -> Tensor:
-    """Attend `q` ``[B, Q, H, D]`` over the K/V that `gather` fetches; `mask`
-    is boolean, broadcastable to ``[B, 1, group * Q, width]`` where query row
-    ``g * Q + i`` is head-group member g, query i. Returns ``[B, Q, H, D]``."""
-    batch, q_len, num_heads, head_dim = q.shape
-    num_kv_heads = k_buf.shape[1]
-    group = num_heads // num_kv_heads
-    keys = gather.fetch(k_buf).to(q.dtype).transpose(1, 2)  # [B, KVH, L, D]
-    values = gather.fetch(v_buf).to(q.dtype).transpose(1, 2)
-    if q_len == 1:
-        folded = q.view(batch, num_kv_heads, group, head_dim)
-    else:
-        folded = q.view(batch, q_len, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
-        folded = folded.reshape(batch, num_kv_heads, group * q_len, head_dim)
-        if group > 1:
-            mask = mask.expand(batch, 1, q_len, -1).repeat(1, 1, group, 1)
-    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask)
-    if q_len == 1:
-        return out.reshape(batch, 1, num_heads, head_dim)
-    out = out.view(batch, num_kv_heads, group, q_len, head_dim).permute(0, 3, 1, 2, 4)
-    return out.reshape(batch, q_len, num_heads, head_dim)

@@ -3,7 +3,9 @@ Gemma's ``1 + weight`` variant) and the gated MLP (SwiGLU, or Gemma's
 tanh-GELU GeGLU).
 
 Both follow transformers' arithmetic order, so a float16/bfloat16 model rounds
-where transformers rounds.
+where transformers rounds. The norm is torch's own `F.rms_norm` (one fused
+kernel on CUDA; on CPU the same float32 arithmetic as transformers', bit for
+bit), and `RMSNorm.add_norm` adds the residual in place before normalising.
 """
 
 from __future__ import annotations
@@ -32,6 +34,21 @@ class RMSNorm(nn.Module):
         self.gemma = gemma
 
     def forward(self, x: Tensor) -> Tensor:
+        shape = (x.shape[-1],)
+        if self.gemma:
+            return (F.rms_norm(x.float(), shape, None, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, shape, self.weight, self.eps)
+        # NOTE: transformers rounds the normalised value to the model's dtype before scaling
+        return self.weight * F.rms_norm(x.float(), shape, None, self.eps).to(x.dtype)
+
+    def add_norm(self, residual: Tensor, update: Tensor) -> Tensor:
+        """``residual += update`` in place, then the norm of the sum (the
+        residual stream's step between two sublayers)."""
+        return self(residual.add_(update))
+
+    def reference(self, x: Tensor) -> Tensor:
+        """The norm as transformers writes it, op by op (the tests' reference)."""
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.gemma:

@@ -28,7 +28,8 @@ from engine.model.attention import AttentionBackend
 from engine.model.layers import GatedMLP, RMSNorm
 from engine.model.model_config import ModelConfig, VisionConfig
 from engine.model.moe import MoEFeedForward
-from engine.model.rope import RotaryEmbedding, apply_rope
+from engine.model.projection import Projection, pack_linears, resolve_layout
+from engine.model.rope import RotaryEmbedding, apply_rope, apply_rope_
 
 __all__ = ["LlamaModel", "apply_rope"]
 
@@ -40,6 +41,9 @@ class SelfAttention(nn.Module):
     qkv_t: Tensor | None
     qkv_bias: Tensor | None
     o_t: Tensor | None
+    #: set by `LlamaModel.pack`: the fused q/k/v projection and o_proj
+    qkv: Projection | None = None
+    o: Projection | None = None
 
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
@@ -58,39 +62,40 @@ class SelfAttention(nn.Module):
         self.register_buffer("o_t", None, persistent=False)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: AttentionBackend) -> Tensor:
+        """The reference: transformers' ops in its order, on the Hugging Face parameters."""
         tokens = x.shape[0]
-        if self.qkv_t is not None:
-            return self._packed_forward(x, cos, sin, attention)
         q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.q_norm.reference(q), self.k_norm.reference(k)
         out = attention.attend(self.layer_id, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
-    def _packed_forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: AttentionBackend) -> Tensor:
-        """`forward` on the packed weights: one matmul for q/k/v, RoPE once for q and k."""
+    def fused(self, x: Tensor, rope: Tensor, attention: AttentionBackend) -> Tensor:
+        """`forward` on the packed weights: one matmul for q/k/v, RoPE in place on
+        q and k together from the table rows `rope`, one matmul for o."""
         tokens, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
-        qkv_t, qkv_bias, o_t = self.qkv_t, self.qkv_bias, self.o_t
-        assert qkv_t is not None and o_t is not None  # `pack` sets both
-        qkv = torch.mm(x, qkv_t) if qkv_bias is None else torch.addmm(qkv_bias, x, qkv_t)
-        qkv = qkv.view(tokens, heads + 2 * kv_heads, self.head_dim)
+        qkv_proj, o_proj = self.qkv, self.o
+        assert qkv_proj is not None and o_proj is not None  # `LlamaModel.pack` sets both
+        qkv = qkv_proj(x).view(tokens, heads + 2 * kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q = apply_rope(self.q_norm(qkv[:, :heads]), cos, sin)
-            k = apply_rope(self.k_norm(qkv[:, heads : heads + kv_heads]), cos, sin)
+            q = apply_rope_(self.q_norm(qkv[:, :heads]), rope)
+            k = apply_rope_(self.k_norm(qkv[:, heads : heads + kv_heads]), rope)
         else:
-            qk = apply_rope(qkv[:, : heads + kv_heads], cos, sin)
-            q, k = qk[:, :heads], qk[:, heads:]
-        out = attention.attend(self.layer_id, q, k, qkv[:, heads + kv_heads :]).reshape(tokens, heads * self.head_dim)
-        bias = self.o_proj.bias
-        return torch.mm(out, o_t) if bias is None else torch.addmm(bias, out, o_t)
+            apply_rope_(qkv[:, : heads + kv_heads], rope)
+            q, k = qkv[:, :heads], qkv[:, heads : heads + kv_heads]
+        out = attention.attend(self.layer_id, q, k, qkv[:, heads + kv_heads :])
+        return o_proj(out.reshape(tokens, heads * self.head_dim))
 
 
 class DecoderLayer(nn.Module):
     gate_up_t: Tensor | None
     gate_up_bias: Tensor | None
     down_t: Tensor | None
+    #: set by `LlamaModel.pack` (dense MLP only): the fused gate/up projection and down_proj
+    gate_up: Projection | None = None
+    down: Projection | None = None
 
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
@@ -109,24 +114,42 @@ class DecoderLayer(nn.Module):
         self.register_buffer("down_t", None, persistent=False)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: AttentionBackend) -> tuple[Tensor, Tensor | None]:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention)
-        normed = self.post_attention_layernorm(x)
+        """The reference: transformers' ops in its order, on the Hugging Face parameters."""
+        x = x + self.self_attn(self.input_layernorm.reference(x), cos, sin, attention)
+        normed = self.post_attention_layernorm.reference(x)
         if isinstance(self.mlp, MoEFeedForward):
             ffn_out, routing = self.mlp(normed)
             return x + ffn_out, routing
-        if self.gate_up_t is not None:
-            return x + self._packed_mlp(normed), None
         return x + self.mlp(normed), None
 
-    def _packed_mlp(self, x: Tensor) -> Tensor:
-        """`GatedMLP.forward` on the packed weights: one matmul for gate and up."""
-        mlp, gate_up_t, gate_up_bias, down_t = self.mlp, self.gate_up_t, self.gate_up_bias, self.down_t
-        assert isinstance(mlp, GatedMLP) and gate_up_t is not None and down_t is not None  # `pack` sets them
-        gate_up = torch.mm(x, gate_up_t) if gate_up_bias is None else torch.addmm(gate_up_bias, x, gate_up_t)
-        gate, up = gate_up.chunk(2, dim=-1)
-        hidden = mlp.act(gate) * up
-        bias = mlp.down_proj.bias
-        return torch.mm(hidden, down_t) if bias is None else torch.addmm(bias, hidden, down_t)
+    def fused(self, residual: Tensor, normed: Tensor, next_norm: RMSNorm | None, rope: Tensor,
+              attention: AttentionBackend) -> tuple[Tensor | None, Tensor | None]:
+        """The layer on the packed weights, with the residual stream updated in
+        place: `normed` is this layer's input norm of `residual`; returns
+        `next_norm` of the updated residual (the next layer's input norm; None
+        for the last layer, whose caller norms only the rows it needs) and the
+        MoE routing (None for a dense layer)."""
+        normed = self.post_attention_layernorm.add_norm(residual, self.self_attn.fused(normed, rope, attention))
+        routing = None
+        if isinstance(self.mlp, MoEFeedForward):
+            ffn_out, routing = self.mlp(normed)
+        else:
+            ffn_out = self._fused_mlp(normed)
+        if next_norm is None:
+            residual.add_(ffn_out)
+            return None, routing
+        return next_norm.add_norm(residual, ffn_out), routing
+
+    def _fused_mlp(self, x: Tensor) -> Tensor:
+        """`GatedMLP.forward` on the packed weights: one matmul for gate and up, the
+        activation and the product in place."""
+        mlp, gate_up, down = self.mlp, self.gate_up, self.down
+        assert isinstance(mlp, GatedMLP) and gate_up is not None and down is not None  # `pack` sets them
+        both = gate_up(x)
+        width = both.shape[-1] // 2
+        gate, up = both[:, :width], both[:, width:]  # NOTE: slices, not chunk(): views that may be written in place
+        hidden = F.silu(gate, inplace=True) if mlp.act is F.silu else mlp.act(gate)
+        return down(hidden.mul_(up))
 
 
 class VisionProjector(nn.Module):
@@ -184,7 +207,14 @@ class LlamaModel(nn.Module):
         )
         self.vision_projector = None if config.vision is None else VisionProjector(config.vision, config.hidden_size)
         self.register_buffer("head_t", None, persistent=False)  # set by `pack`: the LM head [hidden, vocab]
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
+                                      config.max_position_embeddings)
+        #: the layout `pack` chose (`engine.model.projection`); None: not packed, every forward is the reference
+        self.weight_layout: str | None = None
+        self._head: Projection | None = None
+        self._projections: list[Projection] = []
+        self._layers: list[DecoderLayer] = []
+        self.register_load_state_dict_post_hook(_refresh_blocked)
 
     @classmethod
     def from_seed(
@@ -272,6 +302,8 @@ class LlamaModel(nn.Module):
         hidden = self.model.embed_tokens(input_ids) if input_embeds is None else input_embeds.to(self.dtype)
         if self.config.scale_embeddings:
             hidden = hidden * torch.tensor(self.config.hidden_size**0.5, dtype=hidden.dtype)
+        if self.weight_layout is not None:
+            return self._fused_forward(hidden, positions, attention, input_embeds, output_rows, routing)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
         for layer in self.model.layers:
             hidden, layer_routing = layer(hidden, cos, sin, attention)
@@ -279,15 +311,37 @@ class LlamaModel(nn.Module):
                 routing.append(layer_routing)
         if output_rows is not None:
             hidden = hidden[output_rows]
-        hidden = self.model.norm(hidden)
-        if self.head_t is not None:
-            return torch.mm(hidden, self.head_t).float()
+        hidden = self.model.norm.reference(hidden)
         head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, head).float()
 
+    def _fused_forward(self, hidden: Tensor, positions: Tensor, attention: AttentionBackend,
+                       input_embeds: Tensor | None, output_rows: Tensor | None,
+                       routing: list[Tensor] | None) -> Tensor:
+        """`forward` on the packed weights: the residual stream updated in place,
+        each norm fused with the residual add before it, RoPE rows looked up once."""
+        if input_embeds is not None and hidden is input_embeds:
+            hidden = hidden.clone()  # NOTE: the residual stream is written in place; never the caller's tensor
+        rope = self.rotary.lookup(positions, hidden.dtype)
+        layers = self._layers
+        normed: Tensor | None = layers[0].input_layernorm(hidden)
+        for i, layer in enumerate(layers):
+            assert normed is not None
+            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else None
+            normed, layer_routing = layer.fused(hidden, normed, next_norm, rope, attention)
+            if layer_routing is not None and routing is not None:
+                routing.append(layer_routing)
+        if output_rows is not None:
+            hidden = hidden.index_select(0, output_rows)
+        assert self._head is not None  # `pack` sets it
+        logits = self._head(self.model.norm(hidden))
+        return logits if logits.dtype == torch.float32 else logits.float()
+
     @torch.no_grad()
-    def pack(self) -> None:
-        """Pack the weights for fast steps, once, in place (idempotent).
+    def pack(self, layout: str = "auto") -> None:
+        """Pack the weights for fast steps, once, in place: the first call
+        decides, later calls change nothing. From then on `forward` takes the
+        fused path (`DecoderLayer.fused`); before it, the reference path.
 
         Each layer's q/k/v projections and its dense MLP's gate/up are stacked
         into one matrix, and every projection and the untied LM head are stored
@@ -295,33 +349,45 @@ class LlamaModel(nn.Module):
         up to twice as fast as `F.linear` reads ``[out, in]``. The Hugging Face
         parameters become views into the packed tensors, so the state dict
         keeps its names and shapes, loading into it updates the packed tensors,
-        and no weight is held twice. Call it with the model on its final device.
+        and no weight is held twice. `layout` ("auto", "packed", "onednn":
+        `engine.model.projection`) may add a oneDNN blocked copy of each.
+        Call it with the model on its final device.
         """
+        if self.weight_layout is not None:
+            return
+        layout = resolve_layout(layout, self.device, self.dtype)
+        projections: list[Projection] = []
+
+        def projection(weight_t: Tensor, bias: Tensor | None) -> Projection:
+            projections.append(Projection(weight_t, bias, layout))
+            return projections[-1]
+
         for layer in self.model.layers:
             assert isinstance(layer, DecoderLayer)
             attn = layer.self_attn
-            if attn.qkv_t is None:
-                attn.qkv_t, attn.qkv_bias = _pack([attn.q_proj, attn.k_proj, attn.v_proj])
-                attn.o_t, _ = _pack([attn.o_proj])
-            if isinstance(layer.mlp, GatedMLP) and layer.gate_up_t is None:
-                layer.gate_up_t, layer.gate_up_bias = _pack([layer.mlp.gate_proj, layer.mlp.up_proj])
-                layer.down_t, _ = _pack([layer.mlp.down_proj])
+            attn.qkv_t, attn.qkv_bias = pack_linears([attn.q_proj, attn.k_proj, attn.v_proj])
+            attn.o_t, _ = pack_linears([attn.o_proj])
+            attn.qkv, attn.o = projection(attn.qkv_t, attn.qkv_bias), projection(attn.o_t, attn.o_proj.bias)
+            if isinstance(layer.mlp, GatedMLP):
+                layer.gate_up_t, layer.gate_up_bias = pack_linears([layer.mlp.gate_proj, layer.mlp.up_proj])
+                layer.down_t, _ = pack_linears([layer.mlp.down_proj])
+                layer.gate_up = projection(layer.gate_up_t, layer.gate_up_bias)
+                layer.down = projection(layer.down_t, layer.mlp.down_proj.bias)
             elif isinstance(layer.mlp, MoEFeedForward):
                 layer.mlp.pack()  # the experts' weights stacked (engine.model.moe)
-        if self.lm_head is not None and self.head_t is None:
-            self.head_t, _ = _pack([self.lm_head])
+        if self.lm_head is not None:
+            self.head_t, _ = pack_linears([self.lm_head])
+            self._head = projection(self.head_t, None)
+        else:  # tied: the embedding's own storage, read transposed
+            self._head = projection(self.model.embed_tokens.weight.t(), None)
+        self._projections = projections
+        self._layers = [layer for layer in self.model.layers if isinstance(layer, DecoderLayer)]
+        self.weight_layout = layout
 
 
-def _pack(linears: list[nn.Linear]) -> tuple[Tensor, Tensor | None]:
-    """The linears' weights stacked and transposed, ``[in, sum of out]``, and
-    their biases stacked (None without); each weight and bias becomes a view."""
-    packed = torch.cat([m.weight for m in linears]).t().contiguous()
-    bias = None if linears[0].bias is None else torch.cat([m.bias for m in linears])
-    start = 0
-    for m in linears:
-        end = start + m.out_features
-        m.weight = nn.Parameter(packed[:, start:end].t(), requires_grad=m.weight.requires_grad)
-        if bias is not None:
-            m.bias = nn.Parameter(bias[start:end], requires_grad=m.bias.requires_grad)
-        start = end
-    return packed, bias
+def _refresh_blocked(module: nn.Module, incompatible_keys: object) -> None:
+    """After `load_state_dict` into a packed model: rebuild each oneDNN blocked copy."""
+    assert isinstance(module, LlamaModel)
+    for projection in module._projections:
+        if projection.blocked is not None:
+            projection.refresh()

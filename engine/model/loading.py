@@ -5,7 +5,8 @@ no-compute runner) or a local checkpoint directory.
 ``EngineConfig.dtype="auto"`` (the default) means float32 for the built-in
 models and the checkpoint's own ``torch_dtype`` for a directory. The returned
 `ModelConfig.dtype` is always the dtype the weights were loaded in, which is
-what the KV buffers follow.
+what the KV buffers follow. The model comes back packed in
+``EngineConfig.weight_layout`` (`LlamaModel.pack`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,12 @@ def load_model(config: EngineConfig, device: torch.device) -> tuple[ModelConfig,
 
         model, model_config, tokenizer = load_checkpoint(config.model, device=device, dtype=dtype)
         bundle = model_config, model, tokenizer
+    model = bundle[1]
+    try:
+        model.pack(config.weight_layout)
+    except ValueError as exc:  # "onednn" for a dtype it does not cover
+        raise InvalidConfig("EngineConfig.weight_layout", f"'auto' or 'packed' for this model ({exc})",
+                            config.weight_layout) from exc
     if config.hisparse is not None and model_config.has_sliding_window:
         raise InvalidConfig("EngineConfig.hisparse", "None for a model with sliding-window attention "
                             f"(sliding_window={model_config.sliding_window})", config.hisparse)

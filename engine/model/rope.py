@@ -95,34 +95,74 @@ def _yarn(inv_freq: Tensor, head_dim: int, theta: float, scaling: RopeScaling) -
     return interpolated * (1 - extrapolation) + inv_freq * extrapolation, float(attention_factor)
 
 
-class RotaryEmbedding:
-    """cos/sin tables for explicit positions. The inverse frequencies are
-    computed on first use on each device and never stored in the state dict,
-    so a model built on the meta device needs nothing restored."""
+#: the most positions `RotaryEmbedding.table` caches (64 MiB at head_dim 128 in float32)
+MAX_TABLE_POSITIONS = 1 << 17
 
-    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None) -> None:
+
+class RotaryEmbedding:
+    """cos/sin for explicit positions. The inverse frequencies are computed on
+    first use on each device and never stored in the state dict, so a model
+    built on the meta device needs nothing restored.
+
+    `table` caches, per device and dtype, the cos and sin of every position
+    below `max_positions` (as transformers computes them: float32 angles,
+    then the dtype), so a step looks its positions up with one `index_select`
+    instead of computing them (``max_positions * head_dim`` values, like
+    vLLM's ``cos_sin_cache``: 0.5 MiB for the anchor model in float32).
+    Past `MAX_TABLE_POSITIONS` positions no table is kept and `lookup`
+    computes its rows instead.
+    """
+
+    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None, max_positions: int = 0) -> None:
         self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
+        self.max_positions = max_positions
         self._per_device: dict[torch.device, tuple[Tensor, float]] = {}
+        self._tables: dict[tuple[torch.device, torch.dtype], Tensor] = {}
 
     def inverse_frequencies(self, device: torch.device) -> Tensor:
-        return self._tables(device)[0]
+        return self._frequencies(device)[0]
 
-    def _tables(self, device: torch.device) -> tuple[Tensor, float]:
+    def _frequencies(self, device: torch.device) -> tuple[Tensor, float]:
         tables = self._per_device.get(device)
         if tables is None:
             tables = scaled_inverse_frequencies(self.head_dim, self.theta, self.scaling, device)
             self._per_device[device] = tables
         return tables
 
-    def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """``[T, head_dim]`` cos and sin for `positions` ``[T]``."""
-        inv_freq, attention_factor = self._tables(positions.device)
+    def _half_cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """Float32 ``[T, head_dim / 2]`` cos and sin, scaled by the attention factor."""
+        inv_freq, attention_factor = self._frequencies(positions.device)
         angles = positions.float()[:, None] * inv_freq[None, :]
-        angles = torch.cat((angles, angles), dim=-1)
         cos, sin = angles.cos(), angles.sin()
         if attention_factor != 1.0:
             cos, sin = cos * attention_factor, sin * attention_factor
-        return cos.to(dtype), sin.to(dtype)
+        return cos, sin
+
+    def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """``[T, head_dim]`` cos and sin for `positions` ``[T]``, computed (the reference)."""
+        cos, sin = self._half_cos_sin(positions)
+        return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((sin, sin), dim=-1).to(dtype)
+
+    def table(self, device: torch.device, dtype: torch.dtype) -> Tensor | None:
+        """``[max_positions, head_dim]``: row p is cos then sin of position p's
+        ``head_dim / 2`` angles, in `dtype`; built once per device and dtype
+        (None when `max_positions` is 0 or past `MAX_TABLE_POSITIONS`)."""
+        if not 0 < self.max_positions <= MAX_TABLE_POSITIONS:
+            return None
+        key = (device, dtype)
+        table = self._tables.get(key)
+        if table is None:
+            cos, sin = self._half_cos_sin(torch.arange(self.max_positions, device=device))
+            table = self._tables[key] = torch.cat((cos, sin), dim=-1).to(dtype)
+        return table
+
+    def lookup(self, positions: Tensor, dtype: torch.dtype) -> Tensor:
+        """``[T, head_dim]``, row t the cos then sin of position ``positions[t]``
+        (what `apply_rope_` takes): rows of `table`, or computed without one."""
+        table = self.table(positions.device, dtype)
+        if table is not None:
+            return table.index_select(0, positions)
+        return torch.cat(self._half_cos_sin(positions), dim=-1).to(dtype)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -131,3 +171,19 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def apply_rope_(x: Tensor, cos_sin: Tensor) -> Tensor:
+    """`apply_rope` in place on `x` ``[T, heads, head_dim]`` (any strides with a
+    contiguous last dimension), from `RotaryEmbedding.lookup` rows; returns `x`.
+
+    NOTE: op for op the roundings of transformers' ``x * cos + rotate_half(x) * sin``:
+    first half ``x1 * cos - x2 * sin``, second half ``x2 * cos + x1 * sin``.
+    """
+    half = x.shape[-1] // 2
+    cos, sin = cos_sin[:, None, :half], cos_sin[:, None, half:]
+    x1, x2 = x[..., :half], x[..., half:]
+    x2_sin, x1_sin = x2 * sin, x1 * sin
+    x1.mul_(cos).sub_(x2_sin)
+    x2.mul_(cos).add_(x1_sin)
+    return x
