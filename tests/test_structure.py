@@ -5,7 +5,8 @@ breaks it fails here, not in review:
   (`acquire`'s rollback, `release`, `grow`, `trim`, `publish`, `quarantine`) or inside a
   pool's own implementation;
 - one writer of a request's progress (`kv_len`, output tokens and logprobs, token times):
-  the step applier; fences are added through the machine only;
+  the step applier; fences are added through the machine only; one object moves requests
+  through the machine: the runtime's gateway;
 - the machine reads no hook member by name (no getattr in states/);
 - imports point one way (states < resources < hisparse < engine.{config, model, ...} <
   engine.disagg < engine.runtime < Engine and the prefill server < engine.{serve, cli}),
@@ -139,6 +140,25 @@ def test_fences_are_added_through_the_machine():
                     and node.func.attr in {"append", "extend", "insert", "clear", "remove", "pop"}
                     and rel != "states/machine.py"):
                 offenders.append(f"{rel}:{node.lineno} fences.{node.func.attr}")
+    assert not offenders, offenders
+
+
+def test_one_gateway_moves_requests_through_the_machine():
+    """Outside `states`, only the runtime's gateway calls the machine's moves (start, advance, finish,
+    release) and its other per-request calls (growth, publishing, fences)."""
+    calls = {"start", "advance", "finish", "try_release", "reap_quarantine", "grow", "publish", "add_fence",
+             "prune_fences"}
+    offenders = []
+    for rel, _path, tree in _modules():
+        if rel.startswith("states/") or rel == "engine/runtime/gateway.py":
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in calls:
+                owner = node.func.value
+                name = owner.attr if isinstance(owner, ast.Attribute) else owner.id if isinstance(owner, ast.Name) \
+                    else None
+                if name == "machine":
+                    offenders.append(f"{rel}:{node.lineno} machine.{node.func.attr}")
     assert not offenders, offenders
 
 
