@@ -42,6 +42,7 @@ from hisparse.hooks import DEVICE_HOOK, HOST_HOOK, MAP_HOOK, DeviceBuffer, HostR
 from hisparse.selection import top_positions
 from resources.device_io import read_back, upload
 from resources.paging import pages_for
+from states import Fence, Request
 
 if TYPE_CHECKING:
     from hisparse.state import HiSparseState
@@ -90,7 +91,7 @@ class SparseDecodeAttention:
         for row in self.rows:
             row.buffer.stamp += 1
         #: (request, fence) of each row's host backup, once the last layer has run
-        self.fences: list[tuple[Any, Any]] = []
+        self.fences: list[tuple[Request, Fence]] = []
         device = state.device
         #: rows whose selection is scored (the others attend their whole short context)
         self.scored = [b for b, row in enumerate(self.rows) if row.position > cfg.top_k]
@@ -255,7 +256,7 @@ class CompositeAttention:
         self._dense_rows, self._sparse_rows = dense_rows, sparse_rows
 
     @property
-    def fences(self) -> list[tuple[Any, Any]]:
+    def fences(self) -> list[tuple[Request, Fence]]:
         """The sparse rows' backup fences (see `SparseDecodeAttention.fences`)."""
         return self._sparse.fences
 

@@ -44,6 +44,7 @@ from typing import Any
 
 import attrs
 import numpy as np
+import numpy.typing as npt
 
 from resources.contract import ResourceExhausted, ResourceHook
 from resources.kv_pool import KV_PAGES, KVPool
@@ -59,7 +60,7 @@ class KVBlock:
     first `num_pages` valid), the locked prefix, and the pages freed outside the window."""
 
     slot: int
-    row: np.ndarray[Any, np.dtype[np.int64]]
+    row: npt.NDArray[np.int64]
     num_pages: int = 0
     num_prefix_pages: int = 0
     prefix_node: Any = None  # the radix node locked for the prefix
@@ -75,7 +76,7 @@ class KVBlock:
         ids: list[int] = self.row[: self.num_pages].tolist()
         return ids
 
-    def held_pages(self) -> np.ndarray[Any, np.dtype[np.int64]]:
+    def held_pages(self) -> npt.NDArray[np.int64]:
         """The page ids the request owns (not the cache's prefix, not the freed ones)."""
         own = self.row[self.num_prefix_pages : self.num_pages]
         if not self.num_dropped:

@@ -12,8 +12,8 @@ ROOT = Path(__file__).resolve().parent.parent
 #: the most explicit `Any` each package may use (lower these as they fall; never raise them)
 CEILINGS = {
     "states": 61,
-    "resources": 33,
-    "hisparse": 36,
+    "resources": 31,
+    "hisparse": 32,
     "engine": 23,
     "engine.model": 70,
     "engine.structured": 22,
