@@ -6,10 +6,14 @@ The hook contract is documented in `resources.contract`.
 """
 
 from resources.contract import (
+    GrowingHook,
     HookOrderError,
+    PublishingHook,
+    QuarantiningHook,
     ResourceExhausted,
     ResourceHook,
     ResourceHookProtocol,
+    TrimmingHook,
     order_hooks,
     validate_hook,
 )
@@ -20,6 +24,7 @@ from resources.plugins import ENTRY_POINT_GROUP, PluginContext, PluginError
 __all__ = [
     "ENTRY_POINT_GROUP",
     "CopyFence",
+    "GrowingHook",
     "HookOrderError",
     "LeakError",
     "ManualFence",
@@ -29,9 +34,12 @@ __all__ = [
     "PluginError",
     "PoolStats",
     "PoolUsage",
+    "PublishingHook",
+    "QuarantiningHook",
     "ResourceExhausted",
     "ResourceHook",
     "ResourceHookProtocol",
+    "TrimmingHook",
     "order_hooks",
     "validate_hook",
 ]

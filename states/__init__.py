@@ -6,7 +6,9 @@ or `engine`.
 
 from states.handle import DoubleRelease, Fence, Handle, ResourceExhausted
 from states.machine import FencePending, Quarantined, RequestMachine
-from states.request import Request, RequestKind
+from states.protocols import (GrowingHook, Hook, Ledger, PublishingHook, QuarantiningHook, TransitionObserver,
+                              TrimmingHook)
+from states.request import Request, RequestKind, TokenLogprob
 from states.request_state import (
     HELD_STATES,
     LIVE_STATES,
@@ -24,12 +26,20 @@ __all__ = [
     "Fence",
     "FencePending",
     "FinishReason",
+    "GrowingHook",
     "Handle",
+    "Hook",
     "IllegalTransition",
+    "Ledger",
+    "PublishingHook",
+    "QuarantiningHook",
     "Quarantined",
     "Request",
     "RequestKind",
     "RequestMachine",
     "RequestState",
     "ResourceExhausted",
+    "TokenLogprob",
+    "TransitionObserver",
+    "TrimmingHook",
 ]

@@ -170,6 +170,13 @@ def writable_path(path: str) -> Path:
     return target
 
 
+def logging_choice(args: argparse.Namespace) -> tuple[str, bool]:
+    """(level, json) from --log-level / --log-json wherever given, else the command's defaults."""
+    level = args.log_level or args.default_log_level
+    json_logs = args.log_json if args.log_json is not None else getattr(args, "default_log_json", False)
+    return level, json_logs
+
+
 def write_text(target: Path, text: str) -> None:
     """Write a file the user named; an OSError is a CLIError (one line, exit 2), never a traceback."""
     try:

@@ -1,8 +1,12 @@
 """The model runner: turns a scheduled batch into one forward pass and tokens.
 
-It runs in a worker thread while the event loop stays responsive. It only
-reads requests and the request -> token table; it never transitions a
-request or touches a pool's bookkeeping (the loop does that after the step).
+It runs in a worker thread (or, for a small step, on the event loop's own
+thread) while the event loop stays responsive. It only reads requests and the
+request -> token table; it never transitions a request, writes its progress
+or touches a pool's bookkeeping: the step's output (tokens, logprobs, MoE
+routing, and the fences of copies the step started, such as HiSparse's host
+backups) goes back to the runtime's step applier, which applies it after the
+step.
 
 A step, from the loop's `step(seqs)` call, in whatever thread runs it,
 under the engine's device (`resources.device_io.on_device`)::
@@ -41,18 +45,17 @@ import attrs
 import torch
 
 from engine.model.attention import AttentionBackend, AttentionMetadata, PagedAttention, PagedFactory
+from engine.model.batch import MakesFences, ScheduledSeq
 from engine.model.llama import LlamaModel
 from engine.model.prompt_logprobs import PromptEntries, PromptLogprobPlan
 from engine.model.decode_graphs import FIELD_ROWS, DecodeGraphs
 from engine.model.sampling import SamplingBatch, format_logprobs, logprob_tensors, sample_tokens
 from engine.model.step_upload import Sections, StepUpload
-from engine.outputs import TokenLogprob
-from engine.runtime.scheduler import ScheduledSeq
 from resources.device_io import on_device, read_back
 from resources.kv_buffers import KVBuffers
-from resources.request_slots import RequestSlots
-from states import Request
 from resources.paging import round_up
+from resources.request_slots import RequestSlots
+from states import Fence, Request, TokenLogprob
 
 if TYPE_CHECKING:
     from engine.testing import FaultInjector
@@ -80,13 +83,16 @@ class TokenMasks(Protocol):
 
 @attrs.define
 class StepOutput:
-    """Tokens sampled for the sampling seqs (in batch order) and MoE routing."""
+    """Tokens sampled for the sampling seqs (in batch order), MoE routing, and the fences of
+    the copies the step started (the step applier adds them through the machine)."""
 
     tokens: list[int]
     #: per MoE layer, the routed expert ids [T, top_k] of the step's tokens (host tensors)
     routing: list[torch.Tensor] = attrs.field(factory=list)
     #: aligned with `tokens`: the token's `TokenLogprob` where its request asked, else None
     logprobs: list[TokenLogprob | None] = attrs.field(factory=list)
+    #: (request, fence) of every copy the step started that may still be in flight
+    fences: Sequence[tuple[Request, Fence]] = ()
     #: issue 21: prompt logprobs of the step's prefill chunks that asked (engine.model.prompt_logprobs)
     prompt_logprobs: list[PromptEntries] = attrs.field(factory=list)
 
@@ -139,6 +145,7 @@ class ModelRunner:
         embedder: Callable[[Sequence[ScheduledSeq], torch.Tensor], torch.Tensor | None] | None = None,
         faults: FaultInjector | None = None,
         cuda_graphs: bool = True,
+        token_masks: TokenMasks | None = None,
     ) -> None:
         self.faults = faults
         self.model = model
@@ -158,8 +165,8 @@ class ModelRunner:
         if pack is not None:
             with on_device(device):
                 pack()
-        #: allowed-token masks of the sampled rows (structured output), set by assembly; None: no masks
-        self.token_masks: TokenMasks | None = None
+        #: allowed-token masks of the sampled rows (structured output, a feature's runner part); None: none
+        self.token_masks = token_masks
         #: CUDA graphs of decode steps (`engine.model.decode_graphs`); None: every step eager
         self.graphs: DecodeGraphs | None = None
         factory = self.attention_factory
@@ -291,6 +298,8 @@ class ModelRunner:
         out = self._finish(logits, batch, inputs.fields, torch.stack(routing) if routing else None,
                            masks=masks() if masks is not None else None)
         out.prompt_logprobs = prompt_logprobs
+        if isinstance(attention, MakesFences):
+            out.fences = attention.fences
         if timed:
             self._record(seqs, t0, t1)
         return out
