@@ -1,12 +1,17 @@
 """Soak: many short requests with aborts and disconnects; nothing may grow.
 
     python benchmarks/bench_soak.py [--requests 100000] [--tiny-requests 10000]
+                                    [--roles none decode] [--decode-requests N]
                                     [--out bench-results/soak.json]
 
-Two runs through the public API, each one engine for the whole run:
+Runs through the public API, each one engine for the whole run, per role
+(`--roles`: a single engine, and the decode role, whose in-process prefill is
+the same runtime in the prefill role, with tables and an idle leak check of
+its own):
 
 1. `model="null"` (the no-compute runner: real pools, tables, machine and
-   batch tensors, no forward pass), `--requests` requests;
+   batch tensors, no forward pass), `--requests` requests (`--decode-requests`
+   in the decode role, default the same);
 2. the built-in tiny model, `--tiny-requests` requests.
 
 Requests are short (prompts 4-48 tokens, drawn from a few shared prefixes so
@@ -14,10 +19,12 @@ the prefix cache fills and evicts; 1-16 new tokens) and come from
 `--clients` concurrent clients. 10% are aborted by the client with
 `engine.abort()` at a random point and 10% disconnect (the client closes its
 stream mid-way); the rest read to the end. Reported per run: requests/s,
-finish reasons, resident memory after warm-up and at the end (growth must
-stay under 5%), the size of every internal table at the end (all zero), and
-the leak check's verdict (`check_memory()` every 1,000 requests while busy,
-at idle at the end, plus every automatic idle check the loop ran).
+finish reasons, resident memory after warm-up (once the latency windows are
+full, in a run long enough) and at the end (growth must stay under 5%), the size of every internal table at the end (all zero: the
+decode role's include its prefill runtime's), and the leak check's verdict
+(`check_memory()` every 1,000 requests while busy, at idle at the end, plus
+every automatic idle check the loop ran, and in the decode role every idle
+check its prefill runtime ran on its own pools).
 """
 
 from __future__ import annotations
@@ -39,6 +46,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from engine.logging import configure_logging  # noqa: E402
+from engine.runtime.prefill_runtime import PrefillRuntime  # noqa: E402
+from engine.runtime.stats import SAMPLE_WINDOW  # noqa: E402
 from resources import LeakError  # noqa: E402
 
 ABORT, DISCONNECT = "abort", "disconnect"
@@ -66,10 +75,11 @@ def internal_tables(engine: Engine) -> dict[str, int]:
         "kv.slots_in_use": parts.kv_pool.slots.capacity - parts.kv_pool.slots.num_free,
         "kv.protected_prefix_pages": parts.kv_pool.radix.protected_pages,
     })
-    worker = parts.prefill_client
-    if worker is not None:
-        tables["prefill_worker.requests"] = len(worker.requests)
-        tables["prefill_worker.jobs"] = len(worker.jobs)
+    prefill = parts.prefill_client
+    if isinstance(prefill, PrefillRuntime):  # the in-process prefill: the same tables, on its own runtime
+        tables.update({f"prefill.loop.{name}": size for name, size in prefill.loop.table_sizes().items()})
+        tables.update({"prefill.inbox": len(prefill.inbox), "prefill.ledger.requests":
+                       prefill.parts.ledger.num_tracked_requests, "prefill.jobs": len(prefill.jobs_in_flight)})
     return tables
 
 
@@ -98,10 +108,11 @@ async def _client(engine: Engine, rng: random.Random, plan: str | None, prompt: 
                     return  # leaving `async with` closes the stream: the engine aborts it
 
 
-async def soak(model: str, total: int, clients: int, seed: int, warmup: int, device: str = "cpu") -> dict:
+async def soak(model: str, total: int, clients: int, seed: int, warmup: int, device: str = "cpu",
+               role: str = "none") -> dict:
     # NOTE: about 4 pages per live request, so 64 clients press on 128 pages: admission queues, the cache evicts
     config = EngineConfig(model=model, device=device, page_size=16, num_kv_pages=128, max_running=clients, max_context=128,
-                          max_prefill_tokens=1024, leak_check="raise", use_entry_points=False)
+                          max_prefill_tokens=1024, leak_check="raise", use_entry_points=False, disaggregation=role)
     rng = random.Random(seed)
     prefixes = [[rng.randrange(256) for _ in range(32)] for _ in range(8)]
     reasons: Counter = Counter()
@@ -134,9 +145,17 @@ async def soak(model: str, total: int, clients: int, seed: int, warmup: int, dev
         gc.collect()
         end_rss = rss_mib()
         tables = internal_tables(engine)
+        prefill = engine.parts.prefill_client
+        prefill_stats = prefill.loop.stats if isinstance(prefill, PrefillRuntime) else None
         try:
             report = engine.check_memory()
-            verdict = "pass" if engine.stats.leak_check_failures == 0 else "FAIL (an idle check failed)"
+            if prefill_stats is not None:
+                with anyio.fail_after(10):  # the prefill runtime's own idle check, once it has seen it idle
+                    while not prefill.loop.checked_idle:
+                        await anyio.sleep(0.01)
+                prefill.check_memory()
+            failed = engine.stats.leak_check_failures + (prefill_stats.leak_check_failures if prefill_stats else 0)
+            verdict = "pass" if failed == 0 else "FAIL (an idle check failed)"
         except LeakError as exc:
             report, verdict = exc.report, f"FAIL: {exc}"
         stats = engine.stats
@@ -144,6 +163,7 @@ async def soak(model: str, total: int, clients: int, seed: int, warmup: int, dev
     warm_rss = marks.get("warm_rss", start_rss)
     return {
         "model": model,
+        "role": role,
         "requests": total,
         "clients": clients,
         "seed": seed,
@@ -161,6 +181,8 @@ async def soak(model: str, total: int, clients: int, seed: int, warmup: int, dev
         "internal_tables_at_end": tables,
         "evictable_prefix_pages_at_end": report.pools["kv_pages"].evictable,
         "idle_leak_checks": stats.leak_checks,
+        "prefill_idle_leak_checks": None if prefill_stats is None else prefill_stats.leak_checks,
+        "prefill_requests": None if prefill_stats is None else prefill_stats.submitted,
         "running_checks": int(marks.get("running_checks", 0)),
         "leak_check": verdict,
     }
@@ -170,6 +192,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=100_000)
     parser.add_argument("--tiny-requests", type=int, default=10_000)
+    parser.add_argument("--roles", nargs="+", default=["none", "decode"], choices=["none", "decode"],
+                        help="a single engine, and the decode role with its in-process prefill runtime")
+    parser.add_argument("--decode-requests", type=int, default=None,
+                        help="no-compute requests in the decode role (default: --requests)")
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
@@ -179,18 +205,27 @@ def main() -> None:
     configure_logging("warning")
     torch.set_num_threads(args.threads)
     runs = []
-    for model, total in (("null", args.requests), ("tiny", args.tiny_requests)):
-        if total <= 0:
-            continue
-        warmup = min(max(total // 20, 500), total // 2)  # RSS is compared from here to the end
-        result = anyio.run(soak, model, total, args.clients, args.seed, warmup, args.device)
-        runs.append(result)
-        rss = result["rss_mib"]
-        nonzero = {k: v for k, v in result["internal_tables_at_end"].items() if v}
-        print(f"{model:>5}: {total} requests in {result['wall_s']:.1f}s = {result['requests_per_s']:.0f} req/s;"
-              f" RSS {rss['after_warmup']:.0f} -> {rss['end']:.0f} MiB ({result['rss_growth_pct']:+.2f}%);"
-              f" tables at end {nonzero or 'all zero'}; leak check {result['leak_check']}")
-        print(f"       client outcomes {result['client_outcomes']}; engine finishes {result['engine_finishes']}")
+    for role in args.roles:
+        null_total = args.requests if role == "none" or args.decode_requests is None else args.decode_requests
+        for model, total in (("null", null_total), ("tiny", args.tiny_requests)):
+            if total <= 0:
+                continue
+            # RSS is compared from here to the end: past the latency windows' filling when the run is long
+            # enough (they keep SAMPLE_WINDOW samples each, then stop growing)
+            warmup = min(max(total // 20, 500, SAMPLE_WINDOW + 10_000), total // 2)
+            print(f"load average {os.getloadavg()[0]:.2f} before {model}/{role}", flush=True)
+            result = anyio.run(soak, model, total, args.clients, args.seed, warmup, args.device, role)
+            result["load_average"] = os.getloadavg()
+            runs.append(result)
+            rss = result["rss_mib"]
+            nonzero = {k: v for k, v in result["internal_tables_at_end"].items() if v}
+            print(f"{model:>5}/{role}: {total} requests in {result['wall_s']:.1f}s = {result['requests_per_s']:.0f}"
+                  f" req/s; RSS {rss['after_warmup']:.0f} -> {rss['end']:.0f} MiB ({result['rss_growth_pct']:+.2f}%);"
+                  f" tables at end {nonzero or 'all zero'} ({len(result['internal_tables_at_end'])} tables);"
+                  f" leak check {result['leak_check']} (checks run {result['idle_leak_checks']}, the prefill's"
+                  f" {result['prefill_idle_leak_checks']})", flush=True)
+            print(f"       client outcomes {result['client_outcomes']}; engine finishes {result['engine_finishes']}",
+                  flush=True)
     ok = all(r["leak_check"] == "pass" and r["rss_growth_pct"] < 5
              and not any(r["internal_tables_at_end"].values()) for r in runs)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

@@ -14,6 +14,7 @@ from engine.errors import (
     InvalidConfig,
     InvalidRequest,
 )
+from engine.logging import LEVELS as LOG_LEVELS
 from engine.logging import configure_logging
 from engine.outputs import RequestOutput, SpeculationStats, TokenLogprob
 from engine.speculative.config import SpeculativeConfig
@@ -38,6 +39,7 @@ __all__ = [
     "HiSparseConfig",
     "InvalidConfig",
     "InvalidRequest",
+    "LOG_LEVELS",
     "LeakError",
     "MemoryReport",
     "RequestKind",

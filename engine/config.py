@@ -7,16 +7,18 @@ validators of `states.validation`.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
-from engine.disagg.link.settings import RemotePrefill
 from engine.errors import InvalidConfig, InvalidRequest
 from engine.speculative.config import SpeculativeConfig
 from engine.structured.config import StructuredConfig
 from engine.structured.constraint import Constraint, constraint_from
 from hisparse.config import HiSparseConfig
+from resources.contract import ResourceHookProtocol
+from resources.plugins import PluginContext
 from states.validation import (
     int_at_least,
     is_bool,
@@ -37,6 +39,23 @@ MAX_N = 64
 
 def _tuple_if_sequence(value: Any) -> Any:
     return tuple(value) if isinstance(value, (list, tuple)) else value
+
+
+@runtime_checkable
+class RemotePrefillSettings(Protocol):
+    """What the engine config reads of `engine.disagg.RemotePrefill` (the link settings live with
+    the links, above this module, so the config names them by what it needs of them)."""
+
+    @property
+    def peers(self) -> tuple[str, ...]:
+        """The prefill servers' bootstrap addresses."""
+
+    def validate_against(self, engine_config: EngineConfig) -> None:
+        """Raise InvalidConfig if the settings do not fit this engine config."""
+
+
+#: a plugin resource hook (used as is), or a factory `factory(PluginContext) -> hook` (docs/plugins.md)
+ResourceSource = ResourceHookProtocol | Callable[[PluginContext], ResourceHookProtocol]
 
 
 @attrs.frozen
@@ -150,12 +169,12 @@ class EngineConfig:
     max_prefill_tokens: int = attrs.field(default=512, validator=int_at_least(1))
     max_queued: int = attrs.field(default=4096, validator=int_at_least(1))
     prefix_cache: bool = attrs.field(default=True, validator=is_bool())
-    hisparse: Any = attrs.field(default=None)
+    hisparse: HiSparseConfig | None = attrs.field(default=None)
     disaggregation: str = attrs.field(default="none", validator=one_of("none", "decode"))
-    #: decode role: prefill servers in other processes (an engine.disagg.RemotePrefill); None: in-process worker
-    remote_prefill: Any = attrs.field(default=None)
+    #: decode role: prefill servers in other processes (an engine.disagg.RemotePrefill); None: in-process prefill
+    remote_prefill: RemotePrefillSettings | None = attrs.field(default=None)
     leak_check: str = attrs.field(default="raise", validator=one_of("raise", "log", "off"))
-    resources: tuple[Any, ...] = attrs.field(default=(), converter=_tuple_if_sequence)
+    resources: tuple[ResourceSource, ...] = attrs.field(default=(), converter=_tuple_if_sequence)
     use_entry_points: bool = attrs.field(default=True, validator=is_bool())
     fence_timeout: float = attrs.field(default=30.0, validator=number_above(0))
     starvation_timeout: float = attrs.field(default=30.0, validator=number_above(0))
@@ -206,7 +225,7 @@ class EngineConfig:
                 "None when hisparse is set (sparse decode attends one query per request)", self.speculative)
         require(isinstance(self.structured, StructuredConfig), InvalidConfig, f"{p}.structured",
                 "an engine.StructuredConfig", self.structured)
-        require(self.remote_prefill is None or isinstance(self.remote_prefill, RemotePrefill), InvalidConfig,
+        require(self.remote_prefill is None or isinstance(self.remote_prefill, RemotePrefillSettings), InvalidConfig,
                 f"{p}.remote_prefill", "None or an engine.disagg.RemotePrefill", self.remote_prefill)
         if self.remote_prefill is not None:
             self.remote_prefill.validate_against(self)

@@ -34,7 +34,7 @@ from engine.logging import ensure_logging
 from engine.outputs import RequestOutput
 from engine.runtime.assembly import build_parts
 from engine.runtime.intake import RequestIntake
-from engine.runtime.loop import DecodeLoop
+from engine.runtime.loop import RuntimeLoop
 from engine.runtime.sessions import SessionInfo
 from engine.runtime.submit_options import SubmitOptions
 from engine.stream import RequestStream
@@ -83,7 +83,7 @@ class Engine:
         self.tokenizer = self.parts.tokenizer
         self.model_config = self.parts.model_config
         self.max_context = self.parts.max_context
-        self.loop = DecodeLoop(self.parts, tokenizer=self.tokenizer, max_context=self.max_context,
+        self.loop = RuntimeLoop(self.parts, tokenizer=self.tokenizer, max_context=self.max_context,
                                check_memory=self.check_memory, memory_report=self.memory_report)
         self._intake = RequestIntake(tokenizer=self.tokenizer, model=self.parts.model, model_config=self.model_config,
                                      max_context=self.max_context, mm_cache_bytes=self.parts.mm_cache_bytes,

@@ -11,18 +11,9 @@ from collections.abc import Sequence
 
 import attrs
 
-from states import FinishReason
+from states import FinishReason, TokenLogprob
 
-
-@attrs.frozen
-class TokenLogprob:
-    """A generated token's log probability, and the top alternatives' (best first)."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
-    #: the token's rank in the distribution (1 = the most likely), where computed (prompt logprobs)
-    rank: int | None = None
+__all__ = ["RequestOutput", "TokenLogprob"]
 
 
 @attrs.frozen

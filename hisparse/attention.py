@@ -6,7 +6,9 @@ every step of it batched over the rows::
 
     1. new K/V -> each row's reserved slot; index keys -> the index store;
        K/V -> host: one device -> host copy of all rows (`HostCopier.backup`,
-       a side stream on CUDA, fenced after the last layer)
+       a side stream on CUDA, fenced after the last layer; the fences are
+       listed in `fences`, and the step's output carries them to the loop,
+       which adds them through the machine)
     2. select top_k of tokens 0..p_b-1 by index score (recent window included):
        on an accelerator all rows at once (their pages' index keys gathered,
        scored and top-k'd together) and read back in one copy (`read_back`,
@@ -40,6 +42,7 @@ from hisparse.hooks import DEVICE_HOOK, HOST_HOOK, MAP_HOOK, DeviceBuffer, HostR
 from hisparse.selection import top_positions
 from resources.device_io import read_back, upload
 from resources.paging import pages_for
+from states import Fence, Request
 
 if TYPE_CHECKING:
     from hisparse.state import HiSparseState
@@ -87,6 +90,8 @@ class SparseDecodeAttention:
         self.rows = [_Row(r, p, ps) for r, p in zip(requests, positions)]
         for row in self.rows:
             row.buffer.stamp += 1
+        #: (request, fence) of each row's host backup, once the last layer has run
+        self.fences: list[tuple[Request, Fence]] = []
         device = state.device
         #: rows whose selection is scored (the others attend their whole short context)
         self.scored = [b for b, row in enumerate(self.rows) if row.position > cfg.top_k]
@@ -223,7 +228,7 @@ class SparseDecodeAttention:
         for row in self.rows:
             row.host.backup_event = event
             row.host.on_host = row.position + 1
-            row.request.fences.append(copier.fence(self.state.backup_protects, row.request.request_id))
+            self.fences.append((row.request, copier.fence(self.state.backup_protects, row.request.request_id)))
 
 
 def _attend_slots(q: Tensor, kv_buf: Tensor, ids: Tensor, lens: Tensor | None) -> Tensor:
@@ -249,6 +254,11 @@ class CompositeAttention:
     def __init__(self, dense: Any, sparse: SparseDecodeAttention, dense_rows: Tensor, sparse_rows: Tensor) -> None:
         self._dense, self._sparse = dense, sparse
         self._dense_rows, self._sparse_rows = dense_rows, sparse_rows
+
+    @property
+    def fences(self) -> list[tuple[Request, Fence]]:
+        """The sparse rows' backup fences (see `SparseDecodeAttention.fences`)."""
+        return self._sparse.fences
 
     def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         out = torch.empty_like(q)

@@ -21,14 +21,15 @@ filled.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import attrs
 import numpy as np
 import torch
 
 from hisparse import lru
 from hisparse.pools import DEVICE_SLOTS, HOST_PAGES, SLOT_MAPS
+from hisparse.records import (DEVICE_HOOK, HOST_HOOK, MAP_HOOK, STAGING_HOOK, DeviceBuffer, HostRecord, SlotMap,
+                              host_record)
 from resources.contract import ResourceExhausted, ResourceHook
 from resources.device_io import upload
 from resources.request_slots import RequestSlotHook
@@ -38,63 +39,8 @@ if TYPE_CHECKING:
     from hisparse.state import HiSparseState
 
 S = RequestState
-HOST_HOOK, DEVICE_HOOK, MAP_HOOK = "hisparse_host", "hisparse_device", "hisparse_map"
-STAGING_HOOK = "hisparse_staging"
-
-
-@attrs.define(eq=False)
-class HostRecord:
-    """The host hook's record: pages in token order and their token locations.
-
-    `locs[:len(pages) * page_size]` are valid (host rows, on the host, with
-    `locs_np` its numpy view); `locs_dev` is the same on device (the same
-    tensor on CPU); `pages_dev` holds the page ids on device, for page-wise
-    gathers of index keys; `runs` lists them as [first page, count] runs of
-    consecutive ids. `on_host` counts the leading tokens whose K/V has been
-    copied in (or is being, under a fence). `backup_event` (CUDA only)
-    follows the latest decode backup, for code that reads those rows on the
-    host.
-    """
-
-    pages: list[int]
-    locs: torch.Tensor
-    locs_np: np.ndarray
-    locs_dev: torch.Tensor
-    pages_dev: torch.Tensor
-    runs: list[list[int]] = attrs.field(factory=list)
-    on_host: int = 0
-    #: a decode-role transfer wrote the context straight into these rows (no device KV pages)
-    landed_directly: bool = False
-    backup_event: Any = None
-
-    def sync_backups(self) -> None:
-        if self.backup_event is not None:
-            self.backup_event.synchronize()
-            self.backup_event = None
-
-
-@attrs.define(eq=False)
-class DeviceBuffer:
-    """The device hook's record: N + 1 slots (the last reserved for the newest
-    token) and each layer's LRU state (see `hisparse.lru`, host memory)."""
-
-    slots: torch.Tensor  # [N + 1] global slot ids on device
-    slots_np: np.ndarray  # the same on the host
-    slot_token: np.ndarray  # [layers, N]
-    last_used: np.ndarray  # [layers, N]
-    stamp: int = 0
-
-    @property
-    def size(self) -> int:
-        return self.last_used.shape[1]
-
-
-@attrs.define(eq=False)
-class SlotMap:
-    """The map hook's record: a row of the map table, [layers, max_context]."""
-
-    row: int
-    table: np.ndarray
+__all__ = ["DEVICE_HOOK", "HOST_HOOK", "MAP_HOOK", "STAGING_HOOK", "DeviceBuffer", "DeviceBufferHook", "HostPagesHook",
+           "HostRecord", "SlotMap", "SlotMapHook", "StagingHook"]
 
 
 class _HiSparseHook(ResourceHook):
@@ -125,10 +71,7 @@ class HostPagesHook(_HiSparseHook):
         self._extend(record, pages)
         return Handle(self.name, request.request_id, record, amount=need)
 
-    @staticmethod
-    def record(request: Request) -> HostRecord:
-        """The host record of a request holding host pages."""
-        return request.handles[HOST_HOOK].payload
+    record = staticmethod(host_record)
 
     def grow(self, request: Request, handle: Handle, num_tokens: int) -> bool:
         """Cover `num_tokens` tokens; False (changing nothing) if the pool is short."""
@@ -261,6 +204,6 @@ class StagingHook(_HiSparseHook):
     acquire_on = frozenset({S.STAGING})
     scope = frozenset({S.STAGING})
 
-    def acquire(self, request: Request, into: RequestState) -> Handle:
-        self.state.stage(request)
-        return Handle(self.name, request.request_id)
+    def acquire(self, request: Request, into: RequestState) -> Handle[None]:
+        fence = self.state.stage(request)
+        return Handle(self.name, request.request_id, fences=(fence,))

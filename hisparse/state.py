@@ -3,14 +3,18 @@ and the staging copy the staging hook runs.
 
 Lifecycle of a HiSparse request (hooks in `hisparse.hooks`)::
 
-    PREFILLING   host pages taken for the prompt (admission)
-    PREBUILT     prompt KV complete in device KV pages
-    STAGING      the staging hook's acquisition runs `stage`: prompt KV ->
-                 host (fenced), index keys computed
+    PREFILLING   host pages and device KV pages taken for the prompt (admission)
+    TRANSFERRING (decode role) host pages only: the transfer lands the prompt's
+                 K/V straight in the host rows, and no device KV page is taken
+    PREBUILT     prompt KV complete (in device KV pages, or already on host)
+    STAGING      the staging hook's acquisition runs `stage`: the prompt KV not
+                 on host yet -> host, index keys computed; its fence comes back
+                 with the staging handle and the machine adds it
     DECODING     (fences done) device buffer + slot map taken, short contexts
-                 preloaded from the KV pages, then the KV pages are released
+                 preloaded (from the KV pages, or the host rows), then the KV
+                 pages, if any, are released
     each step    the machine grows the host pages; sparse attention backs up
-                 the new token
+                 the new token, and the step's output carries the backup's fence
     FINISHED     fences awaited (or quarantined at their deadline), then all
                  handles released, HiSparse before KV
 """
@@ -24,13 +28,13 @@ import torch
 
 from hisparse.config import HiSparseConfig
 from hisparse.copies import HostCopier
-from hisparse.hooks import DEVICE_HOOK, HOST_HOOK, DeviceBuffer, HostPagesHook, HostRecord
+from hisparse.records import DEVICE_HOOK, HOST_HOOK, DeviceBuffer, HostRecord, host_record
 from hisparse.pools import DeviceBufferPool, HostKVPool, SlotMapPool
 from hisparse.selection import IndexProjection
 from resources.kv_buffers import KVBuffers
 from resources.kv_pool import KVPool
 from resources.request_slots import RequestSlotHook
-from states import Request, RequestState
+from states import Fence, Request, RequestState
 
 log = structlog.get_logger("kvlife.hisparse")
 
@@ -81,13 +85,14 @@ class HiSparseState:
         return request.state is RequestState.DECODING and DEVICE_HOOK in request.handles
 
     # ------------------------------------------------------------- staging
-    def stage(self, request: Request) -> None:
-        """Copy the context's KV from device pages to host, compute index keys; fenced.
+    def stage(self, request: Request) -> Fence:
+        """Copy the context's KV from device pages to host, compute index keys; returns the
+        copy's fence (the staging hook hands it to the machine with its handle).
 
         Copies only tokens not on the host yet (a decode-role transfer that
         landed in the host pages sets `HostRecord.on_host` and is not copied).
         """
-        record: HostRecord = HostPagesHook.record(request)
+        record: HostRecord = host_record(request)
         start, end = record.on_host, request.kv_len
         if end > start:
             src = self.kv_pool.slots.req_to_token[RequestSlotHook.slot(request), start:end]
@@ -100,8 +105,8 @@ class HiSparseState:
                     index.index_copy_(0, rows_dev, self.projection.keys(k).to(index.dtype))
                     self.copier.to_host(self.host.kv[layer], rows, kv.to(self.host.kv[layer].dtype))
             record.on_host = end
-        request.fences.append(self.copier.fence(self.staging_protects, request.request_id))
         log.debug("hisparse.staged", request_id=request.request_id, tokens=end - start)
+        return self.copier.fence(self.staging_protects, request.request_id)
 
     # ------------------------------------------------------------ reporting
     def device_bytes(self, request: Request) -> dict[str, int]:

@@ -6,10 +6,16 @@ The hook contract is documented in `resources.contract`.
 """
 
 from resources.contract import (
+    ExtendingHook,
+    GrowingHook,
     HookOrderError,
+    PublishingHook,
+    QuarantiningHook,
     ResourceExhausted,
     ResourceHook,
     ResourceHookProtocol,
+    RollingBackHook,
+    TrimmingHook,
     order_hooks,
     validate_hook,
 )
@@ -20,6 +26,8 @@ from resources.plugins import ENTRY_POINT_GROUP, PluginContext, PluginError
 __all__ = [
     "ENTRY_POINT_GROUP",
     "CopyFence",
+    "ExtendingHook",
+    "GrowingHook",
     "HookOrderError",
     "LeakError",
     "ManualFence",
@@ -29,9 +37,13 @@ __all__ = [
     "PluginError",
     "PoolStats",
     "PoolUsage",
+    "PublishingHook",
+    "QuarantiningHook",
     "ResourceExhausted",
     "ResourceHook",
     "ResourceHookProtocol",
+    "RollingBackHook",
+    "TrimmingHook",
     "order_hooks",
     "validate_hook",
 ]

@@ -9,11 +9,16 @@ members the protocol declares (`REQUIRED_MEMBERS`) and fills in nothing.
 
 Who does what:
 
-- A hook allocates (in `acquire`, `grow`, `extend`) and frees (in `release`,
-  and in the declared shrink `rollback`: the slots of rejected draft tokens),
-  and nothing else. The machine (`states.RequestMachine`) calls it, records
-  every amount in the ownership ledger, logs, and isolates every call: a hook
-  that raises in `release` or `quarantine` is logged
+- A hook allocates (in `acquire`, `grow`, `extend`) and frees (in `release`),
+  and nothing else; the only other places it may give memory back are the
+  declared shrinks: `trim` (what no later step can read: a sliding window),
+  `publish` (copies the pool already holds, when a request's complete
+  memory becomes shared) and `rollback` (the slots of draft tokens the model
+  rejected). `tests/test_only_hooks_free.py` holds it: no other
+  code calls a pool's freeing methods.
+- The machine (`states.RequestMachine`) calls the hook, records every amount
+  in the ownership ledger, logs, and isolates every call: a hook that raises
+  in `release`, `quarantine` or `publish` is logged
   (``resource.release_failed``), its pool is marked suspect, and the rest of
   the release sequence still runs; the request always reaches RELEASED.
 - Memory nobody owns (unlocked prefix-cache pages, unreferenced cached
@@ -26,14 +31,22 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
-from states import HELD_STATES, Handle, Request, RequestState, ResourceExhausted
+from states import (HELD_STATES, ExtendingHook, GrowingHook, Handle, PublishingHook, QuarantiningHook, Request,
+                    RequestState, ResourceExhausted, RollingBackHook, TrimmingHook)
 
 __all__ = [
+    "OPTIONAL_MEMBERS",
     "REQUIRED_MEMBERS",
+    "ExtendingHook",
+    "GrowingHook",
     "HookOrderError",
+    "PublishingHook",
+    "QuarantiningHook",
     "ResourceExhausted",
     "ResourceHook",
     "ResourceHookProtocol",
+    "RollingBackHook",
+    "TrimmingHook",
     "order_hooks",
     "validate_hook",
 ]
@@ -79,17 +92,19 @@ class ResourceHookProtocol(Protocol):
         """The ledger pool the handle's `amount` counts in, or None for a hook that holds no
         pool memory (the timing hook). One hook, one pool."""
 
-    def acquire(self, request: Request, into: RequestState) -> Handle | None:
+    def acquire(self, request: Request, into: RequestState) -> Handle[Any] | None:
         """Take what the request needs on entering `into` (the request is still in its
         source state), or return None when it needs nothing. Succeed whole or raise and
         change nothing. Raise `ResourceExhausted` when the pool is short *now*: the
         machine then releases whatever else this transition acquired and leaves the
         request exactly where it was (unstarted, for QUEUED), and the engine retries
         later. Any other exception finishes the request with ERROR.
-        `handle.amount` is what the machine records in the ledger for `pool`."""
+        `handle.amount` is what the machine records in the ledger for `pool`; an
+        acquisition that starts an in-flight operation on the handle's memory (a copy)
+        returns its fence in `Handle(..., fences=(fence,))` and the machine adds it."""
         ...
 
-    def release(self, request: Request, handle: Handle) -> None:
+    def release(self, request: Request, handle: Handle[Any]) -> None:
         """Give back everything the handle holds. Called exactly once per handle (a second
         release raises `states.DoubleRelease` before reaching the hook), also for a
         quarantined handle once its fence completes (`handle.was_quarantined` is then
@@ -101,22 +116,33 @@ class ResourceHookProtocol(Protocol):
 REQUIRED_MEMBERS: tuple[str, ...] = ("name", "acquire_on", "scope", "before", "after", "pool", "acquire",
                                      "release")
 
-#: Optional members, called only if present:
+#: Optional members, called only if present (each a protocol of `states.protocols`, which
+#: the machine sorts its hooks by once, when it is built):
 #:
-#: ``grow(request, handle, num_tokens) -> bool``
+#: ``grow(request, handle, num_tokens) -> bool`` (`GrowingHook`)
 #:     make the handle cover `num_tokens` tokens (decode growth), updating
 #:     `handle.amount`; return False (or raise `ResourceExhausted`) when the
 #:     pool is short, changing nothing that is not accounted in the amount.
-#: ``extend(request, handle, num_tokens) -> bool``
+#: ``trim(request, handle, num_tokens)`` (`TrimmingHook`), a declared shrink
+#:     before each growth: give back the units no query at a position
+#:     >= `num_tokens - 1` can read again (the KV hook's sliding-window pages),
+#:     lowering `handle.amount` by what it gave back.
+#: ``publish(request, handle)`` (`PublishingHook`), a declared shrink
+#:     make the handle's complete part shared now (the KV hook hands a
+#:     leader's prompt pages to the prefix cache, so the other sequences of
+#:     its prompt match them); what becomes shared leaves `handle.amount`, and
+#:     copies the pool already holds may be given back. The runtime calls
+#:     `machine.publish(request)` when an n > 1 leader has its first token.
+#: ``extend(request, handle, num_tokens) -> bool`` (`ExtendingHook`)
 #:     speculative decoding: cover `num_tokens` tokens for a step that verifies
 #:     draft tokens (the drafts' slots), like `grow`; False when the pool is
 #:     short (the step then speculates less: a draft never retracts anyone).
 #:     Called by `machine.extend`, never by the mandatory growth.
-#: ``rollback(request, handle, num_tokens)``, a declared shrink
+#: ``rollback(request, handle, num_tokens)`` (`RollingBackHook`), a declared shrink
 #:     give back what the handle holds past `num_tokens` tokens: the slots of
 #:     drafts the model rejected, lowering `handle.amount` by what it gave
 #:     back. Called by `machine.rollback` after a verify step.
-#: ``quarantine(request, handle)``
+#: ``quarantine(request, handle)`` (`QuarantiningHook`)
 #:     a fence protecting this handle missed its deadline: the memory stays
 #:     allocated (a copy may still write it) until `release` is called when
 #:     the fence completes. Must not free anything; may drop references that
@@ -124,7 +150,7 @@ REQUIRED_MEMBERS: tuple[str, ...] = ("name", "acquire_on", "scope", "before", "a
 #: ``pools``
 #:     the hook's pools (each with `name` and `stats() -> PoolUsage`), so the
 #:     leak check covers them.
-OPTIONAL_MEMBERS: tuple[str, ...] = ("grow", "extend", "rollback", "quarantine", "pools")
+OPTIONAL_MEMBERS: tuple[str, ...] = ("grow", "trim", "publish", "extend", "rollback", "quarantine", "pools")
 
 
 class ResourceHook:
@@ -137,10 +163,10 @@ class ResourceHook:
     after: tuple[str, ...] = ()
     pool: str | None = None
 
-    def acquire(self, request: Request, into: RequestState) -> Handle | None:
+    def acquire(self, request: Request, into: RequestState) -> Handle[Any] | None:
         return None
 
-    def release(self, request: Request, handle: Handle) -> None:
+    def release(self, request: Request, handle: Handle[Any]) -> None:
         """Give back what `handle` holds."""
 
     def __repr__(self) -> str:
@@ -167,7 +193,7 @@ def validate_hook(hook: Any) -> None:
             raise HookOrderError(f"hook {hook.name!r}: {attr} must be a tuple of hook names")
     if hook.pool is not None and (not isinstance(hook.pool, str) or not hook.pool):
         raise HookOrderError(f"hook {hook.name!r}: pool must be None or a non-empty string")
-    for attr in ("acquire", "release", *(m for m in ("grow", "extend", "rollback", "quarantine")
+    for attr in ("acquire", "release", *(m for m in ("grow", "trim", "publish", "extend", "rollback", "quarantine")
                                           if hasattr(hook, m))):
         if not callable(getattr(hook, attr)):
             raise HookOrderError(f"hook {hook.name!r}: {attr} must be callable")

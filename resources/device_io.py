@@ -137,7 +137,7 @@ def pin_in_place(t: torch.Tensor, register: Any = None) -> None:
     `register` (tests) replaces the CUDA runtime: an object with
     ``cudaHostRegister(ptr, nbytes, flags)`` and ``cudaHostUnregister(ptr)``.
     """
-    cudart = register if register is not None else torch.cuda.cudart()
+    cudart = register if register is not None else torch.cuda.cudart()  # type: ignore[no-untyped-call, unused-ignore]
     ptr, nbytes = t.data_ptr(), t.untyped_storage().nbytes()
     err = cudart.cudaHostRegister(ptr, nbytes, 0)
     if int(getattr(err, "value", err)) != 0:

@@ -51,6 +51,11 @@ class LeakWatch:
         self._checked_idle = True
         self._next_busy_check = 0.0
 
+    @property
+    def idle_checked(self) -> bool:
+        """Whether the check has run since the engine last went idle."""
+        return self._checked_idle
+
     def on_idle(self, *, recheck: bool) -> None:
         """The engine is idle: check once (again if `recheck`: something was released since)."""
         if not self.enabled or (self._checked_idle and not recheck):

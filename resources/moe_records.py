@@ -40,10 +40,10 @@ class MoERecordHook(ResourceHook):
     def __init__(self, distribution: ExpertDistribution) -> None:
         self.distribution = distribution
 
-    def acquire(self, request: Request, into: RequestState) -> Handle:
+    def acquire(self, request: Request, into: RequestState) -> Handle[torch.Tensor]:
         return Handle(self.name, request.request_id, torch.zeros_like(self.distribution.counts))
 
-    def release(self, request: Request, handle: Handle) -> None:
+    def release(self, request: Request, handle: Handle[torch.Tensor]) -> None:
         self.distribution.fold(handle.payload)
 
 

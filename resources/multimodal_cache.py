@@ -16,6 +16,7 @@ The model side (placeholder expansion, embedding substitution) lives in
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 from collections.abc import Callable
@@ -55,7 +56,7 @@ class MultimodalCache:
         self.used_bytes = 0
         self._tick = itertools.count(1)
 
-    def reference(self, key: str, compute) -> torch.Tensor:
+    def reference(self, key: str, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
         """A referenced embedding for `key`, computing and caching it on a miss."""
         entry = self.entries.get(key)
         if entry is None:
@@ -104,14 +105,14 @@ class MultimodalHook(ResourceHook):
         self.cache = cache
         self._project = project
 
-    def acquire(self, request: Request, into: RequestState) -> Handle | None:
+    def acquire(self, request: Request, into: RequestState) -> Handle[tuple[list[str], torch.Tensor]] | None:
         if not request.mm_inputs:
             return None
         keys, embeddings = [], []
         try:
             for image in request.mm_inputs:
                 key = image_key(image)
-                embeddings.append(self.cache.reference(key, lambda image=image: self._project(image)))
+                embeddings.append(self.cache.reference(key, functools.partial(self._project, image)))
                 keys.append(key)
         except BaseException:
             for key in keys:
@@ -121,7 +122,7 @@ class MultimodalHook(ResourceHook):
         # image); the ledger entry names the request as a holder of references.
         return Handle(self.name, request.request_id, (keys, torch.cat(embeddings)), amount=0)
 
-    def release(self, request: Request, handle: Handle) -> None:
+    def release(self, request: Request, handle: Handle[tuple[list[str], torch.Tensor]]) -> None:
         keys, _ = handle.payload
         for key in keys:
             self.cache.unreference(key)

@@ -76,7 +76,7 @@ class PageAllocator:
             return np.empty(0, dtype=np.int64)
         if top < 0:
             return None
-        ids = self._stack[top : self._top].copy()
+        ids: np.ndarray = self._stack[top : self._top].copy()
         if n == 1:
             self._tag[ids.item()] = 0
         else:
@@ -164,7 +164,8 @@ class PageAllocator:
 
     def free_pages(self) -> np.ndarray:
         """The free page ids (a copy), top of the stack last."""
-        return self._stack[: self._top].copy()
+        ids: np.ndarray = self._stack[: self._top].copy()
+        return ids
 
     def _raise_for(self, ids: np.ndarray) -> None:
         lo, hi = int(ids.min()), int(ids.max())

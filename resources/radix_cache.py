@@ -54,6 +54,12 @@ import numpy as np
 _NO_PAGES = np.empty(0, dtype=np.int64)
 
 
+def _no_pages() -> np.ndarray:
+    """A new empty array of page ids."""
+    out: np.ndarray = _NO_PAGES.copy()
+    return out
+
+
 class CacheObserver(Protocol):
     """Told what enters and leaves the cache (engine.kv_events publishes it). Must not block, and must
     not change `tokens` or `pages` (the cache keeps them)."""
@@ -113,7 +119,7 @@ class RadixCache:
             found.append(child.pages)
             node, i = child, i + n * ps
         if not found:
-            return _NO_PAGES.copy(), node
+            return _no_pages(), node
         return (found[0].copy() if len(found) == 1 else np.concatenate(found)), node
 
     def match(self, tokens: Sequence[int]) -> tuple[list[int], _Node]:
@@ -189,12 +195,14 @@ class RadixCache:
             self._touch(child, tick)
             node, i = child, i + n * ps
         if not duplicates:
-            return _NO_PAGES.copy()
-        return duplicates[0] if len(duplicates) == 1 else np.concatenate(duplicates)
+            return _no_pages()
+        out: np.ndarray = duplicates[0] if len(duplicates) == 1 else np.concatenate(duplicates)
+        return out
 
     def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> list[int]:
         """`insert_pages` with the page ids as lists."""
-        return self.insert_pages(tokens, pages).tolist()
+        ids: list[int] = self.insert_pages(tokens, pages).tolist()
+        return ids
 
     def evict_pages(self, num_pages: int) -> np.ndarray:
         """Free LRU unlocked leaves until `num_pages` pages are out; returns their ids."""
@@ -214,15 +222,16 @@ class RadixCache:
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 self._push_leaf(parent)
         if not freed:
-            return _NO_PAGES.copy()
-        out = freed[0] if len(freed) == 1 else np.concatenate(freed)
+            return _no_pages()
+        out: np.ndarray = freed[0] if len(freed) == 1 else np.concatenate(freed)
         if self.observer is not None:
             self.observer.removed(out)
         return out
 
     def evict(self, num_pages: int) -> list[int]:
         """`evict_pages` with the page ids as a list."""
-        return self.evict_pages(num_pages).tolist()
+        ids: list[int] = self.evict_pages(num_pages).tolist()
+        return ids
 
     def clear(self) -> np.ndarray:
         """Empty the cache and return all its pages (the caller frees them). Only with nothing locked:
@@ -235,7 +244,7 @@ class RadixCache:
         self.evictable_pages = 0
         if self.observer is not None:
             self.observer.cleared()
-        return np.concatenate(pages) if pages else _NO_PAGES.copy()
+        return np.concatenate(pages) if pages else _no_pages()
 
     def walk(self) -> Iterator[tuple[int | None, list[int], np.ndarray]]:
         """Every node as (the page before it or None, its tokens, its pages), parents before children."""

@@ -61,21 +61,26 @@ class RequestSlotHook(ResourceHook):
     scope = KV_SCOPE
     after = ("kv",)
 
-    def __init__(self, slots: RequestSlots, *, scope: frozenset[RequestState] | None = None) -> None:
+    def __init__(self, slots: RequestSlots, *, scope: frozenset[RequestState] | None = None,
+                 acquire_on: frozenset[RequestState] | None = None) -> None:
         self.slots = slots
         if scope is not None:  # HiSparse narrows it with the KV hook's
             self.scope = frozenset(scope)
+        if acquire_on is not None:  # HiSparse's decode role: no slot for a transfer into host rows
+            self.acquire_on = frozenset(acquire_on)
 
     @staticmethod
     def slot(request: Request) -> int:
         """The request's row of the token table (the request must hold a slot)."""
-        return request.handles[RequestSlotHook.name].payload
+        slot = request.handles[RequestSlotHook.name].payload
+        assert isinstance(slot, int)
+        return slot
 
-    def acquire(self, request: Request, into: RequestState) -> Handle:
+    def acquire(self, request: Request, into: RequestState) -> Handle[int]:
         slot = self.slots.alloc()
         if slot is None:
             raise ResourceExhausted(f"all {self.slots.capacity} request slots are in use")
         return Handle(self.name, request.request_id, slot, amount=1)
 
-    def release(self, request: Request, handle: Handle) -> None:
+    def release(self, request: Request, handle: Handle[int]) -> None:
         self.slots.free(handle.payload)

@@ -141,7 +141,7 @@ class SessionHook(ResourceHook):
     def __init__(self, store: SessionStore) -> None:
         self.store = store
 
-    def acquire(self, request: Request, into: RequestState) -> Handle | None:
+    def acquire(self, request: Request, into: RequestState) -> Handle[SessionRecord] | None:
         if request.kind is not RequestKind.SESSION:
             return None
         store = self.store
@@ -154,7 +154,7 @@ class SessionHook(ResourceHook):
         record.anchor = request
         return Handle(self.name, request.request_id, record, amount=1)
 
-    def release(self, request: Request, handle: Handle) -> None:
+    def release(self, request: Request, handle: Handle[SessionRecord]) -> None:
         record: SessionRecord = handle.payload
         record.closed = True
         store = self.store
@@ -175,7 +175,7 @@ class SessionTurnHook(ResourceHook):
     def __init__(self, store: SessionStore) -> None:
         self.store = store
 
-    def acquire(self, request: Request, into: RequestState) -> Handle | None:
+    def acquire(self, request: Request, into: RequestState) -> Handle[SessionRecord] | None:
         if request.session_id is None or request.kind is RequestKind.SESSION:
             return None
         record = self.store.records.get(request.session_id)
@@ -183,7 +183,7 @@ class SessionTurnHook(ResourceHook):
             return None
         return Handle(self.name, request.request_id, record)
 
-    def release(self, request: Request, handle: Handle) -> None:
+    def release(self, request: Request, handle: Handle[SessionRecord]) -> None:
         record: SessionRecord = handle.payload
         if record.closed or request.finish_reason not in EXTENDS:
             return

@@ -19,11 +19,13 @@ class TimingHook(ResourceHook):
     acquire_on = frozenset({RequestState.QUEUED})
     scope = HELD_STATES
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, *, after: tuple[str, ...] = ()) -> None:
         self.clock = clock
+        #: every other hook: it is released last
+        self.after = tuple(after)
 
-    def acquire(self, request: Request, into: RequestState) -> Handle:
+    def acquire(self, request: Request, into: RequestState) -> Handle[None]:
         return Handle(self.name, request.request_id)
 
-    def release(self, request: Request, handle: Handle) -> None:
+    def release(self, request: Request, handle: Handle[None]) -> None:
         request.completion_time = self.clock()

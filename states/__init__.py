@@ -6,7 +6,9 @@ or `engine`.
 
 from states.handle import DoubleRelease, Fence, Handle, ResourceExhausted
 from states.machine import FencePending, Quarantined, RequestMachine
-from states.request import Request, RequestKind
+from states.protocols import (ExtendingHook, GrowingHook, Hook, Ledger, PublishingHook, QuarantiningHook,
+                              RollingBackHook, TransitionObserver, TrimmingHook)
+from states.request import Request, RequestKind, TokenLogprob
 from states.request_state import (
     HELD_STATES,
     LIVE_STATES,
@@ -24,12 +26,22 @@ __all__ = [
     "Fence",
     "FencePending",
     "FinishReason",
+    "ExtendingHook",
+    "GrowingHook",
     "Handle",
+    "Hook",
     "IllegalTransition",
+    "Ledger",
+    "PublishingHook",
+    "QuarantiningHook",
+    "RollingBackHook",
     "Quarantined",
     "Request",
     "RequestKind",
     "RequestMachine",
     "RequestState",
     "ResourceExhausted",
+    "TokenLogprob",
+    "TransitionObserver",
+    "TrimmingHook",
 ]

@@ -15,7 +15,7 @@ quarantines the handles it protects instead of freeing them.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Protocol, runtime_checkable
+from typing import Generic, Protocol, TypeVar, runtime_checkable
 
 
 class DoubleRelease(Exception):
@@ -30,18 +30,25 @@ class ResourceExhausted(Exception):
     """
 
 
-class Handle:
-    """One resource held by one request. `payload` is the hook's own record."""
+P = TypeVar("P")
 
-    __slots__ = ("resource", "request_id", "amount", "payload", "_status", "_was_quarantined")
+
+class Handle(Generic[P]):
+    """One resource held by one request. `payload` is the hook's own record (typed:
+    ``Handle[KVBlock]``); `fences` are in-flight operations its acquisition started (a
+    staging copy, a transfer), which the machine adds to the request's fences."""
+
+    __slots__ = ("resource", "request_id", "amount", "payload", "fences", "_status", "_was_quarantined")
 
     HELD, RELEASED, QUARANTINED = "held", "released", "quarantined"
 
-    def __init__(self, resource: str, request_id: str, payload: Any = None, amount: int = 0) -> None:
+    def __init__(self, resource: str, request_id: str, payload: P = None,  # type: ignore[assignment]
+                 amount: int = 0, *, fences: tuple[Fence, ...] = ()) -> None:
         self.resource = resource
         self.request_id = request_id
-        self.payload = payload
+        self.payload: P = payload
         self.amount = amount
+        self.fences = fences
         self._status = Handle.HELD
         self._was_quarantined = False
 

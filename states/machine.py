@@ -4,31 +4,38 @@ Every transition goes through `RequestMachine._move`, which, in order:
 
 1. checks the edge against `TRANSITIONS` (else `IllegalTransition`);
 2. acquires the handles of hooks whose `acquire_on` contains the destination
-   and that the request does not hold yet (reverse release order). If one
-   acquisition raises, the handles this transition acquired are released
-   again, nothing else changed, and the error propagates (`ResourceExhausted`
-   means "wait and retry"; anything else is a faulty hook);
+   and that the request does not hold yet (reverse release order), and adds
+   the fences each acquisition started (`Handle.fences`). If one acquisition
+   raises, the handles this transition acquired are released again, nothing
+   else changed, and the error propagates (`ResourceExhausted` means "wait
+   and retry"; anything else is a faulty hook);
 3. releases, in the one release order, every held handle whose hook's
    `scope` does not contain the destination. The sequence always runs to
    its end: a hook that raises is logged and its pool marked suspect, and a
    `BaseException` (a cancellation) is re-raised only after the last hook;
 4. records history, logs `request.transition` and tells the observers.
 
+Besides moves, the machine is the one way to change what a request holds
+while it runs: `grow` (each `TrimmingHook` gives back what no later step can
+read, then each `GrowingHook` covers the next tokens), `publish` (each
+`PublishingHook` shares the request's complete memory) and `add_fence` /
+`prune_fences` (the in-flight operations a release waits for).
+
 The machine, not the hooks, keeps the ownership ledger: after an
 acquisition it records `hook.pool` / `handle.amount`, after a release it
-drops it, on quarantine it moves it, and `grow` reconciles a growth. Every
-call into a hook or an observer is isolated: nothing a plugin does can stop
-a release sequence or leave a request between states.
+drops it, on quarantine it moves it, and after `grow`, `trim` and `publish`
+it reconciles what changed. Every call into a hook or an observer is
+isolated: nothing a plugin does can stop a release sequence or leave a
+request between states.
 
 FINISHED -> RELEASED happens in `try_release` once the request's fences are
 done; a fence past its deadline quarantines the handles it protects. A
 quarantined handle is released by `reap_quarantine` once its fence does
 complete after all.
 
-The hooks are the objects described in `resources.contract` (this package
-stays free of torch and pools, so it reads their attributes by name:
-`name`, `acquire_on`, `scope`, `pool`, `acquire`, `release`, and optionally
-`quarantine` and `grow`). They are given to the machine in release order.
+The hooks are `states.protocols.Hook`s (the plugin author's contract is
+`resources.contract`), given to the machine in release order; their optional
+members are sorted once, by protocol, when the machine is built.
 """
 
 from __future__ import annotations
@@ -38,28 +45,18 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
-from states.handle import Handle, ResourceExhausted
+from states.handle import Fence, Handle, ResourceExhausted
 from states.logs import LiveLogger
+from states.protocols import (ExtendingHook, GrowingHook, Hook, Ledger, NoLedger, PublishingHook, QuarantiningHook,
+                              RollingBackHook, TransitionObserver, TrimmingHook)
 from states.request import Request
 from states.request_state import TRANSITIONS, FinishReason, IllegalTransition, RequestState
 
 S = RequestState
-TransitionObserver = Callable[[Request, RequestState, RequestState], None]
 
 
 class FencePending(Exception):
     """A transition would free memory that an in-flight operation still uses."""
-
-
-class _NoLedger:
-    """The ledger of a machine built without one (unit tests of the machine)."""
-
-    def hold(self, pool: str, owner: Any, amount: int) -> None: ...
-    def adjust(self, pool: str, owner: Any, delta: int) -> None: ...
-    def drop(self, pool: str, owner: Any, amount: int) -> None: ...
-    def quarantine(self, pool: str, owner: Any, amount: int) -> None: ...
-    def unquarantine(self, pool: str, owner: Any, amount: int) -> None: ...
-    def mark_suspect(self, pool: str) -> None: ...
 
 
 @attrs.define(eq=False)
@@ -67,9 +64,9 @@ class Quarantined:
     """A handle kept past its request's release because `fence` missed its deadline."""
 
     request: Request
-    hook: Any
-    handle: Handle
-    fence: Any
+    hook: Hook
+    handle: Handle[Any]
+    fence: Fence
 
 
 class RequestMachine:
@@ -77,24 +74,28 @@ class RequestMachine:
 
     def __init__(
         self,
-        hooks: Sequence[Any],
+        hooks: Sequence[Hook],
         *,
-        ledger: Any = None,
+        ledger: Ledger | None = None,
         clock: Callable[[], float] = time.monotonic,
         logger: Any = None,
     ) -> None:
-        self.hooks = tuple(hooks)  # release order
+        self.hooks: tuple[Hook, ...] = tuple(hooks)  # release order
         self._acquire_order = tuple(reversed(self.hooks))
         # NOTE: per destination, precomputed once: who acquires on entering it, and whose scope
         # it leaves (each transition then only looks at the hooks that can matter)
         self._acquirers = {s: tuple(h for h in self._acquire_order if s in h.acquire_on) for s in S}
         self._leavers = {s: tuple(h for h in self.hooks if s not in h.scope) for s in S}
-        self._growers = tuple(h for h in self._acquire_order if callable(getattr(h, "grow", None)))
-        self._extenders = tuple(h for h in self._acquire_order if callable(getattr(h, "extend", None)))
-        self._rollbacks = tuple(h for h in self.hooks if callable(getattr(h, "rollback", None)))
-        self.ledger = ledger if ledger is not None else _NoLedger()
+        # the optional members, sorted once by protocol (acquisition order: a request's earlier
+        # handles grow first, as they were taken)
+        self._trimmers = tuple(h for h in self._acquire_order if isinstance(h, TrimmingHook))
+        self._growers = tuple(h for h in self._acquire_order if isinstance(h, GrowingHook))
+        self._publishers = tuple(h for h in self._acquire_order if isinstance(h, PublishingHook))
+        self._extenders = tuple(h for h in self._acquire_order if isinstance(h, ExtendingHook))
+        self._rollbacks = tuple(h for h in self.hooks if isinstance(h, RollingBackHook))
+        self.ledger: Ledger = ledger if ledger is not None else NoLedger()
         self.clock = clock
-        self.log = logger if logger is not None else LiveLogger("kvlife.machine")
+        self.log: Any = logger if logger is not None else LiveLogger("kvlife.machine")
         self.transition_observers: list[TransitionObserver] = []
         #: handles whose fence missed its deadline, until the fence completes
         self.quarantined: list[Quarantined] = []
@@ -146,25 +147,50 @@ class RequestMachine:
         return True
 
     def grow(self, request: Request, num_tokens: int) -> bool:
-        """Make every held growable handle cover `num_tokens` tokens.
+        """Make every held growable handle cover `num_tokens` tokens, after each trimming hook
+        has given back what no query from position `num_tokens - 1` on can read.
 
         False when a pool is short (what grew stays held and accounted); any
         other hook error propagates, and the caller finishes the request.
         """
-        for hook in self._growers:
+        handles = request.handles
+        for trimmer in self._trimmers:
+            handle = handles.get(trimmer.name)
+            if handle is not None:
+                before = handle.amount
+                try:
+                    trimmer.trim(request, handle, num_tokens)
+                finally:
+                    self._reconcile(request, trimmer, handle, before)
+        for grower in self._growers:
+            handle = handles.get(grower.name)
+            if handle is None:
+                continue
+            before = handle.amount
+            try:
+                ok = grower.grow(request, handle, num_tokens)
+            except ResourceExhausted:
+                ok = False
+            finally:
+                self._reconcile(request, grower, handle, before)
+            if not ok:
+                return False
+        return True
+
+    def publish(self, request: Request) -> None:
+        """Share the request's complete memory now (each publishing hook it holds a handle of),
+        isolated: a hook that raises is logged and its pool marked suspect."""
+        for hook in self._publishers:
             handle = request.handles.get(hook.name)
             if handle is None:
                 continue
             before = handle.amount
             try:
-                ok = hook.grow(request, handle, num_tokens)
-            except ResourceExhausted:
-                ok = False
+                hook.publish(request, handle)
+            except Exception as exc:
+                self._hook_failed(request, hook, "publish", exc)
             finally:
                 self._reconcile(request, hook, handle, before)
-            if not ok:
-                return False
-        return True
 
     def extend(self, request: Request, num_tokens: int) -> bool:
         """Speculative decoding: make every held handle that declares `extend` cover
@@ -202,22 +228,18 @@ class RequestMachine:
             finally:
                 self._reconcile(request, hook, handle, before)
 
-    def call(self, request: Request, hook_name: str, method: str, *args: Any) -> bool:
-        """Run `hook.method(request, handle, *args)` on a held handle, isolated, and record in
-        the ledger what it changed in the handle's amount. False if not held or it raised."""
-        hook = next((h for h in self.hooks if h.name == hook_name), None)
-        handle = request.handles.get(hook_name)
-        if hook is None or handle is None:
-            return False
-        before = handle.amount
-        try:
-            getattr(hook, method)(request, handle, *args)
-        except Exception as exc:
-            self._hook_failed(request, hook, method, exc)
-            return False
-        finally:
-            self._reconcile(request, hook, handle, before)
-        return True
+    # ----------------------------------------------------------------- fences
+    def add_fence(self, request: Request, fence: Fence) -> None:
+        """An in-flight operation that uses some of the request's handles' memory: a release
+        of those handles waits for it (or quarantines them at its deadline)."""
+        if request.state is S.RELEASED:
+            raise IllegalTransition(request.request_id, request.state, request.state)
+        request.fences.append(fence)
+
+    def prune_fences(self, request: Request) -> None:
+        """Forget the request's completed fences (a long decode makes one per step)."""
+        if request.fences:
+            request.fences[:] = [f for f in request.fences if not _fence_done(f)]
 
     def reap_quarantine(self) -> int:
         """Release quarantined handles whose fences have completed; returns how many."""
@@ -227,7 +249,7 @@ class RequestMachine:
         self.quarantined = [q for q in self.quarantined if q not in done]
         interrupted: BaseException | None = None
         for q in done:
-            pool = getattr(q.hook, "pool", None)
+            pool = q.hook.pool
             if pool is not None:
                 self.ledger.unquarantine(pool, q.request, q.handle.amount)
                 self.ledger.drop(pool, q.request, q.handle.amount)
@@ -262,7 +284,7 @@ class RequestMachine:
         if interrupted is not None:
             raise interrupted
 
-    def _fenced(self, request: Request, leaving: list[Any]) -> set[str]:
+    def _fenced(self, request: Request, leaving: list[Hook]) -> set[str]:
         names = {h.name for h in leaving}
         fenced: set[str] = set()
         for fence in request.fences:
@@ -271,7 +293,7 @@ class RequestMachine:
         return fenced
 
     def _acquire(self, request: Request, dst: RequestState) -> None:
-        acquired: list[Any] = []
+        acquired: list[Hook] = []
         try:
             for hook in self._acquirers[dst]:
                 if hook.name not in request.handles:
@@ -282,20 +304,23 @@ class RequestMachine:
                     if handle is not None:
                         request.handles[hook.name] = handle
                         acquired.append(hook)
-                        pool = getattr(hook, "pool", None)
+                        pool = hook.pool
                         if pool is not None:
                             self.ledger.hold(pool, request, handle.amount)
+                        if handle.fences:  # NOTE: added as acquired, so a rollback waits for them too
+                            request.fences.extend(handle.fences)
+                            handle.fences = ()
         except BaseException:
             self._release_all(request, [h for h in self.hooks if h in acquired])
             raise
 
-    def _release_all(self, request: Request, hooks: list[Any]) -> BaseException | None:
+    def _release_all(self, request: Request, hooks: Sequence[Hook]) -> BaseException | None:
         """Release each hook's handle, all of them whatever happens; returns a
         BaseException that interrupted one (to re-raise once all are done)."""
         interrupted: BaseException | None = None
         for hook in hooks:
-            handle: Handle = request.handles.pop(hook.name)
-            pool = getattr(hook, "pool", None)
+            handle = request.handles.pop(hook.name)
+            pool = hook.pool
             if pool is not None:
                 self.ledger.drop(pool, request, handle.amount)
             try:
@@ -304,7 +329,8 @@ class RequestMachine:
                 interrupted = interrupted or exc
         return interrupted
 
-    def _release_handle(self, request: Request, hook: Any, handle: Handle, *, after_quarantine: bool = False) -> None:
+    def _release_handle(self, request: Request, hook: Hook, handle: Handle[Any], *,
+                        after_quarantine: bool = False) -> None:
         handle.mark_released()  # raises DoubleRelease before any pool is touched
         try:
             hook.release(request, handle)
@@ -316,37 +342,36 @@ class RequestMachine:
             log.debug("resource.released", request_id=request.request_id, resource=hook.name,
                       amount=handle.amount, after_quarantine=after_quarantine)
 
-    def _quarantine(self, request: Request, fence: Any) -> None:
+    def _quarantine(self, request: Request, fence: Fence) -> None:
         for hook in self.hooks:
             if hook.name not in fence.protects or hook.name not in request.handles:
                 continue
             handle = request.handles.pop(hook.name)
             handle.mark_quarantined()
-            pool = getattr(hook, "pool", None)
+            pool = hook.pool
             if pool is not None:
                 self.ledger.quarantine(pool, request, handle.amount)
             self.quarantined.append(Quarantined(request, hook, handle, fence))
-            quarantine = getattr(hook, "quarantine", None)
-            if quarantine is not None:
+            if isinstance(hook, QuarantiningHook):
                 try:
-                    quarantine(request, handle)
+                    hook.quarantine(request, handle)
                 except Exception as exc:
                     self._hook_failed(request, hook, "quarantine", exc)
             self.log.warning("resource.quarantined", request_id=request.request_id, resource=hook.name,
                              amount=handle.amount, fence=fence.name)
 
-    def _reconcile(self, request: Request, hook: Any, handle: Handle, before: int) -> None:
+    def _reconcile(self, request: Request, hook: Hook, handle: Handle[Any], before: int) -> None:
         """Record in the ledger what a hook call changed in `handle.amount`."""
-        pool = getattr(hook, "pool", None)
+        pool = hook.pool
         delta = handle.amount - before
         if pool is None or not delta:
             return
         self.ledger.adjust(pool, request, delta)
 
-    def _hook_failed(self, request: Request, hook: Any, call: str, exc: Exception) -> None:
-        name = getattr(hook, "name", repr(hook))
-        self.log.error(f"resource.{call}_failed", request_id=request.request_id, resource=name, error=repr(exc))
-        self.ledger.mark_suspect(getattr(hook, "pool", None) or name)
+    def _hook_failed(self, request: Request, hook: Hook, call: str, exc: Exception) -> None:
+        self.log.error(f"resource.{call}_failed", request_id=request.request_id, resource=hook.name,
+                       error=repr(exc))
+        self.ledger.mark_suspect(hook.pool or hook.name)
 
     def _record(self, request: Request, src: RequestState | None, dst: RequestState, reason: str | None) -> None:
         request.history.append((dst, self.clock()))
@@ -364,7 +389,7 @@ class RequestMachine:
                                error=repr(exc))
 
 
-def _fence_done(fence: Any) -> bool:
+def _fence_done(fence: Fence) -> bool:
     try:
         return bool(fence.done())
     except Exception:  # a fence that cannot say is never done: the memory stays quarantined

@@ -1,8 +1,11 @@
 """The request: what was asked, what came out, and what it holds.
 
-Only the machine writes `state`, `history`, `handles` and `finish_reason`;
-everything else reads them. Counters are plain properties so the scheduler
-and the model runner need no bookkeeping of their own.
+Two writers, and only two. The machine (`states.machine.RequestMachine`)
+writes `state`, `history`, `handles`, `fences`, `finish_reason` and `error`;
+the runtime's step applier (`engine.runtime.step_applier`) writes the
+request's progress: `kv_len`, `output_token_ids`, `output_logprobs` and the
+token times. Everything else reads them. Counters are plain properties so the
+scheduler and the model runner need no bookkeeping of their own.
 """
 
 from __future__ import annotations
@@ -13,7 +16,19 @@ from typing import Any
 
 import attrs
 
+from states.handle import Fence, Handle
 from states.request_state import FinishReason, RequestState
+
+
+@attrs.frozen
+class TokenLogprob:
+    """A generated token's log probability, and the top alternatives' (best first)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+    #: the token's rank in the distribution (1 = the most likely), where computed (prompt logprobs)
+    rank: int | None = None
 
 
 class RequestKind(enum.Enum):
@@ -28,11 +43,13 @@ class Request:
     """One generation request and its lifecycle record.
 
     `prompt_token_ids` never changes; `output_token_ids` grows by one per
-    decode step. `kv_len` counts the leading tokens whose KV is complete in
-    this engine's pools: 0 before prefill, after retraction and while a
-    transfer has not landed, so only complete KV is ever cached. `handles` maps hook name to the live
-    handle the request holds; `fences` are the in-flight operations that must
-    complete before FINISHED -> RELEASED frees their memory.
+    accepted token, and `output_logprobs` with it (one entry per output token,
+    None where none was computed) when the request asks for logprobs. `kv_len`
+    counts the leading tokens whose KV is complete in this engine: 0 before
+    prefill, after retraction and while a transfer has not landed, so only
+    complete KV is ever cached. `handles` maps hook name to the live handle the
+    request holds; `fences` are the in-flight operations that must complete
+    before FINISHED -> RELEASED frees their memory.
     """
 
     request_id: str
@@ -41,12 +58,13 @@ class Request:
     kind: RequestKind = RequestKind.NORMAL
     mm_inputs: list[Any] = attrs.field(factory=list)
     output_token_ids: list[int] = attrs.field(factory=list)
+    output_logprobs: list[TokenLogprob | None] = attrs.field(factory=list)
     state: RequestState = RequestState.QUEUED
     finish_reason: FinishReason | None = None
     error: BaseException | None = None
     history: list[tuple[RequestState, float]] = attrs.field(factory=list)
-    handles: dict[str, Any] = attrs.field(factory=dict)
-    fences: list[Any] = attrs.field(factory=list)
+    handles: dict[str, Handle[Any]] = attrs.field(factory=dict)
+    fences: list[Fence] = attrs.field(factory=list)
     kv_len: int = 0
     arrival_time: float = attrs.field(factory=time.monotonic)
     first_token_time: float | None = None

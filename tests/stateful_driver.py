@@ -249,10 +249,10 @@ class EngineDriver:
                 while not all(r.done for r in self.recs.values()):
                     await anyio.sleep(0.001)
         except TimeoutError:
-            worker = getattr(self.engine.parts, "prefill_client", None)
-            jobs = None if worker is None else (len(worker.jobs), len(worker.requests))
+            prefill = getattr(self.engine.parts, "prefill_client", None)
+            live = None if prefill is None else [repr(r) for r in prefill.loop.requests()]
             raise AssertionError(f"not idle after {DEADLINE}s: {self.engine.requests_by_state()}, "
-                                 f"{self.engine.memory_report().as_dict()}, worker jobs/requests {jobs}") from None
+                                 f"{self.engine.memory_report().as_dict()}, prefill requests {live}") from None
 
     # ------------------------------------------------------------ checks
     def raise_if_crashed(self) -> None:

@@ -17,7 +17,7 @@ from engine.disagg.link import bootstrap
 from engine import SamplingParams
 from engine.disagg.decode.decode_link import DecodeLink
 from engine.disagg.decode.link_job import LinkJob
-from engine.disagg.decode.kv_transfer_hook import TransferCancelled, TransferJob
+from engine.disagg.decode.kv_transfer_hook import FirstToken, TransferCancelled, TransferJob
 from engine.disagg.decode.destination import PagedDestination
 from engine.disagg.link.observability import TransferStats
 from engine.disagg.link.settings import LinkSettings
@@ -167,7 +167,7 @@ class TestLanding:
         for kv in chunks:
             prefill.chunk(kv)
         _wait(lj.job.fence.done)
-        assert lj.job.outcome == ("ok", 42) and lj.job.fence.outcome_first
+        assert lj.job.outcome == ("ok", FirstToken(42)) and lj.job.fence.outcome_first
         locs = torch.arange(16, 16 + TOKENS)
         for chunk, kv in zip(lj.plan, chunks):
             for i in range(chunk.num_layers):
@@ -187,7 +187,7 @@ class TestLanding:
             prefill.chunk(kv)
         _wait(second.job.fence.done)
         assert first.job.outcome[0] == "failed" and first.job.outcome[1].cause == "prefill_failed"
-        assert second.job.outcome == ("ok", 7) and link.up
+        assert second.job.outcome == ("ok", FirstToken(7)) and link.up
 
 
 class TestLinkFailures:

@@ -7,6 +7,7 @@ test_disagg_failover.py."""
 
 from __future__ import annotations
 
+import math
 import time
 
 import anyio
@@ -71,6 +72,27 @@ class TestOutputs:
         assert remote == single
         for got, want in zip(remote_kv, single_kv):
             assert got.numel() > 0 and torch.equal(got, want)
+        assert_child_whole(await anyio.to_thread.run_sync(prefill.wait_idle))
+
+    @pytest.mark.asyncio
+    async def test_sequences_and_logprobs_equal_the_single_engines(self, prefill):
+        """Issue 18 items 1 and 2 across processes: sequence i of n = 3 equals a request seeded seed + i, and
+        every token has its one logprob entry, the first one's travelling in the RESULT frame (the prefill's
+        prefix cache may hold the prompt already: equal within float32 rounding)."""
+        seeded = dict(max_new_tokens=6, temperature=1.0, top_k=20, seed=3, ignore_eos=True)
+        greedy = SamplingParams(max_new_tokens=4, ignore_eos=True, logprobs=2)
+        async with Engine(small_config()) as single:
+            want_lp = [e for o in await _collect(single.generate(PROMPTS[1], greedy)) for e in o.logprobs or ()]
+        async with _decode(prefill) as engine:
+            singles = [(await engine.complete(PROMPTS[1], SamplingParams(**{**seeded, "seed": 3 + i}))).token_ids
+                       for i in range(3)]
+            together = {o.index: o.token_ids for o in await _collect(
+                engine.generate(PROMPTS[1], SamplingParams(**seeded, n=3))) if o.finished}
+            got_lp = [e for o in await _collect(engine.generate(PROMPTS[1], greedy)) for e in o.logprobs or ()]
+        assert together == dict(enumerate(singles)) and len({tuple(s) for s in singles}) > 1
+        assert len(got_lp) == len(want_lp) == 4 and [e.token_id for e in got_lp] == [e.token_id for e in want_lp]
+        assert all(math.isclose(g.logprob, w.logprob, rel_tol=1e-4, abs_tol=1e-5) and len(g.top) == 2
+                   for g, w in zip(got_lp, want_lp))
         assert_child_whole(await anyio.to_thread.run_sync(prefill.wait_idle))
 
     @pytest.mark.asyncio
@@ -162,6 +184,10 @@ class TestFailures:
         report = await anyio.to_thread.run_sync(prefill.wait_idle)
         assert outputs[-1].finish_reason is FinishReason.SHUTDOWN and elapsed < 3.0
         assert_child_whole(report)
+
+
+async def _collect(stream) -> list:
+    return [o async for o in stream]
 
 
 class TestSeedScenario:

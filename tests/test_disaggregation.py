@@ -85,6 +85,26 @@ class TestTransferFailures:
         assert report.pools["prefill.kv_pages"].quarantined > 0
         assert any(o.quarantined and o.request_id == "stuck" for o in report.owners["kv_pages"])
 
+    @pytest.mark.asyncio
+    async def test_a_late_copy_is_reaped_on_both_sides_with_no_new_request(self):
+        """Issue 18 item 9: once the stuck copy lands after all, the quarantined pages of both sides come
+        back while the engine stays idle (no new request passes through the prefill)."""
+        faults = FaultInjector(stuck_fences={"kv_transfer"})
+        config = small_config(disaggregation="decode", fence_timeout=0.2)
+        async with Engine(config, faults=faults) as engine:
+            final = await engine.complete(PROMPTS[1], SamplingParams(max_new_tokens=4), request_id="late")
+            await engine.wait_idle(DEADLINE)
+            with anyio.fail_after(DEADLINE):  # both sides' fences miss their deadline: quarantined
+                while not all(engine.memory_report().pools[p].quarantined for p in ("kv_pages", "prefill.kv_pages")):
+                    await anyio.sleep(0.01)
+            faults.unstick()  # the late copy lands; nothing else happens
+            with anyio.fail_after(5):
+                while any(s.quarantined for s in engine.memory_report().pools.values()):
+                    await anyio.sleep(0.01)
+            report = engine.check_memory()
+        assert final.finish_reason is FinishReason.TRANSFER_FAILED
+        assert all(s.held == 0 for s in report.pools.values()), report.as_dict()
+
 
 class TestSeedScenario:
     @pytest.mark.asyncio

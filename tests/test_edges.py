@@ -137,22 +137,27 @@ class TestQuarantineEnds:
         release = anyio.Event()
         token = anyio.lowlevel.current_token()
 
-        def stall(ids):  # the prefill worker's step for the first job blocks until released
+        def stall(ids):  # the prefill runtime's step of the first job blocks until released
             if any(i.startswith("prefill:first") for i in ids):
                 anyio.from_thread.run_sync(started.set, token=token)
                 anyio.from_thread.run(release.wait, token=token)
 
         config = small_config(model="null", disaggregation="decode", fence_timeout=60)
         async with Engine(config, faults=FaultInjector(stall_step=stall)) as engine:
-            first = engine.generate(PROMPT, SamplingParams(max_new_tokens=2), request_id="first")
-            queued = engine.generate(PROMPT, SamplingParams(max_new_tokens=2), request_id="queued")
-            await started.wait()
-            assert await engine.abort("queued")
-            with anyio.fail_after(2):  # no 60 s fence deadline to wait out
-                final = (await collect(queued))[-1]
-                while engine.loop.is_live("queued"):
-                    await anyio.sleep(0.005)
-            release.set()
+            try:
+                first = engine.generate(PROMPT, SamplingParams(max_new_tokens=2), request_id="first")
+                await started.wait()  # the prefill runtime is inside a step: the next job waits for it
+                queued = engine.generate(PROMPT, SamplingParams(max_new_tokens=2), request_id="queued")
+                with anyio.fail_after(DEADLINE):
+                    while not engine.requests_by_state().get(RequestState.TRANSFERRING, 0) == 2:
+                        await anyio.sleep(0.005)
+                assert await engine.abort("queued")
+                with anyio.fail_after(2):  # no 60 s fence deadline to wait out
+                    final = (await collect(queued))[-1]
+                    while engine.loop.is_live("queued"):
+                        await anyio.sleep(0.005)
+            finally:
+                release.set()
             await collect(first)
         assert final.finish_reason is FinishReason.ABORT
 

@@ -1,10 +1,13 @@
 """Issue 5's matrix: {single, decode role} x {HiSparse off, on} x {no images,
-images} x {tiny, tiny-moe}, each engine driven through every finish path.
+images} x {tiny, tiny-moe}, each engine driven through every finish path
+(the prefill role's own matrix is tests/test_prefill_role.py).
 
-Per engine: every request reaches RELEASED exactly once, every pool is whole
-at idle (conftest checks it too), multimodal references are back to zero,
-and the expert distribution's total equals routed tokens x MoE layers x
-top-k over every forward that ran (decode engine and prefill worker).
+Per engine: every request reaches RELEASED exactly once, a recording plugin
+hook (on the decode engine and on its in-process prefill runtime) got every
+lease it gave back exactly once, every pool is whole at idle (conftest checks
+it too), multimodal references are back to zero, and the expert
+distribution's total equals routed tokens x MoE layers x top-k over every
+forward that ran (decode engine and prefill runtime).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from engine import Engine, SamplingParams
 from engine.testing import FaultInjector
 from helpers import abort_on_entry, collect, small_config
 from hisparse import HiSparseConfig
+from recording_plugin import Recorders
 from states import FinishReason, RequestState
 
 S = RequestState
@@ -27,9 +31,10 @@ MATRIX = list(itertools.product(["none", "decode"], [False, True], [False, True]
 IMAGE = torch.arange(16 * 16 * 3, dtype=torch.int64).remainder(251).to(torch.uint8).view(16, 16, 3)
 
 
-def _config(role: str, hisparse: bool, model: str):
+def _config(role: str, hisparse: bool, model: str, recorders: Recorders):
     hs = HiSparseConfig(top_k=16, device_buffer_size=24, recent_window=4) if hisparse else None
-    return small_config(model=model, disaggregation=role, hisparse=hs, max_context=192, max_prefill_tokens=16)
+    return small_config(model=model, disaggregation=role, hisparse=hs, max_context=192, max_prefill_tokens=16,
+                        resources=(recorders,))
 
 
 class _Watch:
@@ -39,13 +44,13 @@ class _Watch:
         self.released: Counter = Counter()
         self.finished_from: dict[str, str] = {}
         self.forward_tokens = 0
-        self._watch_parts(engine.parts, engine.loop.step_observers)
-        worker = engine.parts.prefill_client
-        if worker is not None:
-            self._watch_parts(worker.parts, worker.parts.step_observers)
+        self._watch(engine.parts.machine, engine.loop.step_observers)
+        prefill = engine.parts.prefill_client
+        if prefill is not None:
+            self._watch(prefill.machine, prefill.loop.step_observers)
 
-    def _watch_parts(self, parts, step_observers) -> None:
-        parts.machine.transition_observers.append(self._on_transition)
+    def _watch(self, machine, step_observers) -> None:
+        machine.transition_observers.append(self._on_transition)
         step_observers.append(self._on_step)
 
     def _on_transition(self, request, src, dst) -> None:
@@ -109,7 +114,8 @@ async def test_every_finish_path_releases_everything(role, hisparse, with_images
         return request_id == "transfer-failed"
 
     faults = FaultInjector(fail_step=lambda ids: "error" in ids, fail_transfer=abort_while_transferring)
-    engine = holder["engine"] = Engine(_config(role, hisparse, model), faults=faults)
+    recorders = Recorders()
+    engine = holder["engine"] = Engine(_config(role, hisparse, model, recorders), faults=faults)
     watch = _Watch(engine)
     images = [IMAGE] if with_images else []
     with anyio.fail_after(120):
@@ -133,6 +139,8 @@ async def test_every_finish_path_releases_everything(role, hisparse, with_images
     decode_side = {rid: n for rid, n in watch.released.items() if not rid.startswith("prefill:")}
     assert all(n == 1 for n in watch.released.values()), watch.released
     assert set(expected) | {"disconnect"} <= set(decode_side)
+    recorders.assert_balanced()
+    assert len(recorders.hooks) == (2 if role == "decode" else 1)  # the in-process prefill has its own
     report = engine.check_memory()
     assert report.idle
     for name, stats in report.pools.items():

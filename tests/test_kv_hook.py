@@ -61,9 +61,12 @@ def _check(kv: KVPool, ledger: Ledger, *, idle: bool = False):
 
 
 def _admit(machine, rid, tokens, into=S.PREFILLING) -> Request:
+    """Admit as the runtime does: the machine moves it, then (the step applier's job) its progress
+    starts at the prefix the KV hook found cached."""
     req = Request(rid, list(tokens), None)
     machine.start(req)
     machine.advance(req, into)
+    req.kv_len = KVHook.cached_tokens(req)
     return req
 
 
@@ -305,6 +308,7 @@ class KVModel(RuleBasedStateMachine):
         except ResourceExhausted:
             assert req.state is S.QUEUED and _snapshot(self.kv, self.ledger) == before
             return
+        req.kv_len = KVHook.cached_tokens(req)  # as the step applier does on admission
         block, tokens = _block(req), req.all_token_ids
         assert len(block.pages) == self.kv.pages_for(len(tokens)) == len(set(block.pages))
         assert req.kv_len == block.num_prefix_pages * PS < len(tokens)

@@ -9,6 +9,7 @@ import torch
 
 from engine.errors import InvalidConfig
 from engine.model.checkpoint import CheckpointError
+from engine.model.hf_config import read_hf_config
 from engine.model.model_config import ModelConfig, RopeScaling, VisionConfig
 
 _LLAMA3_CONFIG = {
@@ -108,11 +109,11 @@ class TestHFConfig:
     )
     def test_round_trip(self, config):
         """from_hf_config(to_hf_config(c)) == c."""
-        assert ModelConfig.from_hf_config(config.to_hf_config()) == config
+        assert read_hf_config(config.to_hf_config()) == config
 
     def test_reads_llama3_config(self):
         """A Llama 3.2 config.json reads with defaults filled in and every EOS id kept."""
-        config = ModelConfig.from_hf_config(_LLAMA3_CONFIG)
+        config = read_hf_config(_LLAMA3_CONFIG)
         assert config.head_dim == 64 and config.num_kv_heads == 8
         assert config.stop_token_ids == (128001, 128008, 128009)
         assert config.pad_token_id == 128001
@@ -121,7 +122,7 @@ class TestHFConfig:
 
     def test_qwen2_gets_attention_bias(self):
         """model_type qwen2 means q/k/v biases."""
-        config = ModelConfig.from_hf_config({**_LLAMA3_CONFIG, "model_type": "qwen2", "rope_scaling": None})
+        config = read_hf_config({**_LLAMA3_CONFIG, "model_type": "qwen2", "rope_scaling": None})
         assert config.attention_bias and config.rope_scaling is None
 
     @pytest.mark.parametrize(
@@ -147,20 +148,20 @@ class TestHFConfig:
     )
     def test_sliding_window_settings_read_as_transformers_reads_them(self, changes, window, layers):
         """sliding_window / use_sliding_window / max_window_layers / layer_types give transformers' per-layer windows."""
-        config = ModelConfig.from_hf_config({**_LLAMA3_CONFIG, "rope_scaling": None, **changes})
+        config = read_hf_config({**_LLAMA3_CONFIG, "rope_scaling": None, **changes})
         assert (config.sliding_window, config.sliding_window_layers) == (window, layers)
         assert config.max_position_embeddings == 131072  # the window no longer caps the context
         assert sum(w is not None for w in config.layer_windows) == (0 if window is None else len(layers or range(16)))
 
     def test_generation_config_eos_ids_are_the_stop_ids(self):
         """generation_config.json's eos_token_id list, when given, is the stop set (as generate uses it)."""
-        config = ModelConfig.from_hf_config({**_LLAMA3_CONFIG, "eos_token_id": 128001}, {"eos_token_id": [128009, 7]})
+        config = read_hf_config({**_LLAMA3_CONFIG, "eos_token_id": 128001}, {"eos_token_id": [128009, 7]})
         assert config.stop_token_ids == (128009, 7)
-        assert ModelConfig.from_hf_config({**_LLAMA3_CONFIG, "eos_token_id": 5}, {}).stop_token_ids == (5,)
+        assert read_hf_config({**_LLAMA3_CONFIG, "eos_token_id": 5}, {}).stop_token_ids == (5,)
 
     def test_no_eos_anywhere_means_no_stop_ids(self):
         """A config without any eos_token_id loads; generation then runs to max_new_tokens or a stop id."""
-        config = ModelConfig.from_hf_config({**_LLAMA3_CONFIG, "eos_token_id": None, "pad_token_id": None})
+        config = read_hf_config({**_LLAMA3_CONFIG, "eos_token_id": None, "pad_token_id": None})
         assert config.stop_token_ids == () and config.pad_token_id is None
 
     @pytest.mark.parametrize(
@@ -178,7 +179,7 @@ class TestHFConfig:
     def test_rope_scalings_are_read(self, spec, expected):
         """rope_scaling (v4) and rope_parameters (v5) give the scaling transformers computes with."""
         for key in ("rope_scaling", "rope_parameters"):
-            config = ModelConfig.from_hf_config({**_LLAMA3_CONFIG, "rope_scaling": None, key: spec})
+            config = read_hf_config({**_LLAMA3_CONFIG, "rope_scaling": None, key: spec})
             assert config.rope_scaling == expected
 
     def test_v5_rope_parameters_carry_theta_and_dtype_key(self):
@@ -186,7 +187,7 @@ class TestHFConfig:
         hf = {**_LLAMA3_CONFIG, "rope_scaling": None, "rope_parameters": {"rope_theta": 5e5, "rope_type": "default"},
               "dtype": "float16"}
         del hf["torch_dtype"]
-        config = ModelConfig.from_hf_config(hf)
+        config = read_hf_config(hf)
         assert (config.rope_theta, config.rope_scaling, config.dtype) == (5e5, None, "float16")
 
     @pytest.mark.parametrize(
@@ -216,7 +217,7 @@ class TestHFConfig:
     def test_unsupported_features_raise_checkpoint_error_naming_the_field(self, changes, field):
         """Families and options the model cannot run raise CheckpointError (an InvalidConfig) naming the field."""
         with pytest.raises(CheckpointError) as caught:
-            ModelConfig.from_hf_config({**_LLAMA3_CONFIG, **changes})
+            read_hf_config({**_LLAMA3_CONFIG, **changes})
         assert caught.value.field == field and str(caught.value).startswith(field)
         assert isinstance(caught.value, InvalidConfig)
 
@@ -243,6 +244,6 @@ class TestFamilies:
     )
     def test_family_features(self, model_type, extra, expected):
         """Each family's config.json turns on the parts of the model that family uses."""
-        config = ModelConfig.from_hf_config({**_LLAMA3_CONFIG, "rope_scaling": None, "model_type": model_type,
+        config = read_hf_config({**_LLAMA3_CONFIG, "rope_scaling": None, "model_type": model_type,
                                              **extra})
         assert {name: getattr(config, name) for name in expected} == expected

@@ -13,7 +13,7 @@ import parity_models as pm  # noqa: E402
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from engine.model.checkpoint import load_checkpoint  # noqa: E402
 from engine.model.dense_reference import dense_forward  # noqa: E402
-from engine.model.model_config import ModelConfig  # noqa: E402
+from engine.model.hf_config import read_hf_config  # noqa: E402
 from engine.model.rope import scaled_inverse_frequencies  # noqa: E402
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 
@@ -39,7 +39,7 @@ def test_inverse_frequencies_are_transformers_bit_for_bit(rope):
     """For each scaling, kvlife's inverse frequencies and cos/sin factor equal transformers' exactly."""
     hf_config = _hf_config(rope)
     expected, expected_factor = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf_config, torch.device("cpu"))
-    config = ModelConfig.from_hf_config(hf_config.to_dict())
+    config = read_hf_config(hf_config.to_dict())
     got, factor = scaled_inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling,
                                              torch.device("cpu"))
     assert torch.equal(got, expected.float())

@@ -11,20 +11,24 @@ import pytest
 PUBLIC = {
     "engine": {
         "Constraint", "Engine", "EngineClosed", "EngineConfig", "EngineDead", "EngineOverloaded", "FinishReason",
-        "HealthCheckFailed", "HealthCheckTimeout", "HealthReport", "HiSparseConfig", "InvalidConfig", "InvalidRequest", "LeakError",
+        "HealthCheckFailed", "HealthCheckTimeout", "HealthReport", "HiSparseConfig", "InvalidConfig", "InvalidRequest",
+        "LOG_LEVELS", "LeakError",
         "MemoryReport", "RequestKind", "RequestOutput", "RequestState", "RequestStream", "SamplingParams",
         "SessionInfo", "SpeculationStats", "SpeculativeConfig", "StructuredConfig", "TokenLogprob",
         "configure_logging",
     },
     "states": {
         "HELD_STATES", "LIVE_STATES", "TRANSITIONS", "DoubleRelease", "Fence", "FencePending",
-        "FinishReason", "Handle", "IllegalTransition", "Quarantined", "Request", "RequestKind", "RequestMachine",
-        "RequestState", "ResourceExhausted",
+        "ExtendingHook", "FinishReason", "GrowingHook", "Handle", "Hook", "IllegalTransition", "Ledger", "PublishingHook",
+        "QuarantiningHook", "Quarantined", "Request", "RequestKind", "RequestMachine", "RequestState",
+        "ResourceExhausted", "RollingBackHook", "TokenLogprob", "TransitionObserver", "TrimmingHook",
     },
     "resources": {
-        "ENTRY_POINT_GROUP", "CopyFence", "HookOrderError", "LeakError", "ManualFence", "MemoryReport", "Owner",
-        "PluginContext", "PluginError", "PoolStats", "PoolUsage", "ResourceExhausted", "ResourceHook",
-        "ResourceHookProtocol", "order_hooks", "validate_hook",
+        "ENTRY_POINT_GROUP", "CopyFence", "ExtendingHook", "GrowingHook", "HookOrderError", "LeakError", "ManualFence",
+        "MemoryReport", "Owner", "PluginContext", "PluginError", "PoolStats", "PoolUsage", "PublishingHook",
+        "QuarantiningHook", "ResourceExhausted", "ResourceHook", "ResourceHookProtocol", "RollingBackHook",
+        "TrimmingHook",
+        "order_hooks", "validate_hook",
     },
 }
 

@@ -23,10 +23,10 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import NoReturn
 
 from engine.cli.generate_command import add_generate_parser
-from engine.cli.options import CLIError
+from engine.cli.options import CLIError, logging_choice
 from engine.cli.run_command import add_run_parser
 from engine.errors import InvalidRequest
-from engine.logging import LEVELS, configure_logging
+from engine import LOG_LEVELS, configure_logging
 from resources.plugins import PluginError
 
 if sys.version_info < (3, 11):  # pragma: no cover
@@ -42,13 +42,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    errors: list[type[BaseException]] = [CLIError, InvalidRequest, PluginError]
-    try:
-        from engine.model.checkpoint import CheckpointError
-
-        errors.append(CheckpointError)
-    except ImportError:  # pragma: no cover - the checkpoints extra is missing
-        pass
+    errors: list[type[BaseException]] = [CLIError, InvalidRequest, PluginError]  # a CheckpointError is an InvalidRequest
     try:
         from engine.serve.chat_template import ChatTemplateError
 
@@ -63,7 +57,7 @@ def _log_options(parser: argparse.ArgumentParser, *, suppress: bool) -> None:
     # command is not overwritten by the subparser's default; given after, it wins.
     default = argparse.SUPPRESS if suppress else None
     group = parser.add_argument_group("logging (before or after the command)")
-    group.add_argument("--log-level", choices=sorted(LEVELS, key=LEVELS.__getitem__), default=default,
+    group.add_argument("--log-level", choices=LOG_LEVELS, default=default,
                        help="debug, info, warning or error (default: warning; serve: info)")
     group.add_argument("--log-json", action=argparse.BooleanOptionalAction, default=default,
                        help="JSON-lines logs (default: off; serve: on)")
@@ -99,13 +93,6 @@ def _leaf(exc: BaseException) -> BaseException:
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
     return exc
-
-
-def logging_choice(args: argparse.Namespace) -> tuple[str, bool]:
-    """(level, json) from --log-level / --log-json wherever given, else the command's defaults."""
-    level = args.log_level or args.default_log_level
-    json_logs = args.log_json if args.log_json is not None else getattr(args, "default_log_json", False)
-    return level, json_logs
 
 
 def main(argv: list[str] | None = None) -> int:

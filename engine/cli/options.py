@@ -108,7 +108,7 @@ HISPARSE_OPTIONS: list[tuple[str, str]] = [
     ("recent_window", "HiSparse: the last tokens always attended (within top-k)"),
 ]
 #: SpeculativeConfig fields as --speculative-* options (any of them turns speculation on)
-SPECULATIVE_OPTIONS: list[tuple[str, Any, str]] = [
+SPECULATIVE_OPTIONS: list[tuple[str, type, str]] = [
     ("method", str, "'ngram' (prompt lookup, the default) or 'draft_model'"),
     ("num_tokens", int, "draft tokens verified per step and request (default 4)"),
     ("ngram_max", int, "prompt lookup: the longest n-gram matched (default 3)"),
@@ -189,6 +189,13 @@ def writable_path(path: str) -> Path:
     if not existed:
         target.unlink(missing_ok=True)
     return target
+
+
+def logging_choice(args: argparse.Namespace) -> tuple[str, bool]:
+    """(level, json) from --log-level / --log-json wherever given, else the command's defaults."""
+    level = args.log_level or args.default_log_level
+    json_logs = args.log_json if args.log_json is not None else getattr(args, "default_log_json", False)
+    return level, json_logs
 
 
 def write_text(target: Path, text: str) -> None:

@@ -26,7 +26,8 @@ from typing import Any
 
 import anyio
 
-from engine.cli.options import ROLES, CLIError, add_engine_options, engine_config_from_args, int_at_least, port
+from engine.cli.options import (ROLES, CLIError, add_engine_options, engine_config_from_args, int_at_least,
+                                logging_choice, port)
 from engine.cli.options import positive_seconds
 from engine.cli.router_options import add_router_options, kv_events_from_args, refuse_router_options_for_prefill
 from engine.errors import InvalidConfig
@@ -170,7 +171,6 @@ def run_serve(args: argparse.Namespace) -> int:
     config = engine_config_from_serve_args(args)
     if args.disaggregation == "prefill":
         refuse_router_options_for_prefill(args)
-        from engine.cli.main import logging_choice
         from engine.serve.prefill_http import serve_prefill
 
         prefill = prefill_settings_from_args(args)

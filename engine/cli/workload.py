@@ -30,7 +30,6 @@ import anyio
 
 from engine.config import EngineConfig, SamplingParams
 from engine.engine import Engine
-from engine.runtime.stats import percentile
 from resources import LeakError
 
 
@@ -106,8 +105,8 @@ async def run_workload(
         "tokens_generated": stats.tokens_generated,
         "elapsed_s": round(elapsed, 3),
         "tokens_per_s": round(stats.tokens_generated / elapsed, 1),
-        "ttft_ms": {q: _ms(percentile(stats.ttft.samples, q)) for q in (50, 99)},
-        "itl_ms": {q: _ms(percentile(stats.itl.samples, q)) for q in (50, 99)},
+        "ttft_ms": {q: _ms(stats.ttft.percentile(q)) for q in (50, 99)},
+        "itl_ms": {q: _ms(stats.itl.percentile(q)) for q in (50, 99)},
         "retractions": stats.retractions,
         "transitions": {f"{src}->{dst}": n for (src, dst), n in sorted(stats.transitions.items())},
         "pools": report.as_dict()["pools"],

@@ -1,6 +1,6 @@
 """Load and save Hugging Face-format checkpoint directories.
 
-A directory holds ``config.json`` (read by `ModelConfig.from_hf_config`),
+A directory holds ``config.json`` (read by `engine.model.hf_config.read_hf_config`),
 optionally ``generation_config.json`` (its ``eos_token_id`` are the stop
 ids), one or more ``*.safetensors`` files whose tensor names are Hugging
 Face's (``model.embed_tokens.weight``, ``model.layers.{i}.self_attn.q_proj.
@@ -30,7 +30,7 @@ import attrs
 import torch
 
 from engine.errors import InvalidConfig
-from engine.model.hf_config import CheckpointError
+from engine.model.hf_config import CheckpointError, read_hf_config
 from engine.model.llama import LlamaModel
 from engine.model.model_config import ModelConfig
 from engine.model.tokenizer import EXTRA_HINT, ByteTokenizer, Tokenizer, load_tokenizer
@@ -72,7 +72,7 @@ def load_checkpoint(
         raise InvalidConfig("EngineConfig.model", "'tiny', 'tiny-moe', 'null' or a checkpoint directory", str(path))
     hf = _read_json(directory / CONFIG_FILE, required=True)
     generation = _read_json(directory / GENERATION_CONFIG_FILE, required=False)
-    config = ModelConfig.from_hf_config(hf, generation)
+    config = read_hf_config(hf, generation)
     if dtype is not None:
         config = _with_dtype(config, dtype)
     weight_files = sorted(directory.glob("*.safetensors"))

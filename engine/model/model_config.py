@@ -2,9 +2,9 @@
 and the engine's admission checks all read.
 
 `ModelConfig.tiny()` and `ModelConfig.tiny_moe()` describe the embedded
-default model (byte-level vocabulary, random weights); `from_hf_config` reads
-a Hugging Face ``config.json`` of a supported family (`engine.model.hf_config`)
-and `to_hf_config` writes one back. kvlife-only fields (image token, vision
+default model (byte-level vocabulary, random weights);
+`engine.model.hf_config.read_hf_config` reads a Hugging Face ``config.json``
+of a supported family and `to_hf_config` writes one back. kvlife-only fields (image token, vision
 projector, the tiny MoE's sizes) travel in the ``"kvlife"`` key of that dict,
 which Hugging Face loaders ignore.
 """
@@ -106,7 +106,7 @@ class RopeScaling:
                 raise ValueError("llama3 rope scaling needs high_freq_factor > low_freq_factor")
 
     def to_hf(self) -> dict[str, Any]:
-        """The ``rope_scaling`` dict transformers and `from_hf_config` read."""
+        """The ``rope_scaling`` dict transformers and `read_hf_config` read."""
         return {name: value for name, value in attrs.asdict(self).items() if value is not None}
 
 
@@ -261,18 +261,8 @@ class ModelConfig:
         fields.update(overrides)
         return cls.tiny(**fields)
 
-    @classmethod
-    def from_hf_config(cls, hf: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
-        """Read a ``config.json`` of a supported family (or one written by
-        `to_hf_config`), with the stop ids of ``generation_config.json`` when
-        given. Raises `engine.model.checkpoint.CheckpointError` (a
-        ValueError) naming the field anything unsupported is in."""
-        from engine.model.hf_config import read_hf_config
-
-        return read_hf_config(hf, generation)
-
     def to_hf_config(self) -> dict[str, Any]:
-        """A ``config.json`` dict that `from_hf_config` reads back unchanged;
+        """A ``config.json`` dict that `engine.model.hf_config.read_hf_config` reads back unchanged;
         dense models are written as ``llama``, ``qwen2`` (q/k/v biases) or
         ``qwen3`` (q/k norm), so Hugging Face loaders read them too; MoE
         models as kvlife's own ``kvlife_moe``."""

@@ -32,7 +32,7 @@ from engine.outputs import TokenLogprob
 from states import Request
 
 if TYPE_CHECKING:
-    from engine.runtime.scheduler import ScheduledSeq
+    from engine.model.batch import ScheduledSeq
 
 #: (request, first prompt position covered, entries for consecutive positions)
 PromptEntries = tuple[Request, int, list[TokenLogprob]]

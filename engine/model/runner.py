@@ -1,8 +1,12 @@
 """The model runner: turns a scheduled batch into one forward pass and tokens.
 
-It runs in a worker thread while the event loop stays responsive. It only
-reads requests and the request -> token table; it never transitions a
-request or touches a pool's bookkeeping (the loop does that after the step).
+It runs in a worker thread (or, for a small step, on the event loop's own
+thread) while the event loop stays responsive. It only reads requests and the
+request -> token table; it never transitions a request, writes its progress
+or touches a pool's bookkeeping: the step's output (tokens, logprobs, MoE
+routing, and the fences of copies the step started, such as HiSparse's host
+backups) goes back to the runtime's step applier, which applies it after the
+step.
 
 A step, from the loop's `step(seqs)` call, in whatever thread runs it,
 under the engine's device (`resources.device_io.on_device`)::
@@ -40,19 +44,18 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from engine.model.attention import AttentionBackend, AttentionMetadata, PagedAttention, PagedFactory
+from engine.model.batch import MakesFences, ScheduledSeq, row_tokens
 from engine.model.llama import LlamaModel
 from engine.model.prompt_logprobs import PromptEntries, PromptLogprobPlan
 from engine.model.decode_graphs import FIELD_ROWS, DecodeGraphs
 from engine.model.sampling import SamplingBatch, format_logprobs, logprob_tensors, sample_tokens
 from engine.model.step_types import StepInputs, StepMasks, StepOutput, StepTiming, TokenMasks
 from engine.model.step_upload import Sections, StepUpload
-from engine.outputs import TokenLogprob
-from engine.runtime.scheduler import ScheduledSeq
 from resources.device_io import on_device, read_back
 from resources.kv_buffers import KVBuffers
-from resources.request_slots import RequestSlots
-from states import Request
 from resources.paging import round_up
+from resources.request_slots import RequestSlots
+from states import Request, TokenLogprob
 
 if TYPE_CHECKING:
     from engine.testing import FaultInjector
@@ -66,25 +69,6 @@ class StepExtension(Protocol):
     """A step that replaces the plain one for some batches (speculation); None: the plain step runs."""
 
     def step(self, runner: ModelRunner, seqs: Sequence[ScheduledSeq]) -> StepOutput | None: ...
-
-
-def row_tokens(s: ScheduledSeq) -> list[int]:
-    """The token ids of a batch row: the request's own, then the row's draft tokens."""
-    end = s.start + s.num_tokens
-    if not s.draft:
-        return token_range(s.request, s.start, end)
-    return token_range(s.request, s.start, end - len(s.draft)) + list(s.draft)
-
-
-def token_range(request: Request, start: int, end: int) -> list[int]:
-    """Token ids [start, end) of the request's prompt followed by its output."""
-    prompt = request.prompt_token_ids
-    p = len(prompt)
-    if end <= p:
-        return prompt[start:end]
-    if start >= p:
-        return request.output_token_ids[start - p : end - p]
-    return prompt[start:] + request.output_token_ids[: end - p]
 
 
 class ModelRunner:
@@ -101,6 +85,7 @@ class ModelRunner:
         faults: FaultInjector | None = None,
         cuda_graphs: bool = True,
         extension: StepExtension | None = None,
+        token_masks: TokenMasks | None = None,
     ) -> None:
         self.faults = faults
         #: speculative decoding's verify step (`engine.speculative.step`), or None
@@ -122,8 +107,8 @@ class ModelRunner:
         if pack is not None:
             with on_device(device):
                 pack()
-        #: allowed-token masks of the sampled rows (structured output), set by assembly; None: no masks
-        self.token_masks: TokenMasks | None = None
+        #: allowed-token masks of the sampled rows (structured output, a feature's runner part); None: none
+        self.token_masks = token_masks
         #: CUDA graphs of decode steps (`engine.model.decode_graphs`); None: every step eager
         self.graphs: DecodeGraphs | None = None
         factory = self.attention_factory
@@ -268,6 +253,8 @@ class ModelRunner:
         out = self._finish(logits, batch, inputs.fields, torch.stack(routing) if routing else None,
                            masks=masks() if masks is not None else None)
         out.prompt_logprobs = prompt_logprobs
+        if isinstance(attention, MakesFences):
+            out.fences = attention.fences
         if timed:
             self._record(seqs, t0, t1)
         return out

@@ -1,7 +1,7 @@
 """What a model step takes and gives: its tensors, its timing, its output (tokens, routing,
-logprobs, speculative results), and the token-mask seam of structured outputs. Shared by
-the runner (`engine.model.runner`), the verify step (`engine.speculative.step`) and the
-loop, which reads the output back into the requests."""
+logprobs, speculative results, fences), and the token-mask seam of structured outputs.
+Shared by the runner (`engine.model.runner`), the verify step (`engine.speculative.step`)
+and the step applier, which reads the output back into the requests."""
 
 from __future__ import annotations
 
@@ -12,10 +12,9 @@ import attrs
 import torch
 
 from engine.model.attention import AttentionMetadata
+from engine.model.batch import ScheduledSeq
 from engine.model.prompt_logprobs import PromptEntries
-from engine.outputs import TokenLogprob
-from engine.runtime.scheduler import ScheduledSeq
-from states import Request
+from states import Fence, Request, TokenLogprob
 
 
 #: the masks of one step: `allowed` [S, V] bool on the logits' device, and the rows that allow nothing
@@ -36,7 +35,8 @@ class TokenMasks(Protocol):
 
 @attrs.define
 class StepOutput:
-    """Tokens sampled for the sampling seqs (in batch order) and MoE routing."""
+    """Tokens sampled for the sampling seqs (in batch order), MoE routing, and the fences of
+    the copies the step started (the step applier adds them through the machine)."""
 
     tokens: list[int]
     #: per MoE layer, the routed expert ids [T, top_k] of the step's tokens (host tensors)
@@ -47,6 +47,8 @@ class StepOutput:
     verified: list[Verified] = attrs.field(factory=list)
     #: the rows as they ran, drafts filled in (for observers that count tokens: MoE routing)
     rows: list[ScheduledSeq] | None = None
+    #: (request, fence) of every copy the step started that may still be in flight
+    fences: Sequence[tuple[Request, Fence]] = ()
     #: issue 21: prompt logprobs of the step's prefill chunks that asked (engine.model.prompt_logprobs)
     prompt_logprobs: list[PromptEntries] = attrs.field(factory=list)
 

@@ -1,90 +1,160 @@
-"""Assembles an engine's parts from an EngineConfig, each built whole.
+"""Assembles an engine's parts from an EngineConfig: a fold over feature installs.
 
-Model and tokenizer, KV buffers and pools, the built-in and plugin resource
-hooks in their one release order, the machine (with the ledger), the
-scheduler and the model runner (constructed with its attention backend,
-embedder and slot lookup). Optional parts (MoE records, HiSparse,
-multimodal, the decode role's prefill client) plug in here and nowhere else.
+`assemble` builds the core (device, model and tokenizer, KV buffers and the KV
+pool), then calls each install in order (`FEATURES`, with the role's install
+in its place) and folds what they return (`features.base.Installed`): hooks,
+pools, observers, the runner's attention and slot lookup, the role. Then the
+hooks are put in their one release order (`order_hooks`, the timing hook
+last), the machine is built with the ledger, and the runner with the folded
+runner parts. Nothing is patched after it is built, and nothing recurses:
+the decode role's in-process prefill is a second, separate `assemble` call
+(`build_parts`), whose runtime is the decode role's prefill client.
 
-Built-in registration order is the built-in release order::
+Registration order (ties of the release order)::
 
-    moe_record, kv_transfer, hisparse..., kv, request_slot, multimodal, session, session_turn, grammar, plugins...,
-    timing
-
-(plugins may reorder themselves with before/after; timing is always last).
+    moe_record, hisparse_*, kv_transfer | kv_send, prefill_job, kv, request_slot, multimodal,
+    session, session_turn, grammar, spec_draft_kv, plugins..., timing
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
 
 import attrs
 import torch
 
 from engine.config import EngineConfig
+from engine.disagg.decode.kv_transfer_hook import PrefillClient
+from engine.disagg.prefill.loopback_sender import LoopbackSender
 from engine.errors import InvalidConfig
 from engine.model.attention import PagedAttention
 from engine.model.llama import LlamaModel
 from engine.model.loading import load_model
 from engine.model.model_config import ModelConfig
 from engine.model.runner import AttentionFactory, ModelRunner, NoComputeRunner
-from engine.model.step_types import StepOutput
 from engine.model.tokenizer import Tokenizer
-from engine.runtime.finisher import TokenCheck
-from engine.runtime.scheduler import ScheduledSeq, Scheduler
-from engine.structured.install import StructuredInstall, install_structured
+from engine.runtime.features.base import BuildContext, Install, Installed, SlotLookup
+from engine.runtime.features.hisparse import install_hisparse
+from engine.runtime.features.moe import install_moe
+from engine.runtime.features.paged_kv import install_paged_kv
+from engine.runtime.features.plugins import install_plugins
+from engine.runtime.features.roles import DecodeRole, PrefillRole
+from engine.runtime.features.sessions import install_sessions
+from engine.runtime.features.speculative import install_speculative
+from engine.runtime.features.structured import install_structured
+from engine.runtime.features.vision import install_vision
+from engine.runtime.prefill_runtime import PrefillRuntime
+from engine.runtime.parts import EngineParts
+from engine.runtime.scheduler import Scheduler
 from engine.testing import FaultInjector
+from resources.contract import order_hooks
 from resources.kv_buffers import KVBuffers
-from resources.kv_hook import KVHook
 from resources.kv_pool import KVPool
-from resources.ledger import Ledger, Pool
-from resources.plugins import PluginContext, build_plugin_hooks, is_hook_instance
-from resources.contract import ResourceHookProtocol, order_hooks
+from resources.ledger import Ledger
+from resources.moe_records import ExpertDistribution
+from resources.plugins import is_hook_instance
 from resources.request_slots import RequestSlotHook
 from resources.timing_hook import TimingHook
-from states import Request, RequestMachine, RequestState
+from states import RequestMachine
 
-if TYPE_CHECKING:
-    from engine.disagg.decode.kv_transfer_hook import PrefillClient, TransferJob
-    from resources.moe_records import ExpertDistribution
-    from resources.session_hook import SessionStore
-
-#: called after every step with the batch and its output (the MoE record)
-StepObserver = Callable[[Sequence[ScheduledSeq], StepOutput], None]
+ModelBundle = tuple[ModelConfig, LlamaModel, Tokenizer]
 
 
-@attrs.define
-class EngineParts:
-    config: EngineConfig
-    device: torch.device
-    model_config: ModelConfig
-    model: LlamaModel
-    tokenizer: Tokenizer
-    #: the effective limit on prompt + output tokens (see EngineConfig.max_context)
-    max_context: int
-    ledger: Ledger
-    kv_buffers: KVBuffers
-    kv_pool: KVPool
-    hooks: list[ResourceHookProtocol]
-    pools: list[Pool]
-    machine: RequestMachine
-    scheduler: Scheduler
-    runner: ModelRunner
-    after_prefill: RequestState = RequestState.DECODING
-    admit_into: RequestState = RequestState.PREFILLING
-    step_observers: list[StepObserver] = attrs.field(factory=list)
-    expert_distribution: ExpertDistribution | None = None
-    #: the decode role's prefill client, and the accessor of a TRANSFERRING request's job
-    prefill_client: PrefillClient | None = None
-    transfer_job: Callable[[Request], TransferJob] | None = None
-    mm_cache_bytes: int | None = None
-    #: issue 21: open sessions' records and hooks (None when EngineConfig.max_sessions is 0)
-    sessions: SessionStore | None = None
-    #: structured output (the grammar hook, masks and compiler; or why constraints are refused)
-    structured: StructuredInstall | None = None
-    #: features' checks of each sampled token (the grammar's), run by the loop before appending it
-    token_checks: list[TokenCheck] = attrs.field(factory=list)
+def features(role: Install | None) -> list[Install]:
+    """The installs of an engine, in order (the role's in its place)."""
+    return [install_moe, install_hisparse, *([role] if role is not None else []), install_paged_kv, install_vision,
+            install_sessions, install_structured, install_speculative, install_plugins]
+
+
+def build_parts(config: EngineConfig, *, faults: FaultInjector | None = None) -> EngineParts:
+    """Every part of an engine for `config`; `faults` (tests only) injects failures. The decode
+    role without remote prefills gets an in-process prefill runtime of its own pools."""
+    device = _device(config)
+    bundle = load_model(config, device)
+    role: Install | None = None
+    distribution = None
+    if config.disaggregation == "decode":
+        if config.remote_prefill is not None:
+            from engine.disagg.decode.remote_client import RemotePrefillClient
+
+            def remote(ctx: BuildContext) -> PrefillClient:
+                return RemotePrefillClient(ctx.config, ctx.model_config, ctx.kv_buffers, device=ctx.device,
+                                           max_context=ctx.max_context)
+
+            role = DecodeRole(remote).install
+        else:
+            local = build_local_prefill(config, device=device, bundle=bundle, faults=faults)
+            distribution = local.parts.expert_distribution
+            role = DecodeRole(lambda ctx: local).install
+    return assemble(config, device=device, bundle=bundle, role=role, faults=faults,
+                    expert_distribution=distribution)
+
+
+def build_local_prefill(config: EngineConfig, *, device: torch.device, bundle: ModelBundle,
+                        faults: FaultInjector | None) -> PrefillRuntime:
+    """The decode role's in-process prefill: a prefill-role runtime over pools of its own and the
+    same weights, copying into the decode's memory (its pools show as "prefill.*")."""
+    # NOTE: a configured hook *instance* has one pool, so it serves the decode engine only;
+    # factories (and entry points) build the prefill runtime a hook of its own.
+    prefill_config = attrs.evolve(config, disaggregation="none", hisparse=None, remote_prefill=None, cuda_graphs=False,
+                                  max_sessions=0,
+                                  resources=tuple(r for r in config.resources if not is_hook_instance(r)))
+    role = PrefillRole(lambda ctx: LoopbackSender(ctx.kv_buffers, fence_timeout=config.fence_timeout, faults=faults))
+    parts = assemble(prefill_config, device=device, bundle=bundle, role=role.install, faults=faults)
+    assert role.sender is not None  # set by its install
+    return PrefillRuntime(parts, inbox=role.inbox, sender=role.sender, report_prefix="prefill.")
+
+
+def assemble(config: EngineConfig, *, device: torch.device, bundle: ModelBundle, role: Install | None = None,
+             faults: FaultInjector | None = None, expert_distribution: ExpertDistribution | None = None,
+             installs: Sequence[Install] | None = None) -> EngineParts:
+    """One runtime's parts: the core, then the fold over `installs` (default `features(role)`)."""
+    model_config, model, tokenizer = bundle
+    max_context = effective_max_context(config, model_config)
+    kv_buffers = KVBuffers(num_layers=model_config.num_layers, num_pages=config.num_kv_pages,
+                           page_size=config.page_size, num_kv_heads=model_config.num_kv_heads,
+                           head_dim=model_config.head_dim, dtype=model_config.torch_dtype, device=device)
+    kv_pool = KVPool(num_pages=config.num_kv_pages, page_size=config.page_size, max_running=config.max_running,
+                     max_context=max_context, device=device, prefix_cache=config.prefix_cache)
+    ctx = BuildContext(config, device, model_config, model, tokenizer, max_context, kv_buffers, kv_pool, faults,
+                       expert_distribution)
+    installed = Installed()
+    for install in features(role) if installs is None else installs:
+        piece = install(ctx, installed)
+        if piece is not None:
+            installed = installed.plus(piece)
+
+    timing = TimingHook(after=tuple(h.name for h in installed.hooks))
+    ordered = order_hooks([*installed.hooks, timing])
+    if faults is not None:
+        ordered = faults.wrap_hooks(ordered)
+    ledger = Ledger()
+    machine = RequestMachine(ordered, ledger=ledger)
+    machine.transition_observers.extend(installed.transition_observers)
+
+    slot_of: SlotLookup = RequestSlotHook.slot
+    attention: AttentionFactory = PagedAttention.factory(kv_buffers, model_config.layer_windows)
+    for wrap_slot in installed.slot_of:
+        slot_of = wrap_slot(slot_of)
+    for wrap_attention in installed.attention:
+        attention = wrap_attention(attention)
+    runner_cls = NoComputeRunner if config.model == "null" else ModelRunner
+    runner = runner_cls(model, kv_buffers, kv_pool.slots, device, slot_of=slot_of, attention_factory=attention,
+                        embedder=installed.embedder, faults=faults, cuda_graphs=config.cuda_graphs,
+                        token_masks=installed.token_masks, extension=installed.step_extension)
+    scheduler = Scheduler(max_running=config.max_running, max_prefill_tokens=config.max_prefill_tokens,
+                          page_size=config.page_size, priority_aging=config.priority_aging)
+    return EngineParts(config, device, model_config, model, tokenizer, max_context, ledger, kv_buffers, kv_pool,
+                       ordered, installed.pools, machine, scheduler, runner, role=installed.role,
+                       step_observers=installed.step_observers, expert_distribution=installed.expert_distribution,
+                       prefill_client=installed.prefill_client, mm_cache_bytes=installed.mm_cache_bytes,
+                       sessions=installed.sessions, structured=installed.structured,
+                       token_checks=installed.token_checks)
+
+
+def resolve_device(config: EngineConfig) -> torch.device:
+    """The torch device `config.device` names, checked usable (else InvalidConfig naming the field)."""
+    return _device(config)
 
 
 def _device(config: EngineConfig) -> torch.device:
@@ -107,144 +177,3 @@ def effective_max_context(config: EngineConfig, model_config: ModelConfig) -> in
         raise InvalidConfig("EngineConfig.max_context", f"<= the model's max_position_embeddings = {limit}",
                             config.max_context)
     return min(config.context_bound, limit)
-
-
-def build_parts(config: EngineConfig, *, faults: FaultInjector | None = None,
-                model_bundle: tuple[ModelConfig, LlamaModel, Tokenizer] | None = None,
-                expert_distribution: ExpertDistribution | None = None) -> EngineParts:
-    """Every part of an engine for `config`; `faults` (tests only) injects failures."""
-    device = _device(config)
-    model_config, model, tokenizer = model_bundle or load_model(config, device)
-    max_context = effective_max_context(config, model_config)
-    ledger = Ledger()
-    kv_buffers = KVBuffers(num_layers=model_config.num_layers, num_pages=config.num_kv_pages,
-                           page_size=config.page_size, num_kv_heads=model_config.num_kv_heads,
-                           head_dim=model_config.head_dim, dtype=model_config.torch_dtype, device=device)
-    kv_pool = KVPool(num_pages=config.num_kv_pages, page_size=config.page_size, max_running=config.max_running,
-                     max_context=max_context, device=device, prefix_cache=config.prefix_cache)
-    kv_scope = None
-    slot_of: Callable[[Request], int | None] = RequestSlotHook.slot
-    attention_factory: AttentionFactory = PagedAttention.factory(kv_buffers, model_config.layer_windows)
-    embedder = None
-    before_kv: list[ResourceHookProtocol] = []  # the MoE record
-    transfer_hooks: list[ResourceHookProtocol] = []  # kv_transfer: acquired after HiSparse's host pages (its landing)
-    hisparse_hooks: list[ResourceHookProtocol] = []
-    after_kv: list[ResourceHookProtocol] = []
-    pools: list[Pool] = [kv_pool, kv_pool.slots]
-    step_observers: list[StepObserver] = []
-    parts_extra: dict[str, Any] = {}
-
-    if model_config.is_moe:
-        from resources.moe_records import ExpertDistribution, MoERecordHook, record_step
-
-        if expert_distribution is None:
-            expert_distribution = ExpertDistribution(model_config.num_layers, model_config.num_experts)
-        before_kv.append(MoERecordHook(expert_distribution))
-        step_observers.append(lambda batch, out: record_step(
-            "moe_record", [s.request for s in batch], [s.num_tokens for s in batch], out.routing))
-
-    if config.hisparse is not None:
-        # HiSparse: KV pages only until staging; host pages + a bounded device buffer after.
-        from hisparse.integration import install_hisparse
-
-        hisparse = install_hisparse(config=config, max_context=max_context, model_config=model_config,
-                                    device=device, kv_pool=kv_pool, kv_buffers=kv_buffers, faults=faults)
-        hisparse_hooks.extend(hisparse.hooks)
-        pools.extend(hisparse.pools)
-        kv_scope = hisparse.kv_scope
-        slot_of = hisparse.slot_of(slot_of)
-        attention_factory = hisparse.attention_factory(attention_factory)
-        parts_extra["after_prefill"] = RequestState.STAGING
-
-    if config.disaggregation == "decode":
-        from engine.disagg.decode.kv_transfer_hook import KVTransferHook
-        from engine.disagg.prefill.prefill_worker import PrefillWorker
-        from engine.disagg.decode.transfer import LoopbackTransfer
-
-        client: PrefillClient
-        if config.remote_prefill is not None:  # prefill servers in other processes (engine.disagg.decode.remote_client)
-            from engine.disagg.decode.remote_client import RemotePrefillClient
-
-            client = RemotePrefillClient(config, model_config, kv_buffers, device=device, max_context=max_context)
-        else:
-            # NOTE: a configured hook *instance* has one pool, so it serves the decode engine only;
-            # factories (and entry points) build the prefill worker a hook of its own.
-            prefill_config = attrs.evolve(config, disaggregation="none", hisparse=None, cuda_graphs=False,
-                                          max_sessions=0,
-                                          resources=tuple(r for r in config.resources if not is_hook_instance(r)))
-            prefill_parts = build_parts(prefill_config, faults=faults, model_bundle=(model_config, model, tokenizer),
-                                        expert_distribution=expert_distribution)
-            client = PrefillWorker(prefill_parts, LoopbackTransfer(kv_buffers, faults), faults=faults)
-        landing = None
-        if config.hisparse is not None:  # the KV lands straight in the host pages, never in device pages
-            from engine.disagg.decode.destination import host_landing
-
-            landing = lambda request, n: host_landing(hisparse.state, request, n)  # noqa: E731
-        transfer_hooks.append(KVTransferHook(client, kv_pool, config.fence_timeout, landing=landing))
-        pools.extend(client.pools)
-        parts_extra.update(prefill_client=client, transfer_job=KVTransferHook.job,
-                           admit_into=RequestState.TRANSFERRING)
-
-    if getattr(model, "vision_projector", None) is not None and model_config.image_token_id is not None:
-        from engine.model.vision import make_embedder, projector
-        from resources.multimodal_cache import MultimodalCache, MultimodalHook
-
-        mm_cache = MultimodalCache(config.mm_cache_bytes)
-        mm_hook = MultimodalHook(mm_cache, projector(model))
-        after_kv.append(mm_hook)
-        pools.append(mm_cache)
-        embedder = make_embedder(model, model_config.image_token_id, mm_hook.embeddings)
-        parts_extra["mm_cache_bytes"] = config.mm_cache_bytes
-
-    extension = None
-    if config.speculative is not None:
-        from engine.speculative.install import install_speculation
-
-        speculation = install_speculation(config, model_config=model_config, device=device,
-                                          max_context=max_context)
-        extension = speculation.step
-        after_kv.extend(speculation.hooks)
-        pools.extend(speculation.pools)
-    if config.max_sessions:  # issue 21: a session's kept KV, a lease with its own hooks
-        from resources.session_hook import SessionStore
-
-        session_store = SessionStore(kv_pool, config.max_sessions)
-        after_kv.extend(session_store.hooks)
-        pools.append(session_store.pool)
-        parts_extra["sessions"] = session_store
-
-    structured = install_structured(config.structured, tokenizer=tokenizer, vocab_size=model_config.vocab_size,
-                                    stop_ids=model_config.stop_token_ids, device=device,
-                                    max_matchers=config.max_running + config.max_queued)
-    if structured.hook is not None:  # released after the request's memory, acquired before it
-        after_kv.append(structured.hook)
-        pools.extend(structured.hook.pools)
-        parts_extra["token_checks"] = [structured.hook.check]
-    parts_extra["structured"] = structured
-
-    runner_cls = NoComputeRunner if config.model == "null" else ModelRunner
-    runner = runner_cls(model, kv_buffers, kv_pool.slots, device, slot_of=slot_of,
-                        attention_factory=attention_factory, embedder=embedder, faults=faults,
-                        cuda_graphs=config.cuda_graphs, extension=extension)
-    runner.token_masks = structured.masks
-    windows = [w for w in model_config.layer_windows if w is not None]  # every layer windowed: the widest
-    kv_hook = KVHook(kv_pool, scope=kv_scope,
-                     window=max(windows) if windows and len(windows) == len(model_config.layer_windows) else None)
-    slot_hook = RequestSlotHook(kv_pool.slots, scope=kv_scope)
-    plugins = build_plugin_hooks(config.resources, PluginContext(device, config),
-                                 use_entry_points=config.use_entry_points)
-    timing = TimingHook()
-    hooks: list[ResourceHookProtocol] = [*before_kv, *transfer_hooks, *hisparse_hooks, kv_hook, slot_hook, *after_kv,
-                                         *plugins, timing]
-    timing.after = tuple(h.name for h in hooks if h is not timing)
-    ordered = order_hooks(hooks)
-    if faults is not None:
-        ordered = faults.wrap_hooks(ordered)
-    machine = RequestMachine(ordered, ledger=ledger)
-    for hook in plugins:
-        pools.extend(getattr(hook, "pools", ()))
-    scheduler = Scheduler(max_running=config.max_running, max_prefill_tokens=config.max_prefill_tokens,
-                          page_size=config.page_size, priority_aging=config.priority_aging)
-    return EngineParts(config, device, model_config, model, tokenizer, max_context, ledger, kv_buffers, kv_pool,
-                       ordered, pools, machine, scheduler, runner, step_observers=step_observers,
-                       expert_distribution=expert_distribution, **parts_extra)

@@ -19,16 +19,19 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from engine.config import SamplingParams
+from engine.model.llama import LlamaModel
+from engine.model.model_config import ModelConfig
+from engine.model.tokenizer import Tokenizer
 from engine.errors import InvalidRequest
 from engine.runtime.submit_options import SubmitOptions
-from states import Request, RequestKind
+from states import Request, RequestKind, TokenLogprob
 
 if TYPE_CHECKING:
     from engine.runtime.sessions import SessionManager
 
 
 class RequestIntake:
-    def __init__(self, *, tokenizer: Any, model: Any, model_config: Any, max_context: int,
+    def __init__(self, *, tokenizer: Tokenizer, model: LlamaModel, model_config: ModelConfig, max_context: int,
                  mm_cache_bytes: int | None, is_live: Callable[[str], bool],
                  sessions: SessionManager | None = None, max_queued: int | None = None) -> None:
         self.tokenizer = tokenizer
@@ -82,11 +85,16 @@ class RequestIntake:
                 raise InvalidRequest("prompt + image tokens + max_new_tokens", f"<= max_context = {self.max_context}",
                                      total)
             self._check_embeddings_fit(images)
+        # issue 21: a resumed request starts with the output it had (its logprobs unknown: None entries)
+        resumed = list(options.resume_output_ids)
+        unknown: list[TokenLogprob | None] = [None] * len(resumed) if params.logprobs is not None else []
         if params.n == 1:
-            requests = [Request(request_id, token_ids, params, kind=kind, mm_inputs=images)]
+            requests = [Request(request_id, token_ids, params, kind=kind, mm_inputs=images,
+                                output_token_ids=resumed, output_logprobs=unknown)]
         else:
             requests = [Request(f"{request_id}/{i}", list(token_ids), _sequence_params(params, i), kind=kind,
-                                mm_inputs=list(images), shares_prompt=not images) for i in range(params.n)]
+                                mm_inputs=list(images), shares_prompt=not images, output_token_ids=list(resumed),
+                                output_logprobs=list(unknown)) for i in range(params.n)]
         for request in requests:  # issue 21
             options.apply(request)
             if params.prompt_logprobs is not None:  # every prompt position's logits, computed here
@@ -94,7 +102,7 @@ class RequestIntake:
         return request_id, requests
 
     # ------------------------------------------------------------ fields
-    def _token_ids(self, prompt: Any, *, special: bool = True) -> list[int]:
+    def _token_ids(self, prompt: object, *, special: bool = True) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequest("prompt", "a non-empty string or token list", prompt)
@@ -112,7 +120,7 @@ class RequestIntake:
             raise InvalidRequest("prompt", f"token ids in [0, {vocab})", bad[0])
         return token_ids
 
-    def _request_id(self, request_id: Any) -> str:
+    def _request_id(self, request_id: object) -> str:
         if request_id is None:
             return uuid.uuid4().hex
         if not isinstance(request_id, str) or not request_id:

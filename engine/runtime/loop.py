@@ -1,17 +1,24 @@
-"""The decode loop: one task that moves every request, one iteration at a time.
+"""The runtime loop: one task that moves every request of one runtime, one
+iteration at a time, in every role (a single engine, the decode role, and
+the prefill role that `engine.runtime.prefill_runtime` wraps for the
+in-process decode role and for `PrefillServer`).
 
 Its interface is narrow: `submit` (requests in, a stream out), `abort`,
 `abandon`, `wait_idle`, `shutdown`, `run`. Each iteration::
 
-    intake: start submitted requests (QUEUED), apply aborts
-    -> release finished requests whose fences are done (and quarantined
-       handles whose fences completed late)
-    -> plan: landed transfers, retried moves, admission, growth/retraction,
-       the batch
-    -> run the model step in a worker thread
-    -> apply: tokens, outputs, finishes
+    intake (gateway): start submitted requests (QUEUED), apply aborts
+    -> release (gateway): finished requests whose fences are done, and
+       quarantined handles whose fences completed late
+    -> plan (planner): landed transfers, retried moves, admission,
+       growth/retraction, the batch
+    -> run the model step (in a worker thread unless it is small)
+    -> apply (step applier): progress, tokens, outputs, finishes
     -> the leak check when idle, and every second while busy
-       (`resources.leak_watch`: logged and counted, never raised here)
+       (`resources.leak_watch`: logged and counted, never raised here);
+       while a quarantined handle or a prefill client's job is left, it
+       polls, so a late fence is reaped with no new request; deadlines and
+       session leases (issue 21) bound its waits, so they are seen without
+       traffic
 
 NOTE: requests in a running step are never transitioned while it runs: the
 loop is the only task that transitions, and it is awaiting the step. That is
@@ -32,35 +39,39 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.lowlevel
+from anyio.abc import TaskStatus
 import structlog
 
 from engine.errors import EngineClosed, EngineDead, EngineOverloaded
 from engine.runtime.deadlines import DeadlineTimer
-from engine.runtime.finisher import Finisher
+from engine.runtime.gateway import RequestGateway
 from engine.runtime.output_builder import OutputBuilder
+from engine.runtime.output_sender import OutputSender
 from engine.runtime.planner import Planner
 from engine.runtime.sessions import SessionManager
 from engine.runtime.stats import EngineStats
-from engine.runtime.table import RequestTable, Submission, close_stream
+from engine.runtime.step_applier import StepApplier, StepObserver
+from engine.runtime.table import OutputSink, RequestTable, Submission, close_stream
 from engine.stream import OutputChannel, RequestStream
 from resources.leak_watch import LeakWatch
 from resources.ledger import MemoryReport
-from states import FinishReason, Request, RequestState, ResourceExhausted
+from states import FinishReason, Request, RequestState
 
 if TYPE_CHECKING:
     from engine.model.tokenizer import Tokenizer
-    from engine.runtime.assembly import EngineParts
+    from engine.runtime.parts import EngineParts
 
 S = RequestState
 log = structlog.get_logger("kvlife.loop")
 
 
-class DecodeLoop:
+class RuntimeLoop:
     def __init__(self, parts: EngineParts, *, tokenizer: Tokenizer, max_context: int,
                  check_memory: Callable[[], MemoryReport], memory_report: Callable[[], MemoryReport]) -> None:
         config = parts.config
         self.machine = parts.machine
         self.runner = parts.runner
+        self.role = parts.role
         self.prefill_client = parts.prefill_client
         self.leak_check = config.leak_check
         self.max_queued = config.max_queued
@@ -76,25 +87,26 @@ class DecodeLoop:
         self.leak_watch = LeakWatch(memory_report, enabled=config.leak_check != "off", counters=self.stats)
         self.machine.transition_observers.append(self.stats.on_transition)
         self.table = RequestTable()
-        self.finisher = Finisher(machine=self.machine, table=self.table, stats=self.stats,
-                                 stop_ids=frozenset(parts.model_config.stop_token_ids), max_context=max_context,
-                                 after_prefill=parts.after_prefill)
-        self.finisher.step_observers.extend(parts.step_observers)
-        self.finisher.token_checks.extend(parts.token_checks)
-        self.planner = Planner(machine=self.machine, table=self.table, finisher=self.finisher,
-                               scheduler=parts.scheduler, kv_pool=parts.kv_pool, admit_into=parts.admit_into,
-                               after_prefill=parts.after_prefill, transfer_job=parts.transfer_job,
-                               starvation_timeout=config.starvation_timeout, report=self.leak_watch.check_now,
+        self.outputs = OutputSender(self.table)
+        self.gateway = RequestGateway(machine=self.machine, table=self.table, outputs=self.outputs)
+        self.applier = StepApplier(gateway=self.gateway, outputs=self.outputs, table=self.table, stats=self.stats,
+                                   role=parts.role, stop_ids=frozenset(parts.model_config.stop_token_ids),
+                                   max_context=max_context)
+        self.applier.step_observers.extend(parts.step_observers)
+        self.applier.token_checks.extend(parts.token_checks)
+        self.planner = Planner(gateway=self.gateway, applier=self.applier, table=self.table, stats=self.stats,
+                               scheduler=parts.scheduler, kv_pool=parts.kv_pool, role=parts.role,
+                               starvation_timeout=config.starvation_timeout, clock=self.machine.clock,
+                               report=self.leak_watch.check_now,
                                draft_tokens=config.speculative.num_tokens if config.speculative else 0,
-                               max_context=max_context,
-                               transfer_unavailable=None if parts.prefill_client is None
-                               else parts.prefill_client.unavailable)
+                               max_context=max_context)
         # issue 21: deadlines and sessions, both seen on a timer even without traffic
         self.deadlines = DeadlineTimer()
-        self.sessions = SessionManager(parts.sessions, self.machine, max_context=max_context,
+        self.sessions = SessionManager(parts.sessions, self.gateway, max_context=max_context,
                                        idle_timeout=config.session_idle_timeout, max_pages=config.session_max_pages,
                                        clock=self.machine.clock)
-        self.finisher.release_observers.extend((self.deadlines.discard, self.sessions.on_released))
+        self.gateway.release_observers.extend((self.planner.forget_starved, self.deadlines.discard,
+                                               self.sessions.on_released))
         self.errored: BaseException | None = None
         self.step_running = False
         self.closing = False
@@ -108,6 +120,14 @@ class DecodeLoop:
     def submit(self, request_id: str, requests: Sequence[Request], *, held: bool = False) -> RequestStream:
         """Hand requests over; the returned stream carries their outputs. `held`: they are live
         (their id is taken, abort and shutdown finish them) but start only at `start_held`."""
+        channel = OutputChannel()
+        submission = self.submit_to(request_id, requests, channel, held=held)
+        return RequestStream(request_id, channel, lambda: self.abandon(submission), n=len(requests))
+
+    def submit_to(self, request_id: str, requests: Sequence[Request], sink: OutputSink | None, *,
+                  held: bool = False) -> Submission:
+        """Hand requests over with their outputs going to `sink` (None: nobody streams them, as
+        for the prefill role's jobs, which their hooks answer); returns the submission."""
         if self.errored is not None:
             raise EngineDead(self.errored)
         if self.closing:
@@ -115,8 +135,7 @@ class DecodeLoop:
         queued = len(self.table.unstarted) + len(self.table.waiting) + self._held
         if queued + len(requests) > self.max_queued:
             raise EngineOverloaded(f"{queued} requests already queued (max_queued = {self.max_queued})")
-        channel = OutputChannel()
-        submission = Submission(request_id, list(requests), channel,
+        submission = Submission(request_id, list(requests), sink,
                                 {r: OutputBuilder(r, self.tokenizer, index=i, request_id=request_id,
                                                   speculative=self.speculative)
                                  for i, r in enumerate(requests)})
@@ -129,7 +148,7 @@ class DecodeLoop:
         if self._idle_event.is_set():
             self._idle_event = anyio.Event()
         self.wake()
-        return RequestStream(request_id, channel, lambda: self.abandon(submission), n=len(requests))
+        return submission
 
     def start_held(self, requests: Sequence[Request], error: Exception | None = None) -> None:
         """Start requests submitted `held` (those not finished meanwhile); or, with `error`,
@@ -146,7 +165,7 @@ class DecodeLoop:
             if submission.send is not None:
                 submission.send.send(error)
             for request in waiting:
-                self.finisher.finish(request, FinishReason.ERROR, error=error)
+                self.gateway.finish(request, FinishReason.ERROR, error=error)
         self.wake()
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
@@ -170,9 +189,9 @@ class DecodeLoop:
             self.wake()
 
     @property
-    def step_observers(self) -> list[Any]:
+    def step_observers(self) -> list[StepObserver]:
         """Called as `observer(batch, step_output)` after every model step (isolated)."""
-        return self.finisher.step_observers
+        return self.applier.step_observers
 
     def is_live(self, request_id: str) -> bool:
         return request_id in self.table.submissions
@@ -211,6 +230,11 @@ class DecodeLoop:
                 "session_turns": self.sessions.num_turns_in_flight(), "held": self._held}
 
     @property
+    def checked_idle(self) -> bool:
+        """Whether the leak check has run since the loop last went idle."""
+        return self.leak_watch.idle_checked
+
+    @property
     def idle(self) -> bool:
         client = self.prefill_client
         return not self.table and (client is None or client.idle)
@@ -235,7 +259,7 @@ class DecodeLoop:
         self._idle_event = anyio.Event()
         self._idle_event.set()
 
-    async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         self._thread = threading.get_ident()
         task_status.started()
         while True:
@@ -249,12 +273,15 @@ class DecodeLoop:
         if self.closing:  # shutdown owns the requests now
             await self._wait(None)
             return
-        self._intake()
+        refused = self.gateway.intake()
+        if refused is not None:
+            self.planner.check_starvation(refused)
         timed_out = self._timers()  # issue 21
-        reaped = self.finisher.release_finished()
+        reaped = self.gateway.release_finished()
         if not self.table:
             self._idle_event.set()
-            self._on_idle(recheck=bool(reaped) or timed_out)
+            if self.idle:
+                self.leak_watch.on_idle(recheck=bool(reaped) or timed_out)
             # NOTE: poll while a late copy may still land or the prefill client still works
             await self._wait(0.05 if self.machine.quarantined or not self.idle else None)
             return
@@ -272,9 +299,9 @@ class DecodeLoop:
             else:
                 output = await anyio.to_thread.run_sync(self.runner.step, batch)
         except Exception as exc:  # the batch fails, the engine keeps serving
-            self.finisher.fail_step(batch, exc)
+            self.applier.fail_step(batch, exc)
         else:
-            self.finisher.apply_step(batch, output)
+            self.applier.apply_step(batch, output)
         finally:
             self.step_running = False
             self.stats.on_step(time.monotonic())
@@ -294,40 +321,15 @@ class DecodeLoop:
             await self._wake.wait()
         self._wake = anyio.Event()
 
-    def _intake(self) -> None:
-        table = self.table
-        while table.unstarted:
-            request = table.unstarted[0]
-            try:
-                self.machine.start(request)
-            except ResourceExhausted:
-                self.planner.check_starvation(request)
-                break  # FIFO: retried next iteration
-            except Exception as exc:
-                table.unstarted.popleft()
-                log.error("request.start_failed", request_id=request.request_id, error=repr(exc))
-                self.finisher.finish(request, FinishReason.ERROR, error=exc)
-                continue
-            table.unstarted.popleft()
-            table.waiting.append(request)
-        while table.aborts:
-            submission, reason = table.aborts.popleft()
-            self.finisher.abort_submission(submission, reason)
-
     def _timers(self) -> bool:
         """Issue 21: finish requests past their deadline (through the one release path), then
         apply session closes and expired leases; True if a session was released."""
         now = self.machine.clock()
         for request in self.deadlines.due(now):
             waited = now - request.arrival_time
-            self.finisher.finish(request, FinishReason.DEADLINE,
-                                 error=TimeoutError(f"deadline passed {waited:.3f}s after submission"))
+            self.gateway.finish(request, FinishReason.DEADLINE,
+                                error=TimeoutError(f"deadline passed {waited:.3f}s after submission"))
         return self.sessions.expire(now)
-
-    # ------------------------------------------------------------ idleness
-    def _on_idle(self, *, recheck: bool) -> None:
-        if self.idle:
-            self.leak_watch.on_idle(recheck=recheck)
 
     # ------------------------------------------------------------ endings
     def _die(self, exc: BaseException) -> None:
@@ -338,14 +340,7 @@ class DecodeLoop:
             if submission.send is not None:
                 submission.send.send(dead)
                 close_stream(submission)
-        for request in self.table.requests():  # best effort: release what can be released
-            try:
-                if not request.history:
-                    self.machine.start(request, acquire=False)
-                self.machine.finish(request, FinishReason.ERROR, error=exc)
-                self.finisher.try_release(request)
-            except Exception as again:  # noqa: BLE001
-                log.error("engine.dead_release_failed", request_id=request.request_id, error=repr(again))
+        self.gateway.release_what_can_be(exc)  # best effort: release what can be released
         try:
             self.sessions.shutdown()  # issue 21: their kept KV too
         except Exception as again:  # noqa: BLE001
@@ -365,10 +360,14 @@ class DecodeLoop:
             return
         self.table.aborts.clear()
         for request in self.table.requests():
-            self.finisher.finish(request, FinishReason.SHUTDOWN)
+            self.gateway.finish(request, FinishReason.SHUTDOWN)
         while self.table.finished():
-            self.finisher.release_finished()
+            self.gateway.release_finished()
             if self.table.finished():
                 await anyio.sleep(0.005)
-        self.finisher.release_finished()
+        self.gateway.release_finished()
         self.sessions.shutdown()  # issue 21: after their turns, so nothing hands KV to a closed session
+
+
+#: the name before the prefill role ran on it too
+DecodeLoop = RuntimeLoop

@@ -40,14 +40,16 @@ class IncrementalDetokenizer:
     def add(self, new_ids: Sequence[int]) -> str:
         """The text `new_ids` add (possibly empty while a character is incomplete)."""
         if self._stream is not None:
-            return self._stream.add(new_ids)
+            text: str = self._stream.add(new_ids)
+            return text
         self.ids.extend(new_ids)
         return self._advance(final=False)
 
     def flush(self) -> str:
         """Whatever text is still pending (at the end of the output)."""
         if self._stream is not None:
-            return self._stream.flush()
+            text: str = self._stream.flush()
+            return text
         return self._advance(final=True)
 
     def _advance(self, *, final: bool) -> str:
@@ -59,7 +61,8 @@ class IncrementalDetokenizer:
         if not final and after.endswith(_REPLACEMENT):
             return ""
         self._read = len(self.ids)
-        return after[len(before):] if after.startswith(before) else after
+        new: str = after[len(before):] if after.startswith(before) else after
+        return new
 
 
 class StopMatcher:

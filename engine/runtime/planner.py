@@ -1,64 +1,64 @@
 """Planning one step: what moved since the last one, who is admitted, who
 grows or is retracted, and the batch.
 
-In order: transfers that landed enter PREBUILT; moves that wait on memory or
-copies are retried (PREBUILT -> DECODING/STAGING, STAGING -> DECODING,
-RETRACTED -> QUEUED); the scheduler picks admissions (QUEUED ->
+In order: transfers that landed enter PREBUILT (decode role); moves that wait
+on memory or copies are retried (PREBUILT -> DECODING/STAGING, STAGING ->
+DECODING, RETRACTED -> QUEUED); the scheduler picks admissions (QUEUED ->
 PREFILLING/TRANSFERRING) in priority order, retracting lower-priority running
 requests for the head of the queue when it does not fit; in the decode role,
 while its prefill client says no peer can take a job, the requests that
-would need one finish TRANSFER_FAILED instead, holding no KV); every
-decoding request grows by one token through the machine, retracting the
-lowest priority, newest admitted under page pressure; the
-scheduler builds the batch. A request waiting past `starvation_timeout`
-while pools stay held is reported once (`memory.starved`), after a leak
-check, naming the pools it waits for and their holders
-(`resources.leak_watch.starvation_record`).
+would need one finish TRANSFER_FAILED instead, holding no KV; every decoding
+request grows by one token through the machine, retracting the lowest
+priority, newest admitted under page pressure; the scheduler builds the
+batch. A request waiting past `starvation_timeout` while pools stay held is
+reported once (`memory.starved`), after a leak check, naming the pools it
+waits for and their holders (`resources.leak_watch.starvation_record`).
+
+The planner decides; moves go through the gateway, progress through the step
+applier.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 
+from engine.disagg.decode.kv_transfer_hook import TransferJob
 from engine.disagg.decode.transfer import TransferFailed
-from engine.runtime.finisher import Finisher
-from engine.runtime.scheduler import ScheduledSeq, Scheduler
+from engine.model.batch import ScheduledSeq
+from engine.runtime.gateway import RequestGateway
+from engine.runtime.role import Role
+from engine.runtime.scheduler import Scheduler
+from engine.runtime.stats import EngineStats
+from engine.runtime.step_applier import StepApplier
 from engine.runtime.table import RequestTable
 from engine.speculative.budget import draft_budget
 from resources.kv_pool import KVPool
 from resources.leak_watch import starvation_record
 from resources.ledger import MemoryReport
-from states import FinishReason, Request, RequestMachine, RequestState, ResourceExhausted
-
-if TYPE_CHECKING:
-    from engine.disagg.decode.kv_transfer_hook import TransferJob
+from states import FinishReason, Request, RequestState, ResourceExhausted
 
 S = RequestState
 log = structlog.get_logger("kvlife.loop")
 
 
 class Planner:
-    def __init__(self, *, machine: RequestMachine, table: RequestTable, finisher: Finisher, scheduler: Scheduler,
-                 kv_pool: KVPool, admit_into: RequestState, after_prefill: RequestState,
-                 transfer_job: Callable[[Request], TransferJob] | None, starvation_timeout: float,
-                 report: Callable[[], MemoryReport], draft_tokens: int = 0, max_context: int = 0,
-                 transfer_unavailable: Callable[[], str | None] | None = None) -> None:
-        self.machine = machine
+    def __init__(self, *, gateway: RequestGateway, applier: StepApplier, table: RequestTable, stats: EngineStats,
+                 scheduler: Scheduler, kv_pool: KVPool, role: Role, starvation_timeout: float,
+                 clock: Callable[[], float], report: Callable[[], MemoryReport], draft_tokens: int = 0,
+                 max_context: int = 0) -> None:
+        self.gateway = gateway
+        self.applier = applier
         self.table = table
-        self.finisher = finisher
+        self.stats = stats
         self.scheduler = scheduler
         self.kv_pool = kv_pool
-        self.admit_into = admit_into
-        self.after_prefill = after_prefill
-        #: the decode role's accessor of a TRANSFERRING request's job (None otherwise)
-        self.transfer_job = transfer_job
-        #: the decode role's "why no prefill can take a job now" (PrefillClient.unavailable)
-        self.transfer_unavailable = transfer_unavailable
+        self.role = role
         self.starvation_timeout = starvation_timeout
+        self.clock = clock
         #: runs the leak check and returns its memory report, for naming what a starved request waits on
         self.report = report
         self._admissions = 0
@@ -68,14 +68,14 @@ class Planner:
         #: request -> what it was reported starving for (reported once per request), until it
         #: is admitted or released
         self.starved: dict[Request, dict[str, Any]] = {}
-        finisher.release_observers.append(self._forget_starved)
 
-    def _forget_starved(self, request: Request) -> None:
+    def forget_starved(self, request: Request) -> None:
+        """`request` was released (a release observer of the gateway)."""
         self.starved.pop(request, None)
 
     def prepare(self) -> None:
-        if self.transfer_job is not None:
-            self._land_transfers(self.transfer_job)
+        if self.role.transfer_job is not None:
+            self._land_transfers(self.role.transfer_job)
         self._retry_moves()
         self._admit()
 
@@ -85,37 +85,33 @@ class Planner:
         for request in self.table.in_state(S.TRANSFERRING):
             job = transfer_job(request)
             if job.outcome is None or not job.fence.done():
-                missed = self._missed_fence(request)
+                missed = self.gateway.missed_fence(request)
                 if missed is not None:  # presumed lost: fail it; its pages quarantine
-                    self.finisher.finish(request, FinishReason.TRANSFER_FAILED,
-                                         error=TimeoutError(f"{missed.name} missed its deadline"))
+                    self.gateway.finish(request, FinishReason.TRANSFER_FAILED,
+                                        error=TimeoutError(f"{missed.name} missed its deadline"))
                 continue
             status, value = job.outcome
             if status != "ok":
-                self.finisher.finish(request, FinishReason.TRANSFER_FAILED, error=value)
+                self.gateway.finish(request, FinishReason.TRANSFER_FAILED, error=value)
                 continue
-            request.kv_len = request.num_tokens
-            self.finisher.accept_token(request, value, time.monotonic())
-
-    def _missed_fence(self, request: Request) -> Any:
-        now = self.machine.clock()
-        return next((f for f in request.fences if not f.done() and f.deadline <= now), None)
+            self.applier.land(request, value)
 
     # ------------------------------------------------------- retried moves
     def _retry_moves(self) -> None:
+        after_prefill = self.role.after_prefill
         for request in self.table.in_state(S.PREBUILT, S.STAGING, S.RETRACTED):
             if request.state is S.PREBUILT:
-                self.finisher.advance(request, self.after_prefill, reason="first token")
+                if after_prefill is not None:
+                    self.gateway.advance(request, after_prefill, reason="first token")
             elif request.state is S.RETRACTED:
-                if self.finisher.advance(request, S.QUEUED, reason="requeued"):
-                    self.table.waiting.appendleft(request)
+                self.gateway.requeue(request)
             else:
-                missed = self._missed_fence(request)
+                missed = self.gateway.missed_fence(request)
                 if missed is not None:  # staging can never complete: finish (the memory quarantines)
-                    self.finisher.finish(request, FinishReason.ERROR,
-                                         error=TimeoutError(f"{missed.name} missed its deadline"))
+                    self.gateway.finish(request, FinishReason.ERROR,
+                                        error=TimeoutError(f"{missed.name} missed its deadline"))
                 elif all(f.done() for f in request.fences):
-                    self.finisher.advance(request, S.DECODING, reason="staged")
+                    self.gateway.advance(request, S.DECODING, reason="staged")
 
     # ----------------------------------------------------------- admission
     def _admit(self) -> None:
@@ -123,8 +119,9 @@ class Planner:
         if not waiting:
             return
         owner = self.table.owner
+        role = self.role
         ready = self.scheduler.order(r for r in waiting if owner[r].admissible(r))  # issue 21: priority order
-        why = self.transfer_unavailable() if self.transfer_unavailable is not None and ready else None
+        why = role.transfer_unavailable() if role.transfer_unavailable is not None and ready else None
         if why is not None:
             ready = self._refuse_transfers(ready, why)
         self._admit_in_order(ready)
@@ -143,44 +140,42 @@ class Planner:
         return sum(self.retract(victim, reason=f"priority of {head.request_id}") for victim in victims) > 0
 
     def _admit_in_order(self, ready: list[Request]) -> None:
-        kv, owner, waiting = self.kv_pool, self.table.owner, self.table.waiting
-        chosen = self.scheduler.select_admissions(ready, num_running=len(self.table.running()),
-                                                  free_slots=kv.slots.num_free, available_pages=kv.available_pages)
+        kv, owner, waiting, role = self.kv_pool, self.table.owner, self.table.waiting, self.role
+        chosen = self.scheduler.select_admissions(
+            ready, num_running=len(self.table.running()), free_slots=kv.slots.num_free,
+            available_pages=kv.available_pages, takes_pages=lambda r: role.takes_pages(r, owner[r].leader))
         for request in chosen:
-            # NOTE: a sequence sharing an already computed prompt prefills only its tail here,
-            # in the decode role too: a transfer would resend the pages it shares (and a request
-            # whose KV or prompt logprobs live here, issue 21, prefills here)
-            local = request.local_prefill or (request.shares_prompt and request is not owner[request].leader)
-            into = S.PREFILLING if local else self.admit_into
-            if not self.finisher.advance(request, into, reason="admitted"):
+            into = role.admits(request, owner[request].leader)
+            if not self.gateway.advance(request, into, reason="admitted"):
                 break
             waiting.remove(request)
+            self.applier.admitted(request)
             self._admissions += 1
             request.admitted_seq = self._admissions
             self.starved.pop(request, None)
             if request.num_cached_tokens is None:  # the first admission
                 request.num_cached_tokens = request.kv_len
                 queried = request.num_prompt_tokens - 1 if into is S.PREFILLING else 0
-                self.finisher.stats.on_admit(request, time.monotonic(), request.kv_len, queried)
+                self.stats.on_admit(request, time.monotonic(), request.kv_len, queried)
 
     def _refuse_transfers(self, ready: list[Request], why: str) -> list[Request]:
         """No prefill can take a job: every ready request that would need one (and its waiting siblings)
         finishes TRANSFER_FAILED now, instead of pre-allocating KV that nobody can fill."""
         owner = self.table.owner
-        for request in [r for r in ready if not (r.local_prefill or (r.shares_prompt and r is not owner[r].leader))]:
+        for request in [r for r in ready if self.role.admits(r, owner[r].leader) is S.TRANSFERRING]:
             for r in [r for r in owner[request].requests if r in self.table.waiting]:
-                self.finisher.finish(r, FinishReason.TRANSFER_FAILED, error=TransferFailed(why))
+                self.gateway.finish(r, FinishReason.TRANSFER_FAILED, error=TransferFailed(why))
         return [r for r in ready if not r.is_finished]
 
     def check_starvation(self, head: Request) -> None:
         """Report `head` (waiting for memory since it was queued, or since it arrived if its start
         was refused) once it has waited past the bound."""
         queued_at = head.entered_at(S.QUEUED) if head.history else head.arrival_time
-        if head in self.starved or queued_at is None or self.machine.clock() - queued_at < self.starvation_timeout:
+        if head in self.starved or queued_at is None or self.clock() - queued_at < self.starvation_timeout:
             return
-        record = starvation_record(self.report(), head.request_id, self.machine.clock() - queued_at)
+        record = starvation_record(self.report(), head.request_id, self.clock() - queued_at)
         self.starved[head] = record
-        self.finisher.stats.starved += 1
+        self.stats.starved += 1
         log.warning("memory.starved", **record)
 
     # --------------------------------------------------------------- batch
@@ -189,8 +184,7 @@ class Planner:
         for request in self.table.in_state(S.DECODING):
             if request.state is not S.DECODING:  # retracted as a victim meanwhile
                 continue
-            if request.fences:  # a long decode must not keep one completed backup fence per token
-                request.fences[:] = [f for f in request.fences if not f.done()]
+            self.gateway.prune_fences(request)  # a long decode must not keep one completed backup fence per token
             if not self._grow(request):
                 skipped.add(request)
         decoding = [r for r in self.table.in_state(S.DECODING) if r not in skipped]
@@ -205,31 +199,22 @@ class Planner:
         """The draft tokens `request` may verify this step, their KV slots grown through the
         machine; 0 when it does not speculate or a pool is short (then nothing stays grown)."""
         budget = draft_budget(request, self.draft_tokens, self.max_context)
-        if not budget:
+        if budget and not self.gateway.extend(request, request.kv_len + 1 + budget):
             return 0
-        try:
-            if self.machine.extend(request, request.kv_len + 1 + budget):
-                return budget
-        except Exception as exc:  # a faulty hook: no speculation this step, the release is the usual one
-            log.error("request.extend_failed", request_id=request.request_id, error=repr(exc))
-        self.machine.rollback(request, request.kv_len + 1)
-        return 0
+        return budget
 
     def _grow(self, request: Request) -> bool:
         """Cover the request's next token, retracting others under pressure; False if it
         cannot decode this step (finished, or a retraction was refused: retried next step)."""
         while request.state is S.DECODING:
-            try:
-                if self.machine.grow(request, request.kv_len + 1):
-                    return True
-            except Exception as exc:
-                log.error("request.grow_failed", request_id=request.request_id, error=repr(exc))
-                self.finisher.finish(request, FinishReason.ERROR, error=exc)
+            grown = self.gateway.grow(request, request.kv_len + 1)
+            if grown is None:  # a hook failed: the gateway finished it
                 return False
+            if grown:
+                return True
             victim = self.scheduler.select_victim(self.table.in_state(S.DECODING), retractable=_retractable)
             if victim is None:
-                self.finisher.finish(request, FinishReason.ERROR,
-                                     error=ResourceExhausted("no page to decode into"))
+                self.gateway.finish(request, FinishReason.ERROR, error=ResourceExhausted("no page to decode into"))
                 return False
             if not self.retract(victim):
                 return False
@@ -238,11 +223,10 @@ class Planner:
     def retract(self, request: Request, *, reason: str = "page pressure") -> bool:
         """DECODING -> RETRACTED -> QUEUED (back in its place in the queue); output is kept.
         False if the machine refused (the request stays where it was)."""
-        if not self.finisher.advance(request, S.RETRACTED, reason=reason):
+        if not self.gateway.advance(request, S.RETRACTED, reason=reason):
             return False
-        request.kv_len = 0
-        if self.finisher.advance(request, S.QUEUED, reason="requeued"):
-            self.table.waiting.appendleft(request)
+        self.applier.retracted(request)
+        self.gateway.requeue(request)
         return True
 
 

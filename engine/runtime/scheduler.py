@@ -27,27 +27,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-import attrs
-
+from engine.model.batch import ScheduledSeq
 from resources.paging import pages_for
 from states import Request
 
-
-@attrs.define
-class ScheduledSeq:
-    """One request's share of a step: tokens [start, start + num_tokens)."""
-
-    request: Request
-    start: int
-    num_tokens: int
-    #: this step produces the request's next token (decode, or the last prefill chunk)
-    samples: bool
-    #: speculative decoding: how many draft tokens this row may verify (its KV slots are held)
-    draft_budget: int = 0
-    #: the draft tokens the row computes after the request's own tokens (the proposer fills them
-    #: in; `num_tokens` counts them). The row samples every position from the request's last
-    #: token on: a verify row's last token and each draft; a draft model's pass, its last draft
-    draft: tuple[int, ...] = ()
+__all__ = ["ScheduledSeq", "Scheduler"]
 
 
 class Scheduler:
@@ -95,19 +79,28 @@ class Scheduler:
         return []
 
     def select_admissions(
-        self, waiting: Iterable[Request], *, num_running: int, free_slots: int, available_pages: int
+        self, waiting: Iterable[Request], *, num_running: int, free_slots: int, available_pages: int,
+        takes_pages: Callable[[Request], bool] = lambda request: True,
     ) -> list[Request]:
         """Waiting requests to admit now, in the given order (`order`) while a slot and pages remain.
 
         One page per running request is kept back so that the next decode
         step does not have to retract what was just admitted; a request that
         would run alone needs no reserve (it fits the pool by construction:
-        max_context never exceeds it).
+        max_context never exceeds it). A request whose admission `takes_pages`
+        says takes no KV pages and no slot (HiSparse's decode role: its transfer
+        lands in host rows) costs neither.
         """
         chosen: list[Request] = []
         budget = available_pages - num_running
+        slots = free_slots
         for request in waiting:
-            if num_running + len(chosen) >= self.max_running or len(chosen) >= free_slots:
+            if num_running + len(chosen) >= self.max_running:
+                break
+            if not takes_pages(request):
+                chosen.append(request)
+                continue
+            if slots <= 0:
                 break
             alone = num_running == 0 and not chosen
             need = pages_for(request.num_tokens, self.page_size) + (0 if alone else 1)
@@ -115,6 +108,7 @@ class Scheduler:
                 break  # in order: later requests wait behind the head
             chosen.append(request)
             budget -= need
+            slots -= 1
         return chosen
 
     def select_batch(self, prefilling: Sequence[Request], decoding: Sequence[Request]) -> list[ScheduledSeq]:

@@ -18,7 +18,7 @@ refused frees it too).
 Leases: a session expires `idle_timeout` seconds after its latest activity
 (opening, a turn's submission, a turn's end), also in the middle of a turn
 that outlasts it. Expiry, `close` and shutdown finish the anchor through the
-machine (reasons DEADLINE, STOP and SHUTDOWN), which releases its handle:
+machine, through the runtime's gateway (reasons DEADLINE, STOP and SHUTDOWN), which releases its handle:
 the kept KV is unlocked and the slot freed. A turn in flight when its
 session goes keeps running; its KV then goes to the prefix cache like any
 request's, and the session is gone for the next turn. The loop applies
@@ -35,9 +35,10 @@ from typing import Any
 import attrs
 
 from engine.errors import EngineOverloaded, InvalidRequest
+from engine.runtime.gateway import RequestGateway
 from resources.paging import pages_for
 from resources.session_hook import SessionRecord, SessionStore, anchor_id
-from states import FinishReason, Request, RequestKind, RequestMachine, ResourceExhausted
+from states import FinishReason, Request, RequestKind, ResourceExhausted
 
 MAX_SESSION_ID_CHARS = 128
 
@@ -72,10 +73,10 @@ class _Session:
 
 
 class SessionManager:
-    def __init__(self, store: SessionStore | None, machine: RequestMachine, *, max_context: int,
+    def __init__(self, store: SessionStore | None, gateway: RequestGateway, *, max_context: int,
                  idle_timeout: float, max_pages: int | None, clock: Callable[[], float]) -> None:
         self.store = store
-        self.machine = machine
+        self.gateway = gateway
         self.max_context = max_context
         self.default_idle_timeout = idle_timeout
         self.page_size = store.kv.page_size if store is not None else 1
@@ -113,7 +114,7 @@ class SessionManager:
         # takes only its session slot (and the timing stamp), never pages or anything a step reads
         anchor = Request(anchor_id(session_id), [], None, kind=RequestKind.SESSION, session_id=session_id)
         try:
-            self.machine.start(anchor)
+            self.gateway.start(anchor)
         except ResourceExhausted as exc:
             store.records.pop(session_id, None)
             raise EngineOverloaded(str(exc)) from None
@@ -202,8 +203,7 @@ class SessionManager:
         if session is None:
             return
         # NOTE: an anchor holds no fenced memory, so it is released at once; finish never refuses
-        self.machine.finish(session.anchor, reason)
-        self.machine.try_release(session.anchor)
+        self.gateway.finish(session.anchor, reason)  # and its release
 
     # ------------------------------------------------------------ reading
     def info(self, session_id: str) -> SessionInfo | None:

@@ -7,12 +7,15 @@ token); read by `kvlife run`'s report and the HTTP server's metrics.
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Iterable
 
 import attrs
 
 from states import Request, RequestKind, RequestState
 
-_SAMPLES = 100_000
+#: latency samples each window keeps (a long run's memory stops growing once they are full)
+SAMPLE_WINDOW = 100_000
+_SAMPLES = SAMPLE_WINDOW
 
 
 class SampleWindow:
@@ -32,6 +35,10 @@ class SampleWindow:
         self.samples.append(value)
         self.total += 1
 
+    def percentile(self, q: float) -> float | None:
+        """The q-th percentile (0..100) of the window, nearest-rank; None if empty."""
+        return percentile(self.samples, q)
+
 
 @attrs.define
 class EngineStats:
@@ -43,8 +50,8 @@ class EngineStats:
     "making progress" from it, not from whether a slot is free.
     """
 
-    transitions: Counter = attrs.field(factory=Counter)  # (src, dst) names -> count
-    finishes: Counter = attrs.field(factory=Counter)  # (kind, reason) names -> count
+    transitions: Counter[tuple[str, str]] = attrs.field(factory=Counter)  # (src, dst) names -> count
+    finishes: Counter[tuple[str, str]] = attrs.field(factory=Counter)  # (kind, reason) names -> count
     submitted: int = 0
     retractions: int = 0
     tokens_generated: int = 0
@@ -111,7 +118,7 @@ class EngineStats:
             self.itl.add(now - last)
 
 
-def percentile(samples, q: float) -> float | None:
+def percentile(samples: Iterable[float], q: float) -> float | None:
     """The q-th percentile (0..100) of `samples`, nearest-rank; None if empty."""
     data = sorted(samples)
     if not data:

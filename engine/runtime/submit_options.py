@@ -87,5 +87,3 @@ class SubmitOptions:
             request.session_id = self.session
             request.shares_prompt = True  # NOTE: its KV goes through the prefix cache even when it is off
             request.local_prefill = True  # the session's kept KV lives here, in the decode role too
-        if self.resume_output_ids:
-            request.output_token_ids = list(self.resume_output_ids)

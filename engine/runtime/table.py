@@ -15,11 +15,12 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator
-from typing import Any
+from typing import Protocol
 
 import attrs
 
 from engine.runtime.output_builder import OutputBuilder
+from engine.outputs import RequestOutput
 from states import FinishReason, Request, RequestState
 
 S = RequestState
@@ -27,11 +28,21 @@ S = RequestState
 RUNNING_STATES = frozenset({S.TRANSFERRING, S.PREFILLING, S.PREBUILT, S.STAGING, S.DECODING})
 
 
+class OutputSink(Protocol):
+    """Where a submission's outputs go (`engine.stream.OutputChannel`)."""
+
+    def send(self, item: RequestOutput | BaseException) -> bool:
+        """False once the receiver has left."""
+        ...
+
+    def close(self) -> None: ...
+
+
 @attrs.define(eq=False)
 class Submission:
     request_id: str
     requests: list[Request]
-    send: Any  # the OutputChannel to the client (None once closed)
+    send: OutputSink | None  # the client's stream (None once closed, or for a request nobody streams)
     builders: dict[Request, OutputBuilder]
     #: requests not yet finished; the stream closes when it reaches 0
     open: int = 0
@@ -73,6 +84,13 @@ class RequestTable:
             self.owner[request] = submission
             if start:
                 self.unstarted.append(request)
+
+    def forget_unstarted(self, request: Request) -> None:
+        """`request` was finished before its start succeeded."""
+        try:
+            self.unstarted.remove(request)
+        except ValueError:
+            pass
 
     def forget(self, request: Request) -> None:
         """`request` reached RELEASED."""

@@ -10,8 +10,8 @@ Routes:
     GET /debug/memory   the memory report with owners, the leak checks and the links
 
 On SIGTERM or SIGINT it closes every link (each decode is told, so its jobs
-on this prefill fail at once), lets the worker finish and release what it
-started, logs the final leak check and returns 0 (1 if it found a leak).
+on this prefill fail at once), lets the prefill runtime finish and release
+what it started, logs the final leak check and returns 0 (1 if it found a leak).
 
 Its ASGI and uvicorn plumbing is engine.serve.server's.
 """
@@ -34,7 +34,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from engine.config import EngineConfig
-from engine.disagg.prefill.prefill_server import PrefillServer
+from engine.prefill_server import PrefillServer
 from engine.disagg.link.settings import PrefillServerConfig
 from engine.logging import configure_logging
 from engine.serve.server import bind_socket
@@ -69,7 +69,7 @@ class PrefillCollector:
             counter.add_metric([], value)
             yield counter
         requests = GaugeMetricFamily(f"{p}prefill_requests", "Prefill requests not yet released.")
-        requests.add_metric([], len(server.worker.requests))
+        requests.add_metric([], server.live_requests)
         yield requests
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from engine.disagg.link.observability import Histogram, TransferStats
+from engine.disagg import Histogram, TransferStats
 
 
 class TransferCollector:

@@ -38,7 +38,7 @@ from engine.model.llama import LlamaModel
 from engine.model.model_config import ModelConfig
 from engine.model.runner import ModelRunner
 from engine.model.sampling import KEY, SamplingBatch, filtered_probs, salted_keys, sample_tokens
-from engine.runtime.scheduler import ScheduledSeq
+from engine.model.batch import ScheduledSeq
 from engine.speculative.proposers import Proposal, with_draft
 from resources.contract import ResourceHook
 from resources.device_io import on_device, read_back

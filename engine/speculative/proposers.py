@@ -16,7 +16,7 @@ from typing import Protocol
 import attrs
 import torch
 
-from engine.runtime.scheduler import ScheduledSeq
+from engine.model.batch import ScheduledSeq
 from engine.speculative.config import SpeculativeConfig
 from engine.speculative.prompt_lookup import propose_ngram
 

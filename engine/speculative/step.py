@@ -26,7 +26,7 @@ from engine.model.runner import ModelRunner
 from engine.model.step_types import StepOutput, Verified
 from engine.model.sampling import SamplingBatch, format_logprobs, logprob_tensors, sample_tokens
 from engine.outputs import TokenLogprob
-from engine.runtime.scheduler import ScheduledSeq
+from engine.model.batch import ScheduledSeq
 from engine.speculative.proposers import Proposer
 from engine.speculative.rejection import verify
 from resources.device_io import read_back

@@ -31,10 +31,11 @@ import attrs
 import structlog
 import torch
 
+from engine.disagg.decode.kv_transfer_hook import FirstToken
 from engine.disagg.decode.link_job import LinkJob, RemoteTransferFailed
 from engine.disagg.link.transport import LinkError, Pair, classify
 from engine.disagg.link.wire import (BYE, CANCEL, CANCELLED, JOB, OK, PING, RESULT, STATUS_NAMES, KVLayout,
-                                ProtocolError, empty_header, encode_job, header)
+                                ProtocolError, decode_logprob, empty_header, encode_job, header)
 
 log = structlog.get_logger("kvlife.transfer")
 __all__ = ["DecodeLink", "LinkJob", "RemoteTransferFailed"]
@@ -179,7 +180,7 @@ class DecodeLink:
             self.pair.recv_ctl(hdr, self.settings.liveness_timeout)
             if not self.up:
                 return
-            op, tag, status, first_token, reason_len = hdr[:5].tolist()
+            op, tag, status, first_token, reason_len, logprob_len = hdr[:6].tolist()
             if op == PING:
                 continue
             if op == BYE:
@@ -191,11 +192,12 @@ class DecodeLink:
                 lj = self.inflight[0] if self.inflight else None
             if lj is None or lj.tag != tag:
                 raise ProtocolError(f"result for job {tag}, expected {lj.tag if lj else 'none'}")
-            reason = self._recv_reason(reason_len)
+            reason = self._recv_bytes(reason_len).decode(errors="replace")
+            first = FirstToken(first_token, decode_logprob(self._recv_bytes(logprob_len)))
             with lj.lock:
                 lj.answered = time.monotonic()
             if status == OK:
-                self._recv_chunks(lj, first_token)
+                self._recv_chunks(lj, first)
             elif lj.end(None, "prefill_failed", f"the prefill answered {STATUS_NAMES.get(status, status)}: "
                                                 f"{reason}"):
                 if status == CANCELLED:
@@ -207,14 +209,14 @@ class DecodeLink:
             with self.lock:
                 self.inflight.popleft()
 
-    def _recv_reason(self, nbytes: int) -> str:
+    def _recv_bytes(self, nbytes: int) -> bytes:
         if nbytes <= 0:
-            return ""
+            return b""
         buf = torch.empty(nbytes, dtype=torch.uint8)
         self.pair.recv_ctl(buf, self.settings.chunk_timeout(nbytes))
-        return buf.numpy().tobytes().decode(errors="replace")
+        return buf.numpy().tobytes()
 
-    def _recv_chunks(self, lj: LinkJob, first_token: int) -> None:
+    def _recv_chunks(self, lj: LinkJob, first_token: FirstToken) -> None:
         """Receive every chunk into staging (the next one posted before this one is waited for) and hand
         it to the writing thread, which writes it into the pages while the next one arrives."""
         owner = f"{lj.job.request_id}@{self.peer}#{self.epoch}"

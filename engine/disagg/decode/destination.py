@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import torch
 
 from engine.disagg.link.wire import Chunk
+from hisparse.records import host_record
 from resources.device_io import compute_stream, on_device, to_host
 
 
@@ -36,9 +37,14 @@ class KVDestination(Protocol):
     num_tokens: int
     #: device the KV finally lives on (a chunk is moved there before it is written)
     device: torch.device
+    #: the hooks whose memory `write` writes besides the KV pages' (the transfer's fence guards them)
+    protects: tuple[str, ...]
 
     def write(self, chunk: Chunk, kv: torch.Tensor) -> None:
         """Write `kv` [layers, 2, tokens, heads, dim] (on any device) for `chunk`; return when written."""
+
+    def landed(self) -> None:
+        """The whole job has landed (called once, on the event loop, when the transfer's handle goes)."""
 
 
 class SideStream:
@@ -74,6 +80,8 @@ class SideStream:
 class PagedDestination:
     """The request's KV pages: `locs[i]` is token i's location in every layer's K/V buffer."""
 
+    protects: tuple[str, ...] = ()
+
     def __init__(self, kv_buffers: Any, locs: torch.Tensor) -> None:
         self.kv = kv_buffers
         self.device = kv_buffers.k[0].device
@@ -91,6 +99,21 @@ class PagedDestination:
                 self.kv.v[layer].index_copy_(0, locs, kv_dev[i, 1])
 
         self._copy.run(kv, self.device, scatter)
+
+    def landed(self) -> None:
+        """Nothing to do: the pages are the request's KV, counted by its `kv_len`."""
+
+    def copy_from(self, src: Any, src_locs: torch.Tensor) -> None:
+        """Copy the K/V at `src_locs` of every layer of `src` (another engine's `KVBuffers` on
+        this device: the in-process prefill) straight into the pages, on the side stream as a
+        chunk's write is, and complete when this returns."""
+
+        def write(locs: torch.Tensor) -> None:
+            for layer in range(len(self.kv.k)):
+                self.kv.k[layer].index_copy_(0, locs, src.k[layer][src_locs].to(self.kv.k[layer].dtype))
+                self.kv.v[layer].index_copy_(0, locs, src.v[layer][src_locs].to(self.kv.v[layer].dtype))
+
+        self._copy.run(self.locs, self.device, write)
 
 
 class HostRowsDestination:
@@ -110,7 +133,7 @@ class HostRowsDestination:
         self.device = index_device
         self.num_tokens = int(rows.numel())
         #: the hooks whose memory this destination writes (so the transfer's fence guards them)
-        self.protects = ("hisparse_host",)
+        self.protects: tuple[str, ...] = ("hisparse_host",)
         self._copy = SideStream(index_device)
 
     def write(self, chunk: Chunk, kv: torch.Tensor) -> None:
@@ -134,12 +157,15 @@ class HostRowsDestination:
             self.record.landed_directly = True
 
 
-def host_landing(state: Any, request: Any, num_tokens: int) -> HostRowsDestination | None:
-    """Where a decode-role transfer lands for a HiSparse request: its host pages (held already:
-    the host hook acquires on TRANSFERRING before the transfer hook), else None (KV pages)."""
-    from hisparse.hooks import HOST_HOOK, HostPagesHook
+class HostLanding:
+    """Where a HiSparse decode-role transfer lands: the request's host rows (held already: the
+    host hook acquires on TRANSFERRING before the transfer hook), never device KV pages."""
 
-    if HOST_HOOK not in request.handles:
-        return None
-    record = HostPagesHook.record(request)
-    return HostRowsDestination(state.host, record.locs[:num_tokens], state.projection.keys, state.device, record)
+    protects: tuple[str, ...] = ("hisparse_host",)
+
+    def __init__(self, state: Any) -> None:
+        self.state = state
+
+    def destination(self, request: Any, num_tokens: int) -> HostRowsDestination:
+        state, record = self.state, host_record(request)
+        return HostRowsDestination(state.host, record.locs[:num_tokens], state.projection.keys, state.device, record)

@@ -14,17 +14,18 @@ them until it completes after all.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, Protocol
 
 import attrs
 import torch
 
+from engine.disagg.decode.destination import KVDestination, PagedDestination
 from resources import ManualFence, ResourceHook
+from resources.kv_buffers import KVBuffers
 from resources.kv_pool import KVPool
 from resources.ledger import Pool
 from resources.request_slots import RequestSlotHook
-from states import Handle, Request, RequestState
+from states import Handle, Request, RequestState, TokenLogprob
 
 S = RequestState
 TRANSFER_FENCE = "kv_transfer"
@@ -32,6 +33,15 @@ TRANSFER_FENCE = "kv_transfer"
 
 class TransferCancelled(RuntimeError):
     """The decode side gave the job up (abort, shutdown) before it landed."""
+
+
+@attrs.frozen
+class FirstToken:
+    """What a prefill sends with the KV: the next token, and its logprob when the request
+    asked for logprobs (so the decode side's output has one entry per token on every path)."""
+
+    token: int
+    logprob: TokenLogprob | None = None
 
 
 @attrs.define(eq=False)
@@ -54,8 +64,8 @@ class TransferJob:
     dst_locs: torch.Tensor
     fence: ManualFence
     fence_timeout: float
-    #: where the KV lands when not `dst_locs` of the KV buffers (HiSparse: host rows)
-    destination: Any = None
+    #: where the KV lands: the request's KV pages (at `dst_locs`), or HiSparse's host rows
+    destination: KVDestination | None = None
     started: bool = False
     cancelled: bool = False
     #: set once: ("ok", first_token) or ("failed", error)
@@ -70,7 +80,10 @@ class TransferJob:
         self.fence.arm(self.fence_timeout)
 
     def resolve(self, status: str, value: Any, *, landed: bool = True) -> None:
-        """Record the outcome; `landed=False` leaves the fence pending (a copy that may still write)."""
+        """Record the outcome, ("ok", FirstToken) or ("failed", error); `landed=False` leaves
+        the fence pending (a copy that may still write)."""
+        if status == "ok" and not isinstance(value, FirstToken):
+            value = FirstToken(int(value))
         if self.outcome is None:
             self.outcome = (status, value)
         if landed:
@@ -78,7 +91,8 @@ class TransferJob:
 
 
 class PrefillClient(Protocol):
-    """Where a decode engine's prefills run: in process (`PrefillWorker`) or remote."""
+    """Where a decode engine's prefills run: in process (`engine.runtime.prefill_runtime.PrefillRuntime`) or
+    remote (`engine.disagg.decode.remote_client.RemotePrefillClient`)."""
 
     #: extra pools for the decode engine's memory report (may be empty)
     pools: list[Pool]
@@ -121,37 +135,54 @@ class KVTransferHook(ResourceHook):
     name = "kv_transfer"
     acquire_on = frozenset({S.TRANSFERRING})
     scope = frozenset({S.TRANSFERRING})
-    before = ("kv",)
+    before: tuple[str, ...] = ("kv",)
 
-    def __init__(self, client: PrefillClient, kv_pool: KVPool, fence_timeout: float,
-                 landing: Callable[[Request, int], Any] | None = None) -> None:
+    def __init__(self, client: PrefillClient, kv_pool: KVPool, kv_buffers: KVBuffers, fence_timeout: float,
+                 landing: Landing | None = None) -> None:
         self.client = client
         self.kv_pool = kv_pool
+        self.kv_buffers = kv_buffers
         self.fence_timeout = fence_timeout
-        #: (request, tokens) -> a destination other than the KV pages, or None (HiSparse's host rows)
+        #: (request, tokens) -> where the KV lands when not in the request's KV pages (HiSparse's host rows)
         self.landing = landing
+        if landing is not None:  # NOTE: acquired after the hooks whose memory the landing writes
+            self.before = ("kv", *landing.protects)
 
     @staticmethod
     def job(request: Request) -> TransferJob:
         """The job of a TRANSFERRING request."""
-        return request.handles[KVTransferHook.name].payload
+        payload = request.handles[KVTransferHook.name].payload
+        assert isinstance(payload, TransferJob)
+        return payload
 
-    def acquire(self, request: Request, into: RequestState) -> Handle:
-        slot = RequestSlotHook.slot(request)
-        dst_locs = self.kv_pool.slots.req_to_token[slot, : request.num_tokens].clone()
-        destination = None if self.landing is None else self.landing(request, request.num_tokens)
-        protects = {"kv"} if destination is None else {"kv", *getattr(destination, "protects", ())}
-        fence = ManualFence(TRANSFER_FENCE, protects, timeout=self.fence_timeout, armed=False)
+    def acquire(self, request: Request, into: RequestState) -> Handle[TransferJob]:
+        n = request.num_tokens
+        destination: KVDestination
+        if self.landing is not None:
+            destination = self.landing.destination(request, n)
+            dst_locs = torch.empty(0, dtype=torch.int64)
+        else:
+            dst_locs = self.kv_pool.slots.req_to_token[RequestSlotHook.slot(request), :n].clone()
+            destination = PagedDestination(self.kv_buffers, dst_locs)
+        fence = ManualFence(TRANSFER_FENCE, {"kv", *destination.protects}, timeout=self.fence_timeout, armed=False)
         job = TransferJob(request.request_id, list(request.prompt_token_ids), list(request.output_token_ids),
                           request.params, list(request.mm_inputs), dst_locs, fence, self.fence_timeout,
                           destination=destination)
-        request.fences.append(fence)
         self.client.submit(job)
-        return Handle(self.name, request.request_id, job)
+        return Handle(self.name, request.request_id, job, fences=(fence,))
 
-    def release(self, request: Request, handle: Handle) -> None:
-        job: TransferJob = handle.payload
+    def release(self, request: Request, handle: Handle[TransferJob]) -> None:
+        job = handle.payload
         if job.outcome is None:
             self.client.cancel(job)
-        elif job.outcome[0] == "ok" and job.destination is not None and hasattr(job.destination, "landed"):
+        elif job.outcome[0] == "ok" and job.destination is not None:
             job.destination.landed()
+
+
+class Landing(Protocol):
+    """Where a decode-role transfer lands when not in the request's KV pages (HiSparse's host rows)."""
+
+    #: the hooks whose memory the destinations write (the transfer's fence guards them too)
+    protects: tuple[str, ...]
+
+    def destination(self, request: Request, num_tokens: int) -> KVDestination: ...

@@ -16,7 +16,7 @@ from typing import Any
 
 import attrs
 
-from engine.disagg.decode.kv_transfer_hook import TransferCancelled
+from engine.disagg.decode.kv_transfer_hook import FirstToken, TransferCancelled
 from engine.disagg.decode.transfer import TransferFailed
 from engine.disagg.link.wire import JobSpec
 
@@ -48,8 +48,8 @@ class LinkJob:
     answered: float | None = None  # when its header arrived
     done: bool = False  # resolved: outcome set, fence completed
     cancel_sent: bool = False
-    #: how it ends, decided once: (first_token, cause, message)
-    decision: tuple[int | None, str | None, str] | None = None
+    #: how it ends, decided once: (first token and its logprob, cause, message)
+    decision: tuple[FirstToken | int | None, str | None, str] | None = None
     lock: threading.Lock = attrs.field(factory=threading.Lock)  # held by the writing thread while it writes
     _deciding: threading.Lock = attrs.field(factory=threading.Lock)
 
@@ -62,7 +62,7 @@ class LinkJob:
         """Whether a chunk may still be written (call with the lock held)."""
         return self.decision is None
 
-    def end(self, first_token: int | None, cause: str | None = None, message: str = "", *,
+    def end(self, first_token: FirstToken | int | None, cause: str | None = None, message: str = "", *,
             block: bool = True) -> bool:
         """Decide how the job ends (once; True for the call that decided) and resolve it: outcome
         first, then the fence. Cause "cancelled" (the decode gave it up) resolves it with

@@ -9,9 +9,11 @@ Every message is a tensor; a header is `int64[8]`. Per link, in FIFO order::
         PING                                 keepalive
         BYE                                  the decode is leaving
 
-    prefill -> decode (tag DATA)  header [op, tag, status, first_token, reason_bytes, 0, 0, 0]
+    prefill -> decode (tag DATA)  header [op, tag, status, first_token, reason_bytes, logprob_bytes, 0, 0]
         RESULT  for the oldest job not yet answered; then uint8[reason_bytes]
-                if any; if status is OK, one message per chunk of `chunk_plan`
+                if any; then uint8[logprob_bytes] if any (the first token's
+                logprob, when the job asked for logprobs: `encode_logprob`);
+                if status is OK, one message per chunk of `chunk_plan`
         PING                                 keepalive
         BYE                                  the prefill is leaving
 
@@ -35,7 +37,10 @@ from typing import Any
 import attrs
 import torch
 
-PROTOCOL_VERSION = 1
+from states import TokenLogprob
+
+#: 2: the RESULT frame carries the first token's logprob
+PROTOCOL_VERSION = 2
 HEADER_LEN = 8
 CTL, DATA = 0, 1  # tags: decode -> prefill, prefill -> decode
 
@@ -112,6 +117,23 @@ def decode_job(frame: torch.Tensor) -> JobSpec:
         if isinstance(exc, ProtocolError):
             raise
         raise ProtocolError(f"malformed job frame: {exc}") from exc
+
+
+def encode_logprob(logprob: TokenLogprob | None) -> bytes:
+    """A first token's logprob as RESULT sends it (JSON: floats round-trip exactly); b"" for none."""
+    if logprob is None:
+        return b""
+    return json.dumps([logprob.token_id, logprob.logprob, [list(t) for t in logprob.top]]).encode()
+
+
+def decode_logprob(raw: bytes) -> TokenLogprob | None:
+    if not raw:
+        return None
+    try:
+        token_id, value, top = json.loads(raw)
+        return TokenLogprob(int(token_id), float(value), tuple((int(t), float(v)) for t, v in top))
+    except (TypeError, ValueError) as exc:
+        raise ProtocolError(f"malformed logprob: {exc}") from exc
 
 
 def params_to_dict(params: Any) -> dict[str, Any]:

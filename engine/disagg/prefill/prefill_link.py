@@ -5,12 +5,18 @@ hands jobs and cancels to the server (on its event loop). The sending
 thread answers the link's jobs strictly in the order they arrived: it waits
 for the oldest job's outcome (sending a keepalive every `keepalive` s
 meanwhile, so the decode can tell a busy prefill from a dead or stopped
-one), then sends its RESULT header and, if it succeeded, its staged chunks.
+one), then sends its RESULT header (with the first token's logprob when the
+job asked for it) and, if it succeeded, its staged chunks.
+
+The staged chunks are the `kv_send` handle's (`SendRecord`): the link only
+reads them, and says when it is done (`SendRecord.wire_done`: sent, failed,
+or never to be sent), which completes the send's wire fence; the prefill
+request's release then gives them back, as for every path.
 
 A link that fails (a send or receive error or timeout, the decode's
 silence for `liveness_timeout`, its BYE) is down for good: its jobs not yet
 computed are cancelled, so their requests finish and release through the
-prefill's own machine, and their staging is given back.
+prefill's own machine.
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ import torch
 
 from engine.disagg.link.transport import LinkError, Pair, classify
 from engine.disagg.link.wire import (BYE, CANCEL, CANCELLED, FAILED, JOB, OK, PING, RESULT, JobSpec, ProtocolError,
-                                decode_job, empty_header, header)
+                                     decode_job, empty_header, encode_logprob, header)
+from engine.disagg.prefill.send import SendRecord
 
 log = structlog.get_logger("kvlife.transfer")
 
@@ -41,25 +48,30 @@ class ServerJob:
     received: float
     deadline: float
     worker_id: str = ""
-    job: Any = None  # the worker's TransferJob
-    staged: list = attrs.field(factory=list)  # [(chunk, uint8 buffer)] once the KV is gathered
-    error: str | None = None  # refused before reaching the worker
+    job: Any = None  # the prefill runtime's TransferJob
+    send: SendRecord | None = None  # the `kv_send` handle's record once its KV is staged
+    error: str | None = None  # refused before reaching the runtime
     cancelled: bool = False  # the decode gave it up
     expired: bool = False  # over its compute budget
     ready: bool = False  # its outcome is known
 
-    def answer(self) -> tuple[int, int, str]:
-        """(status, first token, reason) to send."""
+    def answer(self) -> tuple[int, int, str, bytes]:
+        """(status, first token, reason, encoded logprob) to send."""
         if self.error is not None:
-            return FAILED, 0, self.error
+            return FAILED, 0, self.error, b""
         status, value = self.job.outcome
-        if status == "ok" and self.staged:
-            return OK, int(value), ""
+        if status == "ok" and self.send is not None and self.send.staged:
+            return OK, int(value.token), "", encode_logprob(value.logprob)
         if self.cancelled:
-            return CANCELLED, 0, "cancelled by the decode"
+            return CANCELLED, 0, "cancelled by the decode", b""
         if self.expired:
-            return FAILED, 0, "over the compute budget"
-        return FAILED, 0, repr(value)[:500]
+            return FAILED, 0, "over the compute budget", b""
+        return FAILED, 0, repr(value)[:500], b""
+
+    def wire_done(self, *, reusable: bool = True) -> None:
+        """Nothing of this job's staging will be read by the link any more."""
+        if self.send is not None:
+            self.send.wire_done(reusable=reusable)
 
 
 class PrefillLink:
@@ -94,12 +106,13 @@ class PrefillLink:
         with self.cond:
             self.cond.notify_all()
 
-    def attach(self, sj: ServerJob, staged: list) -> bool:
-        """Keep a job's staged chunks for sending; False (keep nothing) if the link is down."""
+    def attach(self, sj: ServerJob, record: SendRecord) -> bool:
+        """Send a job's staged chunks (its `kv_send` record) when its turn comes; False (keeping
+        nothing) if the link is down."""
         with self.cond:
             if not self.up:
                 return False
-            sj.staged = staged
+            sj.send = record
             return True
 
     # ------------------------------------------------------ receiving
@@ -168,12 +181,12 @@ class PrefillLink:
                         self.pair.send_ctl(header(PING), s.chunk_slack)
                         last = time.monotonic()
                     continue
+                sent = False
                 try:
                     self._answer(head)
+                    sent = True
                 finally:  # NOTE: the popped job is this thread's alone: `down` no longer sees it
-                    for _chunk, buf in head.staged:  # a send that failed: its buffers are not reused
-                        self.server.staging.give(head.worker_id, buf, reuse=False)
-                    head.staged = []
+                    head.wire_done(reusable=sent)  # a send that failed: its buffers are never reused
                     self.server.call(self.server.forget_job, head)
                 last = time.monotonic()
         except Exception as exc:  # noqa: BLE001
@@ -181,34 +194,31 @@ class PrefillLink:
 
     def _answer(self, sj: ServerJob) -> None:
         s, stats = self.settings, self.server.stats
-        status, first_token, reason = sj.answer()
+        status, first_token, reason, logprob = sj.answer()
         raw = reason.encode()
-        self.pair.send_ctl(header(RESULT, sj.tag, status, first_token, len(raw)), s.chunk_slack)
-        if raw:
-            self.pair.send_ctl(torch.frombuffer(bytearray(raw), dtype=torch.uint8), s.chunk_timeout(len(raw)))
+        self.pair.send_ctl(header(RESULT, sj.tag, status, first_token, len(raw), len(logprob)), s.chunk_slack)
+        for extra in (raw, logprob):
+            if extra:
+                self.pair.send_ctl(torch.frombuffer(bytearray(extra), dtype=torch.uint8),
+                                   s.chunk_timeout(len(extra)))
         if status != OK:
             if status == FAILED:
                 stats.job_failed("prefill_failed")
             return
-        spec = sj.spec
-        assert spec is not None  # only a malformed job has none, and it is answered FAILED above
-        nbytes = sum(chunk.nbytes for chunk, _ in sj.staged)
+        spec, record = sj.spec, sj.send
+        assert spec is not None and record is not None  # an OK answer has both
+        nbytes = sum(chunk.nbytes for chunk, _ in record.staged)
         points = self.server.test_points
-        index = 0
-        while sj.staged:
-            chunk, buf = sj.staged[0]
+        for index, (chunk, buf) in enumerate(record.staged):
             if points is not None:
                 points("sending", spec.request_id, index)
             self.pair.wait(self.pair.post_send_data(buf), s.chunk_timeout(chunk.nbytes))
-            self.server.staging.give(sj.worker_id, buf)
-            sj.staged.pop(0)
-            index += 1
         stats.job_ok(nbytes, None, time.monotonic() - sj.received)
         log.debug("transfer.sent", request_id=spec.request_id, peer=self.name, epoch=self.epoch, bytes=nbytes)
 
     # ------------------------------------------------------------- down
     def down(self, error: LinkError) -> None:
-        """End the link (idempotent): cancel its jobs, give back their staging."""
+        """End the link (idempotent): cancel its jobs; their staging was never posted."""
         with self.cond:
             if not self.up:
                 return
@@ -219,9 +229,7 @@ class PrefillLink:
             self.jobs.clear()
             self.cond.notify_all()
         for sj in jobs:
-            for _chunk, buf in sj.staged:  # never posted: safe to reuse
-                self.server.staging.give(sj.worker_id, buf)
-            sj.staged = []
+            sj.wire_done()  # never posted: the release may reuse the buffers
         level = log.info if error.cause in ("shutdown", "peer_closed") and not jobs else log.warning
         level("transfer.link_down", peer=self.name, epoch=self.epoch, cause=error.cause, error=str(error), jobs_cancelled=len(jobs))
         self.server.call(self.server.link_down, self, jobs, error)
