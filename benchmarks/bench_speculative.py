@@ -2,7 +2,8 @@
 prompt-lookup assisted generation, batch 1, one checkpoint, one process.
 
     python benchmarks/bench_speculative.py [--prompts 4] [--new-tokens 128] [--draft-tokens 4]
-        [--hf-draft-tokens K] [--ngram 3] [--repeat 3] [--threads 1] [--device cpu] [--out bench-results/speculative.json]
+        [--hf-draft-tokens K] [--ngram 3] [--repeat 3] [--threads 1] [--device cpu]
+        [--out bench-results/speculative.json]
 
 1. One checkpoint, the anchor tiny Llama of `bench_engine.py` (hidden 256, 4
    layers, vocab 32,000, fp32, random weights from `torch.manual_seed(0)`),
@@ -172,7 +173,8 @@ async def main(args: argparse.Namespace) -> dict:
     rows = {name: median_range([tokens / rep[name]["wall_s"] for rep in repeats]) for name in names}
     ratio = median_range([rep["hf_lookup"]["wall_s"] / rep["kvlife_spec"]["wall_s"] for rep in repeats])
     plain_ratio = median_range([rep["hf"]["wall_s"] / rep["kvlife"]["wall_s"] for rep in repeats])
-    total = {n: {k: sum(rep[n][k] for rep in repeats) for k in ("drafts", "accepted")} for n in ("hf_lookup", "kvlife_spec")}
+    total = {n: {k: sum(rep[n][k] for rep in repeats) for k in ("drafts", "accepted")}
+             for n in ("hf_lookup", "kvlife_spec")}
     accept = {n: total[n]["accepted"] / total[n]["drafts"] if total[n]["drafts"] else 0.0 for n in total}
     steps = sum(rep["kvlife_spec"]["steps"] for rep in repeats)
     per_step = tokens * len(repeats) / steps if steps else 0.0

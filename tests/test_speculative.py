@@ -128,8 +128,9 @@ class TestSampling:
     @pytest.mark.asyncio
     async def test_draft_model_sampling_follows_the_models_distribution(self, llama):
         """N seeded 3-token samples (top-k 2, the sharp draft): every outcome's
-        frequency is within EPS of its exact probability under the target. Hoeffding: a correct sampler fails with probability at most
-        2 * 8 * exp(-2 N EPS^2) < 1e-20 (the seeds are fixed: the run is deterministic)."""
+        frequency is within EPS of its exact probability under the target. Hoeffding: a correct
+        sampler fails with probability at most 2 * 8 * exp(-2 N EPS^2) < 1e-20 (the seeds are
+        fixed: the run is deterministic)."""
         target, _, draft, model = llama
         n, eps, per = 2500, 0.1, 50
         assert 16 * math.exp(-2 * n * eps * eps) < 1e-20
@@ -152,7 +153,8 @@ class TestSampling:
                     for first in range(0, n, per):
                         tg.start_soon(some, first)
         assert sum(counts.values()) == n
-        assert engine.stats.spec_accepted_tokens > 0 and engine.stats.spec_draft_tokens > engine.stats.spec_accepted_tokens
+        stats = engine.stats
+        assert stats.spec_accepted_tokens > 0 and stats.spec_draft_tokens > stats.spec_accepted_tokens
         assert set(counts) <= set(exact)
         worst = max(abs(counts.get(k, 0) / n - p) for k, p in exact.items())
         assert worst < eps, (counts, exact)

@@ -209,7 +209,8 @@ class ModelRunner:
         meta = AttentionMetadata(out_locs=out_locs, q_lens=q_lens, kv_lens=kv_lens, kv_pages=pages, page_size=ps)
         sample_rows = None if every_row else layout.view(dev, "samples")
         fields_t = None if fields is None else layout.view(dev, "fields").view(fields.shape)
-        return StepInputs(ids_t, pos_t, meta, sample_rows, fields_t, {name: layout.view(dev, name) for name, _ in extra})
+        sections = {name: layout.view(dev, name) for name, _ in extra}
+        return StepInputs(ids_t, pos_t, meta, sample_rows, fields_t, sections)
 
     @torch.inference_mode()
     def step(self, seqs: Sequence[ScheduledSeq]) -> StepOutput:

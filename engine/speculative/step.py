@@ -57,7 +57,8 @@ class SpeculativeStep:
         if runner.token_masks is not None:  # rows with a grammar never have drafts: one position each
             pending = runner.token_masks.begin([s.request for s in sampled], runner.device,
                                                runner.model.config.vocab_size)
-        inputs = runner.prepare(rows, batch, extra=(("drafts", drafts), ("num_drafts", [len(s.draft) for s in sampled])))
+        counts = [len(s.draft) for s in sampled]
+        inputs = runner.prepare(rows, batch, extra=(("drafts", drafts), ("num_drafts", counts)))
         embeds = runner.embedder(rows, inputs.ids) if runner.embedder is not None else None
         attention = runner.attention_factory(rows, inputs.meta)
         routing: list[torch.Tensor] = []
