@@ -10,6 +10,7 @@ from helpers import small_config
 
 BAD_REQUESTS = [
     ("empty text", "", None, "prompt"),
+    ("lone surrogate in text", "ab\ud800c", None, "prompt"),
     ("empty ids", [], None, "prompt"),
     ("id out of vocab", [1, 2, 100_000], None, "prompt"),
     ("negative id", [1, -1], None, "prompt"),

@@ -30,13 +30,41 @@ def _client(client) -> openai.AsyncOpenAI:
 class TestDeadlineAndPriority:
     @pytest.mark.asyncio
     async def test_deadline_field_and_metrics(self):
-        """A body `deadline` ends the request with finish_reason "deadline", counted as such in /metrics."""
+        """A body `deadline` that passes mid-answer: the OpenAI route answers the tokens so far with
+        finish_reason "length" (OpenAI's truncation), /generate says "deadline"; /metrics counts both as
+        deadline finishes."""
         async with serving(model="null", faults=_slow()) as (_, client):
             answer = (await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 200,
                                                                   "ignore_eos": True, "deadline": 0.1})).json()
+            native = (await client.post("/generate", json={"input_ids": PROMPT, "deadline": 0.1, "sampling_params":
+                                                           {"max_new_tokens": 200, "ignore_eos": True}})).json()
             metrics = (await client.get("/metrics")).text
-        assert answer["choices"][0]["finish_reason"] == "deadline"
-        assert 'kvlife:request_success_total{finished_reason="deadline",model_name="null"} 1.0' in metrics
+        assert answer["choices"][0]["finish_reason"] == "length"
+        assert 0 < answer["usage"]["completion_tokens"] < 200
+        assert native["meta_info"]["finish_reason"] == "deadline" and 0 < len(native["output_ids"]) < 200
+        assert 'kvlife:request_success_total{finished_reason="deadline",model_name="null"} 2.0' in metrics
+
+    @pytest.mark.asyncio
+    @pytest.mark.parametrize("stream", [False, True])
+    async def test_a_deadline_before_the_first_token_is_a_408(self, stream):
+        """A deadline that passes before any token (the request waits behind a slow one holding the only
+        slot) is no empty success: the openai SDK raises a 408 `timeout` error, streamed or not."""
+        async with serving(model="null", max_running=1, faults=_slow(0.2)) as (engine, client):
+            filler = engine.generate(PROMPT, SamplingParams(max_new_tokens=3, ignore_eos=True))
+            while not engine.loop.num_running:  # the filler holds the one slot
+                await anyio.sleep(0.005)
+            oa = _client(client)
+            try:
+                with pytest.raises(openai.APIStatusError) as raised:
+                    answer = await oa.completions.create(model="null", prompt=PROMPT, max_tokens=8, stream=stream,
+                                                         extra_body={"deadline": 0.05})
+                    if stream:
+                        [chunk async for chunk in answer]
+            finally:
+                await oa.close()
+            await collect(filler)
+        assert raised.value.status_code == 408 and raised.value.type == "timeout", raised.value
+        assert engine.stats.finishes[("normal", "DEADLINE")] == 1
 
     @pytest.mark.asyncio
     async def test_server_default_deadline_and_override(self):

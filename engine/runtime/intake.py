@@ -106,6 +106,11 @@ class RequestIntake:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequest("prompt", "a non-empty string or token list", prompt)
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as exc:  # a lone surrogate: no tokenizer can encode it
+                raise InvalidRequest("prompt", "valid Unicode text (no lone surrogates)",
+                                     f"{prompt[exc.start:exc.end]!r} at {exc.start}") from None
             token_ids = list(self.tokenizer.encode(prompt) if special else
                              self.tokenizer.encode(prompt, add_special_tokens=False))
         elif isinstance(prompt, (list, tuple)):

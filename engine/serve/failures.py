@@ -11,6 +11,15 @@ errors, in OpenAI's error shape (`engine.serve.http_errors.error_body`):
 |---|---|---|
 | `transfer_failed`, `shutdown` | 503, with `Retry-After` | `service_unavailable` |
 | `error` (also: the engine's loop died) | 500 | `server_error` |
+| `deadline`, before the first token | 408 | `timeout` |
+
+A deadline (the request's own time budget, `deadline` in the body or the
+server's `--default-deadline`) that passes after the first token cuts the
+answer short: the choice ends with finish_reason `length`, OpenAI's reason
+for a truncated answer (`openai_finish_reason`); only a deadline that left
+no token is a failure: 408, a client-side status, so a router (which retries
+5xx and 429) does not resend it: the budget was the client's own. The openai
+SDK does retry a 408 (its default policy), as a new request with a new budget.
 
 - Before the first token (streamed or not): that HTTP status. A stream's
   response starts only with its first token, so a request that fails
@@ -36,6 +45,7 @@ _FAILED = {
                              "this decode); retry the request"),
     "shutdown": (503, "the server is shutting down; retry the request on another"),
     "error": (500, "the engine failed while serving this request (logged by the server)"),
+    "deadline": (408, "the request's deadline passed before its first token"),
 }
 
 
@@ -54,6 +64,12 @@ class GenerationFailed(Exception):
 
     def body(self) -> dict:
         return error_body(self.status, self.message)
+
+
+def openai_finish_reason(finish_reason: str, *, produced: bool) -> str:
+    """The finish reason an OpenAI route answers: a deadline that cut an answer after its
+    first token is `length` (truncated); every other reason is the engine's."""
+    return "length" if finish_reason == "deadline" and produced else finish_reason
 
 
 def is_failure(finish_reason: str | None) -> bool:

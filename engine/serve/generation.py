@@ -30,7 +30,7 @@ import structlog
 
 from engine.errors import EngineDead
 from engine.outputs import RequestOutput, TokenLogprob
-from engine.serve.failures import GenerationFailed
+from engine.serve.failures import GenerationFailed, openai_finish_reason
 from engine.serve.schemas import GenerateBody
 
 log = structlog.get_logger("kvlife.http")
@@ -70,7 +70,10 @@ class Choice:
 
 class Generation:
     def __init__(self, engine: Any, body: GenerateBody, *, route: str, id_prefix: str = "",
-                 default_deadline: float | None = None) -> None:
+                 default_deadline: float | None = None, openai_reasons: bool = False) -> None:
+        #: the OpenAI routes' finish reasons: a deadline that cut an answer short is "length"
+        #: (`engine.serve.failures.openai_finish_reason`); /generate keeps the engine's reasons
+        self.openai_reasons = openai_reasons
         self.request_id = body.rid or f"{id_prefix}{uuid.uuid4().hex}"
         self.body = body
         self.route = route
@@ -111,6 +114,8 @@ class Generation:
         finish = None
         if output.finished:
             choice.final, finish = output, output.finish_reason.value
+            if self.openai_reasons:
+                finish = openai_finish_reason(finish, produced=bool(choice.token_ids))
             self._open -= 1
             choice.finish_reason = finish
         return Chunk(output.index, output.new_text, output.new_token_ids, output.logprobs, finish)

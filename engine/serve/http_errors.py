@@ -27,7 +27,7 @@ from engine.errors import InvalidRequest
 log = structlog.get_logger("kvlife.http")
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable"}
+          405: "invalid_request_error", 408: "timeout", 413: "invalid_request_error", 503: "service_unavailable"}
 
 
 class HTTPError(Exception):

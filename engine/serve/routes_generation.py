@@ -95,17 +95,18 @@ def _generation(ctx: ServerContext, request: Request, api: API, body: GenerateBo
                 wanted_id: str | None) -> Generation:
     """The generation under the body's rid, else the id a header or /v1 field asked for (made unique if
     that one is already in flight: a router's retry), else a new one."""
-    deadline = ctx.settings.default_deadline
+    def start(body: GenerateBody, id_prefix: str = "") -> Generation:
+        return Generation(ctx.engine, body, route=request.url.path, id_prefix=id_prefix,
+                          default_deadline=ctx.settings.default_deadline, openai_reasons=api.failures_as_errors)
+
     if body.rid is not None or wanted_id is None:
-        return Generation(ctx.engine, body, route=request.url.path, id_prefix=api.id_prefix, default_deadline=deadline)
+        return start(body, api.id_prefix)
     try:
-        return Generation(ctx.engine, attrs.evolve(body, rid=wanted_id), route=request.url.path,
-                          default_deadline=deadline)
+        return start(attrs.evolve(body, rid=wanted_id))
     except InvalidRequest as exc:
         if exc.field != "request_id":
             raise
-    return Generation(ctx.engine, attrs.evolve(body, rid=unique(wanted_id)), route=request.url.path,
-                      default_deadline=deadline)
+    return start(attrs.evolve(body, rid=unique(wanted_id)))
 
 
 async def _grammar_ready(generation: Generation) -> None:
