@@ -1,7 +1,8 @@
 """HTTP server vs embedded API: the same 64-client streaming workload, in the same run.
 
     python benchmarks/bench_http.py [--seconds 15] [--warmup 3] [--rounds 2] [--clients 64]
-        [--prompt-tokens 32] [--new-tokens 32] [--vary-lengths] [--threads 1] [--out bench-results/http.json]
+        [--prompt-tokens 32] [--new-tokens 32] [--vary-lengths] [--threads 1] [--inline-step-tokens N]
+        [--out bench-results/http.json]
 
 1. `kvlife serve` starts once, in its own process on 127.0.0.1 (an ephemeral
    port, its defaults otherwise: JSON logs at info, one `request.summary`
@@ -268,6 +269,9 @@ def main() -> int:
     parser.add_argument("--vary-lengths", action="store_true",
                         help="output lengths uniform in [n/2, 3n/2] instead of all n (clients fall out of step)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads, server and embedded (default 1)")
+    parser.add_argument("--inline-step-tokens", type=int, default=None,
+                        help="EngineConfig.inline_step_tokens for the server and the embedded engine alike "
+                             "(default: the engine's)")
     parser.add_argument("--out", default="bench-results/http.json")
     parser.add_argument("--device", default="cpu",
                         help="torch device the engines run on: cpu (default), cuda, cuda:1 ... (docs/gpu.md)")
@@ -277,6 +281,8 @@ def main() -> int:
 
     torch.set_num_threads(args.threads)
     ENGINE_ARGS["device"] = args.device  # the server and the embedded engine alike
+    if args.inline_step_tokens is not None:
+        ENGINE_ARGS["inline_step_tokens"] = args.inline_step_tokens
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     log_path = out.parent / "http-server.log"

@@ -16,7 +16,8 @@ from engine.errors import (
 )
 from engine.logging import LEVELS as LOG_LEVELS
 from engine.logging import configure_logging
-from engine.outputs import RequestOutput, TokenLogprob
+from engine.outputs import RequestOutput, SpeculationStats, TokenLogprob
+from engine.speculative.config import SpeculativeConfig
 from engine.runtime.sessions import SessionInfo
 from engine.stream import RequestStream
 from engine.structured import Constraint, StructuredConfig
@@ -46,6 +47,8 @@ __all__ = [
     "RequestState",
     "RequestStream",
     "SamplingParams",
+    "SpeculationStats",
+    "SpeculativeConfig",
     "SessionInfo",
     "StructuredConfig",
     "TokenLogprob",

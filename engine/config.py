@@ -13,6 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 import attrs
 
 from engine.errors import InvalidConfig, InvalidRequest
+from engine.speculative.config import SpeculativeConfig
 from engine.structured.config import StructuredConfig
 from engine.structured.constraint import Constraint, constraint_from
 from hisparse.config import HiSparseConfig
@@ -69,6 +70,8 @@ class SamplingParams:
     - `n`: sequences to generate from one prompt (the prompt's KV is computed
       once and shared); a seeded request draws sequence i from seed + i.
     - `detokenize`: False skips text entirely (ids only; `stop` needs text).
+    - `speculative`: False opts this request out of the engine's speculative
+      decoding (a request that asks for `logprobs` never speculates).
     - `prompt_logprobs`: None, or how many top alternatives to report with each
       prompt token's log probability (vLLM's field; the first entry is None).
       They come from the forward pass that computes the prompt: such a request
@@ -90,6 +93,8 @@ class SamplingParams:
     logprobs: int | None = attrs.field(default=None)
     n: int = attrs.field(default=1)
     detokenize: bool = attrs.field(default=True, validator=is_bool(InvalidRequest))
+    #: when the engine speculates (`EngineConfig.speculative`), whether this request does
+    speculative: bool = attrs.field(default=True, validator=is_bool(InvalidRequest))
     prompt_logprobs: int | None = attrs.field(default=None)
     constraint: Constraint | None = attrs.field(default=None, converter=constraint_from)
 
@@ -176,6 +181,8 @@ class EngineConfig:
     admission_window: float = attrs.field(default=0.0, validator=number_at_least(0))
     inline_step_tokens: int = attrs.field(default=8, validator=int_at_least(0))
     mm_cache_bytes: int = attrs.field(default=64 << 20, validator=int_at_least(1))
+    #: speculative decoding (an engine.speculative.SpeculativeConfig; docs/speculative.md); None: off
+    speculative: SpeculativeConfig | None = attrs.field(default=None, kw_only=True)
     #: how grammars of constrained requests are compiled and bounded (docs/structured.md)
     structured: StructuredConfig = attrs.field(factory=StructuredConfig)
     # -- issue 21: scheduling and sessions (docs/scheduling.md)
@@ -212,6 +219,10 @@ class EngineConfig:
                 "None or a HiSparseConfig", self.hisparse)
         if self.hisparse is not None:
             self.hisparse.validate_against(self, self.context_bound)
+        require(self.speculative is None or isinstance(self.speculative, SpeculativeConfig), InvalidConfig,
+                f"{p}.speculative", "None or an engine.speculative.SpeculativeConfig", self.speculative)
+        require(self.speculative is None or self.hisparse is None, InvalidConfig, f"{p}.speculative",
+                "None when hisparse is set (sparse decode attends one query per request)", self.speculative)
         require(isinstance(self.structured, StructuredConfig), InvalidConfig, f"{p}.structured",
                 "an engine.StructuredConfig", self.structured)
         require(self.remote_prefill is None or isinstance(self.remote_prefill, RemotePrefillSettings), InvalidConfig,

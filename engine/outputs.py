@@ -17,6 +17,27 @@ __all__ = ["RequestOutput", "TokenLogprob"]
 
 
 @attrs.frozen
+class SpeculationStats:
+    """A request's speculative decoding (on the final output of an engine that speculates):
+    draft tokens verified, those accepted, and the model steps that produced its tokens."""
+
+    draft_tokens: int
+    accepted_tokens: int
+    steps: int
+    output_tokens: int
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafts over verified drafts (0.0 when none was verified)."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Output tokens per model step that produced any (1.0 without speculation)."""
+        return self.output_tokens / self.steps if self.steps else 0.0
+
+
+@attrs.frozen
 class RequestOutput:
     """One chunk of a request's stream; the last one has `finished=True`.
 
@@ -25,7 +46,7 @@ class RequestOutput:
     back until it is decided); `index` says which of the request's `n`
     sequences it belongs to. On the final output the timings are set, in
     seconds from arrival: `queue_time` to admission, `time_to_first_token`,
-    `completion_time`.
+    `completion_time`; and `speculation` when the engine speculates.
     """
 
     request_id: str
@@ -48,6 +69,8 @@ class RequestOutput:
     time_to_first_token: float | None = None
     completion_time: float | None = None
     error: str | None = None
+    #: on the final output of an engine that speculates (`EngineConfig.speculative`), else None
+    speculation: SpeculationStats | None = None
 
     @property
     def token_ids(self) -> list[int]:

@@ -6,6 +6,7 @@ The hook contract is documented in `resources.contract`.
 """
 
 from resources.contract import (
+    ExtendingHook,
     GrowingHook,
     HookOrderError,
     PublishingHook,
@@ -13,6 +14,7 @@ from resources.contract import (
     ResourceExhausted,
     ResourceHook,
     ResourceHookProtocol,
+    RollingBackHook,
     TrimmingHook,
     order_hooks,
     validate_hook,
@@ -24,6 +26,7 @@ from resources.plugins import ENTRY_POINT_GROUP, PluginContext, PluginError
 __all__ = [
     "ENTRY_POINT_GROUP",
     "CopyFence",
+    "ExtendingHook",
     "GrowingHook",
     "HookOrderError",
     "LeakError",
@@ -39,6 +42,7 @@ __all__ = [
     "ResourceExhausted",
     "ResourceHook",
     "ResourceHookProtocol",
+    "RollingBackHook",
     "TrimmingHook",
     "order_hooks",
     "validate_hook",

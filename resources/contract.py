@@ -9,11 +9,12 @@ members the protocol declares (`REQUIRED_MEMBERS`) and fills in nothing.
 
 Who does what:
 
-- A hook allocates (in `acquire`, `grow`) and frees (in `release`), and
-  nothing else; the only other places it may give memory back are the
-  declared shrinks: `trim` (what no later step can read: a sliding window)
-  and `publish` (copies the pool already holds, when a request's complete
-  memory becomes shared). `tests/test_only_hooks_free.py` holds it: no other
+- A hook allocates (in `acquire`, `grow`, `extend`) and frees (in `release`),
+  and nothing else; the only other places it may give memory back are the
+  declared shrinks: `trim` (what no later step can read: a sliding window),
+  `publish` (copies the pool already holds, when a request's complete
+  memory becomes shared) and `rollback` (the slots of draft tokens the model
+  rejected). `tests/test_only_hooks_free.py` holds it: no other
   code calls a pool's freeing methods.
 - The machine (`states.RequestMachine`) calls the hook, records every amount
   in the ownership ledger, logs, and isolates every call: a hook that raises
@@ -30,12 +31,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
-from states import (HELD_STATES, GrowingHook, Handle, PublishingHook, QuarantiningHook, Request, RequestState,
-                    ResourceExhausted, TrimmingHook)
+from states import (HELD_STATES, ExtendingHook, GrowingHook, Handle, PublishingHook, QuarantiningHook, Request,
+                    RequestState, ResourceExhausted, RollingBackHook, TrimmingHook)
 
 __all__ = [
     "OPTIONAL_MEMBERS",
     "REQUIRED_MEMBERS",
+    "ExtendingHook",
     "GrowingHook",
     "HookOrderError",
     "PublishingHook",
@@ -43,6 +45,7 @@ __all__ = [
     "ResourceExhausted",
     "ResourceHook",
     "ResourceHookProtocol",
+    "RollingBackHook",
     "TrimmingHook",
     "order_hooks",
     "validate_hook",
@@ -130,6 +133,15 @@ REQUIRED_MEMBERS: tuple[str, ...] = ("name", "acquire_on", "scope", "before", "a
 #:     its prompt match them); what becomes shared leaves `handle.amount`, and
 #:     copies the pool already holds may be given back. The runtime calls
 #:     `machine.publish(request)` when an n > 1 leader has its first token.
+#: ``extend(request, handle, num_tokens) -> bool`` (`ExtendingHook`)
+#:     speculative decoding: cover `num_tokens` tokens for a step that verifies
+#:     draft tokens (the drafts' slots), like `grow`; False when the pool is
+#:     short (the step then speculates less: a draft never retracts anyone).
+#:     Called by `machine.extend`, never by the mandatory growth.
+#: ``rollback(request, handle, num_tokens)`` (`RollingBackHook`), a declared shrink
+#:     give back what the handle holds past `num_tokens` tokens: the slots of
+#:     drafts the model rejected, lowering `handle.amount` by what it gave
+#:     back. Called by `machine.rollback` after a verify step.
 #: ``quarantine(request, handle)`` (`QuarantiningHook`)
 #:     a fence protecting this handle missed its deadline: the memory stays
 #:     allocated (a copy may still write it) until `release` is called when
@@ -138,7 +150,7 @@ REQUIRED_MEMBERS: tuple[str, ...] = ("name", "acquire_on", "scope", "before", "a
 #: ``pools``
 #:     the hook's pools (each with `name` and `stats() -> PoolUsage`), so the
 #:     leak check covers them.
-OPTIONAL_MEMBERS: tuple[str, ...] = ("grow", "trim", "publish", "quarantine", "pools")
+OPTIONAL_MEMBERS: tuple[str, ...] = ("grow", "trim", "publish", "extend", "rollback", "quarantine", "pools")
 
 
 class ResourceHook:
@@ -181,7 +193,8 @@ def validate_hook(hook: Any) -> None:
             raise HookOrderError(f"hook {hook.name!r}: {attr} must be a tuple of hook names")
     if hook.pool is not None and (not isinstance(hook.pool, str) or not hook.pool):
         raise HookOrderError(f"hook {hook.name!r}: pool must be None or a non-empty string")
-    for attr in ("acquire", "release", *(m for m in ("grow", "trim", "publish", "quarantine") if hasattr(hook, m))):
+    for attr in ("acquire", "release", *(m for m in ("grow", "trim", "publish", "extend", "rollback", "quarantine")
+                                          if hasattr(hook, m))):
         if not callable(getattr(hook, attr)):
             raise HookOrderError(f"hook {hook.name!r}: {attr} must be callable")
     if RequestState.RELEASED in hook.scope:

@@ -162,6 +162,21 @@ class KVHook(ResourceHook):
         handle.amount += need
         return True
 
+    def extend(self, request: Request, handle: Handle[KVBlock], num_tokens: int) -> bool:
+        """Speculative decoding: pages for the draft tokens too (a growth like any other)."""
+        return self.grow(request, handle, num_tokens)
+
+    def rollback(self, request: Request, handle: Handle[KVBlock], num_tokens: int) -> None:
+        """Give back the pages wholly past `num_tokens` tokens: they hold only the KV of
+        draft tokens the model rejected (never the cache's prefix, never a page in use)."""
+        block = handle.payload
+        keep = max(self.kv.pages_for(num_tokens), block.num_prefix_pages, block.drop_from + block.num_dropped)
+        if keep >= block.num_pages:
+            return
+        self.kv.allocator.free(block.row[keep : block.num_pages])
+        handle.amount -= block.num_pages - keep
+        block.num_pages = keep
+
     # ------------------------------------------------------------- release
     def release(self, request: Request, handle: Handle[KVBlock]) -> None:
         kv = self.kv

@@ -6,8 +6,8 @@ or `engine`.
 
 from states.handle import DoubleRelease, Fence, Handle, ResourceExhausted
 from states.machine import FencePending, Quarantined, RequestMachine
-from states.protocols import (GrowingHook, Hook, Ledger, PublishingHook, QuarantiningHook, TransitionObserver,
-                              TrimmingHook)
+from states.protocols import (ExtendingHook, GrowingHook, Hook, Ledger, PublishingHook, QuarantiningHook,
+                              RollingBackHook, TransitionObserver, TrimmingHook)
 from states.request import Request, RequestKind, TokenLogprob
 from states.request_state import (
     HELD_STATES,
@@ -26,6 +26,7 @@ __all__ = [
     "Fence",
     "FencePending",
     "FinishReason",
+    "ExtendingHook",
     "GrowingHook",
     "Handle",
     "Hook",
@@ -33,6 +34,7 @@ __all__ = [
     "Ledger",
     "PublishingHook",
     "QuarantiningHook",
+    "RollingBackHook",
     "Quarantined",
     "Request",
     "RequestKind",

@@ -42,17 +42,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 from states.handle import Fence, Handle, ResourceExhausted
 from states.logs import LiveLogger
-from states.protocols import (GrowingHook, Hook, Ledger, NoLedger, PublishingHook, QuarantiningHook,
-                              TransitionObserver, TrimmingHook)
+from states.protocols import (AnyHandle, ExtendingHook, GrowingHook, Hook, Ledger, NoLedger, PublishingHook,
+                              QuarantiningHook, RollingBackHook, TransitionObserver, TrimmingHook)
 from states.request import Request
 from states.request_state import TRANSITIONS, FinishReason, IllegalTransition, RequestState
 
 S = RequestState
+_H = TypeVar("_H", bound=Hook)
 
 
 class FencePending(Exception):
@@ -91,6 +92,8 @@ class RequestMachine:
         self._trimmers = tuple(h for h in self._acquire_order if isinstance(h, TrimmingHook))
         self._growers = tuple(h for h in self._acquire_order if isinstance(h, GrowingHook))
         self._publishers = tuple(h for h in self._acquire_order if isinstance(h, PublishingHook))
+        self._extenders = tuple(h for h in self._acquire_order if isinstance(h, ExtendingHook))
+        self._rollbacks = tuple(h for h in self.hooks if isinstance(h, RollingBackHook))
         self.ledger: Ledger = ledger if ledger is not None else NoLedger()
         self.clock = clock
         self.log: Any = logger if logger is not None else LiveLogger("kvlife.machine")
@@ -160,33 +163,58 @@ class RequestMachine:
                     trimmer.trim(request, handle, num_tokens)
                 finally:
                     self._reconcile(request, trimmer, handle, before)
-        for grower in self._growers:
-            handle = handles.get(grower.name)
-            if handle is None:
-                continue
-            before = handle.amount
-            try:
-                ok = grower.grow(request, handle, num_tokens)
-            except ResourceExhausted:
-                ok = False
-            finally:
-                self._reconcile(request, grower, handle, before)
-            if not ok:
-                return False
-        return True
+        return self._cover(request, self._growers, lambda hook, handle: hook.grow(request, handle, num_tokens))
 
     def publish(self, request: Request) -> None:
         """Share the request's complete memory now (each publishing hook it holds a handle of),
         isolated: a hook that raises is logged and its pool marked suspect."""
-        for hook in self._publishers:
+        self._shrink(request, self._publishers, "publish", lambda hook, handle: hook.publish(request, handle))
+
+    def extend(self, request: Request, num_tokens: int) -> bool:
+        """Speculative decoding: make every held handle that declares `extend` cover
+        `num_tokens` tokens (the draft tokens' slots), best effort. False when a pool is
+        short: what grew stays held and accounted (`rollback` gives it back), and the caller
+        speculates less; nothing is retracted for a draft."""
+        return self._cover(request, self._extenders, lambda hook, handle: hook.extend(request, handle, num_tokens))
+
+    def rollback(self, request: Request, num_tokens: int) -> None:
+        """Speculative decoding's declared shrink: every held handle that declares `rollback`
+        gives back what it holds past `num_tokens` tokens (the slots of rejected drafts).
+        Isolated like a release: a hook that raises is logged and its pool marked suspect."""
+        self._shrink(request, self._rollbacks, "rollback",
+                     lambda hook, handle: hook.rollback(request, handle, num_tokens))
+
+    def _cover(self, request: Request, hooks: Sequence[_H], cover: Callable[[_H, AnyHandle], bool]) -> bool:
+        """`cover` each held handle of `hooks` in order, recording what it changed; False at the
+        first that is short (`ResourceExhausted` is short too); any other error propagates."""
+        for hook in hooks:
             handle = request.handles.get(hook.name)
             if handle is None:
                 continue
             before = handle.amount
             try:
-                hook.publish(request, handle)
+                ok = cover(hook, handle)
+            except ResourceExhausted:
+                ok = False
+            finally:
+                self._reconcile(request, hook, handle, before)
+            if not ok:
+                return False
+        return True
+
+    def _shrink(self, request: Request, hooks: Sequence[_H], call: str,
+                shrink: Callable[[_H, AnyHandle], None]) -> None:
+        """`shrink` each held handle of `hooks`, isolated (a hook that raises is logged and its
+        pool marked suspect), recording what it changed."""
+        for hook in hooks:
+            handle = request.handles.get(hook.name)
+            if handle is None:
+                continue
+            before = handle.amount
+            try:
+                shrink(hook, handle)
             except Exception as exc:
-                self._hook_failed(request, hook, "publish", exc)
+                self._hook_failed(request, hook, call, exc)
             finally:
                 self._reconcile(request, hook, handle, before)
 

@@ -77,6 +77,11 @@ class Request:
     #: one of several sequences sampled from one prompt: the KV hook shares the prompt's
     #: pages through the prefix cache even when the cache is off for other requests
     shares_prompt: bool = False
+    #: model steps that produced output tokens for it (a speculative step may produce several)
+    num_token_steps: int = 0
+    #: speculative decoding: draft tokens verified for it, and those the model accepted
+    num_draft_tokens: int = 0
+    num_accepted_drafts: int = 0
     # -- issue 21: scheduling and sessions (engine/runtime/deadlines.py, scheduler.py, sessions.py)
     #: lower runs first (vLLM's convention); equal priority keeps arrival order
     priority: int = 0

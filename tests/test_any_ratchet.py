@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 #: the most explicit `Any` each package may use (lower these as they fall; never raise them)
 CEILINGS = {
-    "states": 61,
+    "states": 56,
     "resources": 31,
     "hisparse": 32,
     "engine": 23,

@@ -29,6 +29,7 @@ MISUSES = [
     (["generate", "hi", "--max-new-tokens", "0"], "--max-new-tokens: must be an integer >= 1"),
     (["generate", "hi", "--temperature", "-1"], "--temperature: must be a finite number >= 0"),
     (["generate", "hi", "--hisparse-top-k", "0"], "HiSparseConfig.top_k must be an integer >= 1"),
+    (["generate", "hi", "--speculative-num-tokens", "0"], "SpeculativeConfig.num_tokens must be an integer >= 1"),
     (["serve", "--port", "70000"], "--port: must be a port in [0, 65535]"),
     (["serve", "--port", "-1"], "--port: must be a port in [0, 65535]"),
     (["serve", "--max-body-bytes", "0"], "--max-body-bytes: must be an integer >= 1"),

@@ -2,7 +2,7 @@
 breaks it fails here, not in review:
 
 - only hooks free: a pool's freeing calls appear only in a hook's declared members
-  (`acquire`'s rollback, `release`, `grow`, `trim`, `publish`, `quarantine`) or inside a
+  (`acquire`'s rollback, `release`, `grow`, `trim`, `publish`, `extend`, `rollback`, `quarantine`) or inside a
   pool's own implementation;
 - one writer of a request's progress (`kv_len`, output tokens and logprobs, token times):
   the step applier; fences are added through the machine only; one object moves requests
@@ -11,7 +11,8 @@ breaks it fails here, not in review:
 - imports point one way (states < resources < hisparse < engine.{config, model, ...} <
   engine.disagg < engine.runtime < Engine and the prefill server < engine.{serve, cli}),
   with no import cycle, and serve and cli use only public names (engine.structured, the grammars,
-  and engine.kv_events, the prefix cache's events, sit beside engine.model).
+  engine.kv_events, the prefix cache's events, and engine.speculative, the proposers and the
+  verify step, sit beside engine.model).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ PACKAGES = ("states", "resources", "hisparse", "engine")
 #: calls that give pool memory back (or drop a reference that frees it)
 FREEING = {"free", "free_chunks", "give", "evict_pages", "unreference"}
 #: the hook members that may free: the declared ones of resources.contract (and acquire's rollback)
-HOOK_MEMBERS = {"acquire", "release", "grow", "trim", "publish", "quarantine"}
+HOOK_MEMBERS = {"acquire", "release", "grow", "trim", "publish", "extend", "rollback", "quarantine"}
 #: freeing outside a hook or a pool, each with its reason
 FREEING_EXCEPTIONS = {
     # a link's receive buffers: taken and given back by the link's own threads within one chunk's
@@ -180,7 +181,8 @@ def _layer(module: str) -> float | None:
     if len(parts) == 1:
         return 6.5  # the package's facade (engine/__init__.py): Engine and the public names
     sub = parts[1]
-    if sub in ("config", "model", "errors", "outputs", "logging", "stream", "testing", "structured", "kv_events"):
+    if sub in ("config", "model", "errors", "outputs", "logging", "stream", "testing", "structured", "kv_events",
+               "speculative"):
         return 3
     return {"disagg": 4, "runtime": 5, "engine": 6, "prefill_server": 6, "serve": 7, "cli": 7}[sub]
 

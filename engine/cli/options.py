@@ -89,6 +89,8 @@ ENGINE_OPTIONS: list[tuple[str, type, str]] = [
     ("disaggregation", str, "this engine's role"),
     ("leak_check", str, "raise, log or off"),
     ("fence_timeout", float, "seconds a fence may stay pending before its handle is quarantined"),
+    ("inline_step_tokens", int, "steps of at most this many tokens run on the event loop's thread, larger ones "
+                                "in a worker thread"),
     ("starvation_timeout", float, "seconds a request may wait for memory before it is reported starved "
                                   "(after a leak check naming what it waits for)"),
     # issue 21 (docs/scheduling.md)
@@ -104,6 +106,13 @@ HISPARSE_OPTIONS: list[tuple[str, str]] = [
     ("top_k", "enable HiSparse, attending over the top K tokens per decode step"),
     ("device_buffer_size", "HiSparse device KV slots per request (>= top-k)"),
     ("recent_window", "HiSparse: the last tokens always attended (within top-k)"),
+]
+#: SpeculativeConfig fields as --speculative-* options (any of them turns speculation on)
+SPECULATIVE_OPTIONS: list[tuple[str, type, str]] = [
+    ("method", str, "'ngram' (prompt lookup, the default) or 'draft_model'"),
+    ("num_tokens", int, "draft tokens verified per step and request (default 4)"),
+    ("ngram_max", int, "prompt lookup: the longest n-gram matched (default 3)"),
+    ("draft_model", str, "the draft model: 'tiny' or a checkpoint directory with the target's tokenizer"),
 ]
 _CONFIG_DEFAULTS = {f.name: f.default for f in attrs.fields(EngineConfig)}
 
@@ -130,6 +139,10 @@ def add_engine_options(parser: argparse.ArgumentParser, defaults: dict[str, Any]
     for name, help_text in HISPARSE_OPTIONS:
         hisparse.add_argument(f"--hisparse-{name.replace('_', '-')}", dest=f"hisparse_{name}", type=int,
                               default=None, help=help_text)
+    speculative = parser.add_argument_group("speculative decoding (any of them turns it on; docs/speculative.md)")
+    for name, kind, help_text in SPECULATIVE_OPTIONS:
+        speculative.add_argument(f"--speculative-{name.replace('_', '-')}", dest=f"speculative_{name}", type=kind,
+                                 default=None, help=help_text)
 
 
 def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
@@ -144,6 +157,14 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> Engin
         from hisparse import HiSparseConfig
 
         fields["hisparse"] = HiSparseConfig(**hisparse)
+    speculative = {name: getattr(args, f"speculative_{name}") for name, _, _ in SPECULATIVE_OPTIONS
+                   if getattr(args, f"speculative_{name}", None) is not None}
+    if speculative:
+        from engine.speculative import SpeculativeConfig
+
+        if "draft_model" in speculative:
+            speculative.setdefault("method", "draft_model")
+        fields["speculative"] = SpeculativeConfig(**speculative)
     fields.update(overrides)
     return EngineConfig(**fields)
 

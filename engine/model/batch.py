@@ -27,6 +27,12 @@ class ScheduledSeq:
     num_tokens: int
     #: this step produces the request's next token (decode, or the last prefill chunk)
     samples: bool
+    #: speculative decoding: how many draft tokens this row may verify (its KV slots are held)
+    draft_budget: int = 0
+    #: the draft tokens the row computes after the request's own tokens (the proposer fills them
+    #: in; `num_tokens` counts them). The row samples every position from the request's last
+    #: token on: a verify row's last token and each draft; a draft model's pass, its last draft
+    draft: tuple[int, ...] = ()
 
 
 @runtime_checkable
@@ -36,3 +42,22 @@ class MakesFences(Protocol):
 
     @property
     def fences(self) -> Sequence[tuple[Request, Fence]]: ...
+
+
+def row_tokens(s: ScheduledSeq) -> list[int]:
+    """The token ids of a batch row: the request's own, then the row's draft tokens."""
+    end = s.start + s.num_tokens
+    if not s.draft:
+        return token_range(s.request, s.start, end)
+    return token_range(s.request, s.start, end - len(s.draft)) + list(s.draft)
+
+
+def token_range(request: Request, start: int, end: int) -> list[int]:
+    """Token ids [start, end) of the request's prompt followed by its output."""
+    prompt = request.prompt_token_ids
+    p = len(prompt)
+    if end <= p:
+        return prompt[start:end]
+    if start >= p:
+        return request.output_token_ids[start - p : end - p]
+    return prompt[start:] + request.output_token_ids[: end - p]

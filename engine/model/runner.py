@@ -41,21 +41,21 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-import attrs
 import torch
 
 from engine.model.attention import AttentionBackend, AttentionMetadata, PagedAttention, PagedFactory
-from engine.model.batch import MakesFences, ScheduledSeq
+from engine.model.batch import MakesFences, ScheduledSeq, row_tokens
 from engine.model.llama import LlamaModel
 from engine.model.prompt_logprobs import PromptEntries, PromptLogprobPlan
 from engine.model.decode_graphs import FIELD_ROWS, DecodeGraphs
 from engine.model.sampling import SamplingBatch, format_logprobs, logprob_tensors, sample_tokens
+from engine.model.step_types import StepInputs, StepMasks, StepOutput, StepTiming, TokenMasks
 from engine.model.step_upload import Sections, StepUpload
 from resources.device_io import on_device, read_back
 from resources.kv_buffers import KVBuffers
 from resources.paging import round_up
 from resources.request_slots import RequestSlots
-from states import Fence, Request, TokenLogprob
+from states import Request, TokenLogprob
 
 if TYPE_CHECKING:
     from engine.testing import FaultInjector
@@ -65,71 +65,10 @@ if TYPE_CHECKING:
 AttentionFactory = Callable[[Sequence[ScheduledSeq], AttentionMetadata], AttentionBackend]
 
 
-#: the masks of one step: `allowed` [S, V] bool on the logits' device, and the rows that allow nothing
-#: (they are sampled unmasked and answered -1: no token, never an unconstrained one)
-StepMasks = tuple[torch.Tensor, list[int]]
+class StepExtension(Protocol):
+    """A step that replaces the plain one for some batches (speculation); None: the plain step runs."""
 
-
-class TokenMasks(Protocol):
-    """Per sampled row, the tokens it may take (structured output's grammars); the runner's
-    `token_masks`. Called from the step's thread with the sampled rows' requests."""
-
-    def begin(self, requests: Sequence[Request], device: torch.device,
-              vocab: int) -> Callable[[], StepMasks | None] | None:
-        """None when no row needs a mask this step (nothing computed; a CUDA graph may run); else
-        a callable, called once the forward pass is launched, giving the step's masks (or None)."""
-        ...
-
-
-@attrs.define
-class StepOutput:
-    """Tokens sampled for the sampling seqs (in batch order), MoE routing, and the fences of
-    the copies the step started (the step applier adds them through the machine)."""
-
-    tokens: list[int]
-    #: per MoE layer, the routed expert ids [T, top_k] of the step's tokens (host tensors)
-    routing: list[torch.Tensor] = attrs.field(factory=list)
-    #: aligned with `tokens`: the token's `TokenLogprob` where its request asked, else None
-    logprobs: list[TokenLogprob | None] = attrs.field(factory=list)
-    #: (request, fence) of every copy the step started that may still be in flight
-    fences: Sequence[tuple[Request, Fence]] = ()
-    #: issue 21: prompt logprobs of the step's prefill chunks that asked (engine.model.prompt_logprobs)
-    prompt_logprobs: list[PromptEntries] = attrs.field(factory=list)
-
-
-@attrs.frozen
-class StepTiming:
-    """Where one step's time went (seconds): building the batch's tensors, and
-    the forward pass with sampling (the model's own work)."""
-
-    batch: int
-    decode_only: bool
-    prepare_s: float
-    forward_s: float
-
-
-@attrs.frozen(eq=False)
-class StepInputs:
-    """A batch's tensors: token ids and positions ``[T]``, attention metadata,
-    the rows of T whose logits are sampled (None: every row, in order), and
-    the sampler's fields on the device (None when it needs none)."""
-
-    ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    sample_rows: torch.Tensor | None
-    fields: torch.Tensor | None = None
-
-
-def token_range(request: Request, start: int, end: int) -> list[int]:
-    """Token ids [start, end) of the request's prompt followed by its output."""
-    prompt = request.prompt_token_ids
-    p = len(prompt)
-    if end <= p:
-        return prompt[start:end]
-    if start >= p:
-        return request.output_token_ids[start - p : end - p]
-    return prompt[start:] + request.output_token_ids[: end - p]
+    def step(self, runner: ModelRunner, seqs: Sequence[ScheduledSeq]) -> StepOutput | None: ...
 
 
 class ModelRunner:
@@ -145,9 +84,12 @@ class ModelRunner:
         embedder: Callable[[Sequence[ScheduledSeq], torch.Tensor], torch.Tensor | None] | None = None,
         faults: FaultInjector | None = None,
         cuda_graphs: bool = True,
+        extension: StepExtension | None = None,
         token_masks: TokenMasks | None = None,
     ) -> None:
         self.faults = faults
+        #: speculative decoding's verify step (`engine.speculative.step`), or None
+        self.extension = extension
         self.model = model
         self.kv = kv
         self.slots = slots
@@ -177,8 +119,10 @@ class ModelRunner:
             with torch.inference_mode():
                 self.graphs.capture_all()  # NOTE: now, before the engine starts any thread
 
-    def prepare(self, seqs: Sequence[ScheduledSeq], batch: SamplingBatch | None = None) -> StepInputs:
-        """The batch's tensors, from one pass over `seqs`, one upload and no host sync."""
+    def prepare(self, seqs: Sequence[ScheduledSeq], batch: SamplingBatch | None = None,
+                extra: Sequence[tuple[str, Sequence[int]]] = ()) -> StepInputs:
+        """The batch's tensors, from one pass over `seqs`, one upload and no host sync
+        (`extra`: named int sections uploaded with them, in `StepInputs.extra`)."""
         ids: list[int] = []
         positions: list[int] = []
         q_lens: list[int] = []
@@ -191,13 +135,13 @@ class ModelRunner:
         for s in seqs:
             request, start, n = s.request, s.start, s.num_tokens
             end = start + n
-            if n == 1:
+            if n == 1 and not s.draft:
                 prompt = request.prompt_token_ids
                 ids.append(prompt[start] if start < len(prompt) else request.output_token_ids[start - len(prompt)])
                 positions.append(start)
             else:
                 decode_only = False
-                ids.extend(token_range(request, start, end))
+                ids.extend(row_tokens(s))
                 positions.extend(range(start, end))
             q_lens.append(n)
             kv_lens.append(end)
@@ -208,7 +152,10 @@ class ModelRunner:
             live.append(slot is not None)
             offset += n
             if s.samples:
-                samples.append(offset - 1)
+                if s.draft:  # from the request's last token on (a verify row: it and each draft)
+                    samples.extend(range(offset - min(n, len(s.draft) + 1), offset))
+                else:
+                    samples.append(offset - 1)
         every_row = len(samples) == offset
         all_live = all(live)
         layout = Sections()
@@ -225,6 +172,8 @@ class ModelRunner:
         fields = batch.fields if batch is not None else None
         if fields is not None:
             layout.add("fields", fields.size)
+        for name, values in extra:
+            layout.add(name, len(values))
         host = self.upload.start(layout.size)
         layout.write(host, "ids", ids)
         layout.write(host, "positions", positions)
@@ -239,6 +188,8 @@ class ModelRunner:
             layout.write(host, "samples", samples)
         if fields is not None:
             layout.write(host, "fields", fields.reshape(-1))
+        for name, values in extra:
+            layout.write(host, name, values)
         dev = self.upload.send(layout.size)
         ids_t, pos_t, slots_t = layout.view(dev, "ids"), layout.view(dev, "positions"), layout.view(dev, "slots")
         token_slots = slots_t if decode_only else layout.view(dev, "token_slots")
@@ -258,7 +209,8 @@ class ModelRunner:
         meta = AttentionMetadata(out_locs=out_locs, q_lens=q_lens, kv_lens=kv_lens, kv_pages=pages, page_size=ps)
         sample_rows = None if every_row else layout.view(dev, "samples")
         fields_t = None if fields is None else layout.view(dev, "fields").view(fields.shape)
-        return StepInputs(ids_t, pos_t, meta, sample_rows, fields_t)
+        sections = {name: layout.view(dev, name) for name, _ in extra}
+        return StepInputs(ids_t, pos_t, meta, sample_rows, fields_t, sections)
 
     @torch.inference_mode()
     def step(self, seqs: Sequence[ScheduledSeq]) -> StepOutput:
@@ -267,6 +219,10 @@ class ModelRunner:
             return self._step(seqs)
 
     def _step(self, seqs: Sequence[ScheduledSeq]) -> StepOutput:
+        if self.extension is not None:
+            extended = self.extension.step(self, seqs)
+            if extended is not None:
+                return extended
         timed = self.timings is not None
         t0 = time.perf_counter() if timed else 0.0
         params = [s.request.params for s in seqs if s.samples]

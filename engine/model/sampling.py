@@ -135,6 +135,16 @@ def sample_tokens(logits: torch.Tensor, batch: SamplingBatch, fields: torch.Tens
         return greedy
     if fields is None:
         fields = upload_fields(batch, logits.device)
+    probs = filtered_probs(logits, batch, fields)
+    sampled = (probs.log() + gumbel_noise(fields[KEY], probs.shape[1])).argmax(dim=-1)
+    if all(not p.greedy for p in batch.params):
+        return sampled
+    return torch.where(fields[GREEDY].bool(), greedy, sampled)
+
+
+def filtered_probs(logits: torch.Tensor, batch: SamplingBatch, fields: torch.Tensor) -> torch.Tensor:
+    """The distribution each sampled row draws from [S, V] float32: softmax of the logits
+    over the temperature, after top-k, with top-p's tail zeroed (greedy rows: temperature 1)."""
     floats = fields[:2].view(torch.float64).float()
     scaled = logits.float() / floats[TEMPERATURE][:, None]
     if batch.any_top_k:
@@ -150,10 +160,7 @@ def sample_tokens(logits: torch.Tensor, batch: SamplingBatch, fields: torch.Tens
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
         drop = (sorted_probs.cumsum(-1) - sorted_probs > top_p) & (top_p < 1.0)
         probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs.masked_fill(drop, 0.0))
-    sampled = (probs.log() + gumbel_noise(fields[KEY], probs.shape[1])).argmax(dim=-1)
-    if all(not p.greedy for p in batch.params):
-        return sampled
-    return torch.where(fields[GREEDY].bool(), greedy, sampled)
+    return probs
 
 
 def upload_fields(batch: SamplingBatch, device: torch.device) -> torch.Tensor:
@@ -169,6 +176,16 @@ def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     # NOTE: 23 bits, so the largest value, 1 - 2**-24, is below 1 in float32 (24 would round to 1: inf noise)
     uniform = (_shr(bits, 41).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
     return -torch.log(-torch.log(uniform))
+
+
+def salted_keys(keys: torch.Tensor, salt: int) -> torch.Tensor:
+    """Keys of an independent stream of draws: a pure function of (key, salt), int64."""
+    return _mix(keys ^ _signed(_mix_host(salt)))
+
+
+def hash_uniform(keys: torch.Tensor) -> torch.Tensor:
+    """One Uniform(0, 1) draw per key, float32, strictly inside (0, 1)."""
+    return (_shr(_mix(keys), 41).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:

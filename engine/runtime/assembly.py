@@ -13,7 +13,7 @@ the decode role's in-process prefill is a second, separate `assemble` call
 Registration order (ties of the release order)::
 
     moe_record, hisparse_*, kv_transfer | kv_send, prefill_job, kv, request_slot, multimodal,
-    session, session_turn, grammar, plugins..., timing
+    session, session_turn, grammar, spec_draft_kv, plugins..., timing
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from engine.runtime.features.paged_kv import install_paged_kv
 from engine.runtime.features.plugins import install_plugins
 from engine.runtime.features.roles import DecodeRole, PrefillRole
 from engine.runtime.features.sessions import install_sessions
+from engine.runtime.features.speculative import install_speculative
 from engine.runtime.features.structured import install_structured
 from engine.runtime.features.vision import install_vision
 from engine.runtime.prefill_runtime import PrefillRuntime
@@ -62,7 +63,7 @@ ModelBundle = tuple[ModelConfig, LlamaModel, Tokenizer]
 def features(role: Install | None) -> list[Install]:
     """The installs of an engine, in order (the role's in its place)."""
     return [install_moe, install_hisparse, *([role] if role is not None else []), install_paged_kv, install_vision,
-            install_sessions, install_structured, install_plugins]
+            install_sessions, install_structured, install_speculative, install_plugins]
 
 
 def build_parts(config: EngineConfig, *, faults: FaultInjector | None = None) -> EngineParts:
@@ -140,7 +141,7 @@ def assemble(config: EngineConfig, *, device: torch.device, bundle: ModelBundle,
     runner_cls = NoComputeRunner if config.model == "null" else ModelRunner
     runner = runner_cls(model, kv_buffers, kv_pool.slots, device, slot_of=slot_of, attention_factory=attention,
                         embedder=installed.embedder, faults=faults, cuda_graphs=config.cuda_graphs,
-                        token_masks=installed.token_masks)
+                        token_masks=installed.token_masks, extension=installed.step_extension)
     scheduler = Scheduler(max_running=config.max_running, max_prefill_tokens=config.max_prefill_tokens,
                           page_size=config.page_size, priority_aging=config.priority_aging)
     return EngineParts(config, device, model_config, model, tokenizer, max_context, ledger, kv_buffers, kv_pool,

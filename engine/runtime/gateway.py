@@ -123,6 +123,22 @@ class RequestGateway:
             self.finish(request, FinishReason.ERROR, error=exc)
             return None
 
+    def extend(self, request: Request, num_tokens: int) -> bool:
+        """Speculative decoding: room for a verify step's drafts, `num_tokens` tokens in all;
+        False when a pool is short or a hook failed (what grew is given back: the request
+        decodes plainly this step, nobody is retracted)."""
+        try:
+            if self.machine.extend(request, num_tokens):
+                return True
+        except Exception as exc:  # a faulty hook: no speculation this step, the release is the usual one
+            log.error("request.extend_failed", request_id=request.request_id, error=repr(exc))
+        self.machine.rollback(request, request.kv_len + 1)
+        return False
+
+    def rollback(self, request: Request, num_tokens: int) -> None:
+        """Give back what the request's handles hold past `num_tokens` tokens (rejected drafts)."""
+        self.machine.rollback(request, num_tokens)
+
     def publish(self, request: Request) -> None:
         """Share the request's complete memory now (an n > 1 leader's prompt pages)."""
         self.machine.publish(request)

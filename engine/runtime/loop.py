@@ -75,6 +75,7 @@ class RuntimeLoop:
         self.prefill_client = parts.prefill_client
         self.leak_check = config.leak_check
         self.max_queued = config.max_queued
+        self.speculative = config.speculative is not None
         self.admission_window = config.admission_window
         # NOTE: an injected stall must block the worker thread, never the event loop
         self.inline_step_tokens = config.inline_step_tokens if parts.runner.faults is None else 0
@@ -96,7 +97,9 @@ class RuntimeLoop:
         self.planner = Planner(gateway=self.gateway, applier=self.applier, table=self.table, stats=self.stats,
                                scheduler=parts.scheduler, kv_pool=parts.kv_pool, role=parts.role,
                                starvation_timeout=config.starvation_timeout, clock=self.machine.clock,
-                               report=self.leak_watch.check_now)
+                               report=self.leak_watch.check_now,
+                               draft_tokens=config.speculative.num_tokens if config.speculative else 0,
+                               max_context=max_context)
         # issue 21: deadlines and sessions, both seen on a timer even without traffic
         self.deadlines = DeadlineTimer()
         self.sessions = SessionManager(parts.sessions, self.gateway, max_context=max_context,
@@ -133,7 +136,8 @@ class RuntimeLoop:
         if queued + len(requests) > self.max_queued:
             raise EngineOverloaded(f"{queued} requests already queued (max_queued = {self.max_queued})")
         submission = Submission(request_id, list(requests), sink,
-                                {r: OutputBuilder(r, self.tokenizer, index=i, request_id=request_id)
+                                {r: OutputBuilder(r, self.tokenizer, index=i, request_id=request_id,
+                                                  speculative=self.speculative)
                                  for i, r in enumerate(requests)})
         self.table.add(submission, start=not held)
         self._held += len(requests) if held else 0

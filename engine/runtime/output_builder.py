@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from engine.outputs import RequestOutput, TokenLogprob
+from engine.outputs import RequestOutput, SpeculationStats, TokenLogprob
 from states import Request, RequestState
 
 #: ids of context decoded before the new ones, so a token's leading space or
@@ -106,8 +106,11 @@ class StopMatcher:
 class OutputBuilder:
     """Turns one request's accepted tokens into `RequestOutput` chunks."""
 
-    def __init__(self, request: Request, tokenizer: Any, *, index: int = 0, request_id: str | None = None) -> None:
+    def __init__(self, request: Request, tokenizer: Any, *, index: int = 0, request_id: str | None = None,
+                 speculative: bool = False) -> None:
         self.request = request
+        #: the engine speculates: the final output carries `SpeculationStats`
+        self.speculative = speculative
         self.index = index
         #: the id the client submitted (sequence i of an n > 1 request runs as "id/i")
         self.request_id = request.request_id if request_id is None else request_id
@@ -174,4 +177,7 @@ class OutputBuilder:
             time_to_first_token=None if first is None else first - request.arrival_time,
             completion_time=now - request.arrival_time,
             error=None if request.error is None else repr(request.error),
+            speculation=SpeculationStats(request.num_draft_tokens, request.num_accepted_drafts,
+                                         request.num_token_steps, request.num_output_tokens)
+            if self.speculative else None,
         )

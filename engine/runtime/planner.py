@@ -35,6 +35,7 @@ from engine.runtime.scheduler import Scheduler
 from engine.runtime.stats import EngineStats
 from engine.runtime.step_applier import StepApplier
 from engine.runtime.table import RequestTable
+from engine.speculative.budget import draft_budget
 from resources.kv_pool import KVPool
 from resources.leak_watch import starvation_record
 from resources.ledger import MemoryReport
@@ -47,7 +48,8 @@ log = structlog.get_logger("kvlife.loop")
 class Planner:
     def __init__(self, *, gateway: RequestGateway, applier: StepApplier, table: RequestTable, stats: EngineStats,
                  scheduler: Scheduler, kv_pool: KVPool, role: Role, starvation_timeout: float,
-                 clock: Callable[[], float], report: Callable[[], MemoryReport]) -> None:
+                 clock: Callable[[], float], report: Callable[[], MemoryReport], draft_tokens: int = 0,
+                 max_context: int = 0) -> None:
         self.gateway = gateway
         self.applier = applier
         self.table = table
@@ -60,6 +62,9 @@ class Planner:
         #: runs the leak check and returns its memory report, for naming what a starved request waits on
         self.report = report
         self._admissions = 0
+        #: speculative decoding: draft tokens per step and request (0: off), and the context bound
+        self.draft_tokens = draft_tokens
+        self.max_context = max_context
         #: request -> what it was reported starving for (reported once per request), until it
         #: is admitted or released
         self.starved: dict[Request, dict[str, Any]] = {}
@@ -183,7 +188,20 @@ class Planner:
             if not self._grow(request):
                 skipped.add(request)
         decoding = [r for r in self.table.in_state(S.DECODING) if r not in skipped]
-        return self.scheduler.select_batch(self.table.in_state(S.PREFILLING), decoding)
+        batch = self.scheduler.select_batch(self.table.in_state(S.PREFILLING), decoding)
+        if self.draft_tokens:
+            for s in batch:
+                if s.samples and s.request.state is S.DECODING:
+                    s.draft_budget = self._extend_for_drafts(s.request)
+        return batch
+
+    def _extend_for_drafts(self, request: Request) -> int:
+        """The draft tokens `request` may verify this step, their KV slots grown through the
+        machine; 0 when it does not speculate or a pool is short (then nothing stays grown)."""
+        budget = draft_budget(request, self.draft_tokens, self.max_context)
+        if budget and not self.gateway.extend(request, request.kv_len + 1 + budget):
+            return 0
+        return budget
 
     def _grow(self, request: Request) -> bool:
         """Cover the request's next token, retracting others under pressure; False if it

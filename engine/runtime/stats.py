@@ -65,6 +65,10 @@ class EngineStats:
     finished_total: int = 0  # requests that reached FINISHED, any kind
     starved: int = 0  # requests reported waiting past the starvation bound
     last_progress: float | None = None
+    #: speculative decoding: verify steps of a row with drafts, draft tokens verified, accepted
+    spec_verify_steps: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
     ttft: SampleWindow = attrs.field(factory=SampleWindow)  # arrival -> first token
     itl: SampleWindow = attrs.field(factory=SampleWindow)  # between consecutive tokens
     e2e: SampleWindow = attrs.field(factory=SampleWindow)  # arrival -> final output
@@ -90,6 +94,12 @@ class EngineStats:
         self.prompt_tokens += request.num_prompt_tokens
         self.prefix_query_tokens += queried_tokens
         self.prefix_hit_tokens += cached_tokens
+
+    def on_verified(self, proposed: int, accepted: int) -> None:
+        """A speculating row verified `proposed` drafts and the model accepted `accepted`."""
+        self.spec_verify_steps += 1
+        self.spec_draft_tokens += proposed
+        self.spec_accepted_tokens += accepted
 
     def on_step(self, now: float) -> None:
         self.steps += 1

@@ -28,7 +28,7 @@ import structlog
 
 from engine.disagg.decode.kv_transfer_hook import FirstToken
 from engine.model.batch import ScheduledSeq
-from engine.model.runner import StepOutput
+from engine.model.step_types import StepOutput, Verified
 from engine.runtime.gateway import RequestGateway
 from engine.runtime.output_sender import OutputSender
 from engine.runtime.role import Role
@@ -78,15 +78,17 @@ class StepApplier:
 
     # ------------------------------------------------------------ the step
     def apply_step(self, batch: Sequence[ScheduledSeq], output: StepOutput) -> None:
+        rows = output.rows if output.rows is not None else batch  # a verify step's rows hold their drafts
         for observer in self.step_observers:
             try:
-                observer(batch, output)
+                observer(rows, output)
             except Exception as exc:
                 log.error("loop.step_observer_failed", observer=repr(observer), error=repr(exc))
         for request, fence in output.fences:  # NOTE: before anything finishes, so releases wait for them
             self.gateway.add_fence(request, fence)
         tokens = iter(output.tokens)
         logprobs = iter(output.logprobs)
+        verified = iter(output.verified)
         for request, first, entries in output.prompt_logprobs:  # issue 21
             submission = self.table.owner.get(request)
             if submission is not None:
@@ -100,8 +102,38 @@ class StepApplier:
             request.skip_prefix_match = False  # issue 21: its prompt is computed; a re-admission may match
             token = next(tokens)
             logprob = next(logprobs, None)
+            result = next(verified) if output.verified else None
             if request.state in (S.PREFILLING, S.DECODING):
-                self.accept_token(request, token, now, logprob)
+                request.num_token_steps += 1
+                if s.draft_budget:
+                    self._accept_verified(request, result, token, now)
+                else:
+                    self.accept_token(request, token, now, logprob)
+
+    def _accept_verified(self, request: Request, result: Verified | None, token: int, now: float) -> None:
+        """A speculating row: its accepted drafts (their KV is complete), then its token, in
+        one output; the slots of the rejected drafts go back through the machine."""
+        accepted = result.accepted if result is not None else ()
+        if result is not None and result.proposed:
+            request.num_draft_tokens += result.proposed
+            request.num_accepted_drafts += len(accepted)
+            self.stats.on_verified(result.proposed, len(accepted))
+        hold: list[tuple[int, str]] = []  # NOTE: one output for the step's tokens, not one per token
+        for draft in accepted:
+            self.accept_token(request, draft, now, hold=hold)
+            if request.state is not S.DECODING:
+                return
+            request.kv_len += 1
+        self.accept_token(request, token, now, hold=hold)
+        if request.state is S.DECODING:
+            self._send_held(request, hold)
+            self.gateway.rollback(request, request.num_tokens)
+
+    def _send_held(self, request: Request, hold: list[tuple[int, str]]) -> None:
+        if hold:
+            tokens, texts = zip(*hold)
+            self.outputs.chunk(request, tokens, "".join(texts), None)
+        hold.clear()
 
     def fail_step(self, batch: Sequence[ScheduledSeq], error: BaseException) -> None:
         self.stats.step_errors += 1
@@ -109,9 +141,12 @@ class StepApplier:
         for s in batch:
             self.gateway.finish(s.request, FinishReason.ERROR, error=error)
 
-    def accept_token(self, request: Request, token: int, now: float, logprob: TokenLogprob | None = None) -> None:
+    def accept_token(self, request: Request, token: int, now: float, logprob: TokenLogprob | None = None,
+                     hold: list[tuple[int, str]] | None = None) -> None:
         """Append a sampled token (and its logprob); a completed prefill or transfer becomes
-        PREBUILT, then finishes or moves on like any other request."""
+        PREBUILT, then finishes or moves on like any other request. With `hold`, a decoding
+        request's chunk is kept there (token, text) for one output of several tokens
+        (`_send_held`); a finish sends what is held first."""
         src = request.state
         verdict = self._check_token(request, token)
         if verdict is not None and not verdict[2]:  # a token the request cannot take ends it instead
@@ -145,10 +180,15 @@ class StepApplier:
         if reason is None and request.state is S.PREBUILT and self.role.after_prefill is None:
             reason = FinishReason.LENGTH  # the prefill role: the job ends with the first token
         if reason is not None:
+            if hold:
+                self._send_held(request, hold)
             self.gateway.finish(request, reason, tokens=[token], text=new_text, flush_text=not stopped,
                                 logprobs=logprobs)
             return
-        self.outputs.chunk(request, [token], new_text, logprobs)
+        if hold is not None and logprobs is None:
+            hold.append((token, new_text))
+        else:
+            self.outputs.chunk(request, [token], new_text, logprobs)
         if request.state is S.PREBUILT and self.role.after_prefill is not None:
             self.gateway.advance(request, self.role.after_prefill, reason="first token")
 

@@ -125,6 +125,11 @@ class EngineCollector(Collector):
             ("step_errors", stats.step_errors, "Model steps that raised."),
             ("leak_checks", stats.leak_checks, "Leak checks run (each time the loop went idle)."),
             ("leak_check_failures", stats.leak_check_failures, "Leak checks that found a leak."),
+            ("spec_decode_num_drafts", stats.spec_verify_steps,
+             "Speculative decoding: verify steps of a request with draft tokens."),
+            ("spec_decode_num_draft_tokens", stats.spec_draft_tokens, "Speculative decoding: draft tokens verified."),
+            ("spec_decode_num_accepted_tokens", stats.spec_accepted_tokens,
+             "Speculative decoding: draft tokens the model accepted."),
         ):
             yield self._counter(name, doc, value)
         for key, histogram in self._histograms.items():

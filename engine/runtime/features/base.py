@@ -28,7 +28,8 @@ from engine.disagg.decode.kv_transfer_hook import Landing, PrefillClient
 from engine.model.batch import ScheduledSeq
 from engine.model.llama import LlamaModel
 from engine.model.model_config import ModelConfig
-from engine.model.runner import AttentionFactory, TokenMasks
+from engine.model.runner import AttentionFactory, StepExtension
+from engine.model.step_types import TokenMasks
 from engine.model.tokenizer import Tokenizer
 from engine.runtime.role import Role
 from engine.runtime.step_applier import StepObserver, TokenCheck
@@ -99,6 +100,8 @@ class FeatureInstall:
     sessions: SessionStore | None = None
     #: structured output: the grammar hook, masks and compiler, or why constraints are refused
     structured: StructuredInstall | None = None
+    #: speculative decoding's verify step, the runner's `extension`
+    step_extension: StepExtension | None = None
 
 
 @attrs.define
@@ -123,12 +126,13 @@ class Installed:
     mm_cache_bytes: int | None = None
     sessions: SessionStore | None = None
     structured: StructuredInstall | None = None
+    step_extension: StepExtension | None = None
 
     def plus(self, piece: FeatureInstall) -> Installed:
         """This fold with one more feature's parts (a feature only adds; two features that
         both set a single-valued part are a bug, raised here)."""
         for name in ("embedder", "landing", "prefill_client", "expert_distribution", "mm_cache_bytes",
-                     "token_masks", "sessions", "structured"):
+                     "token_masks", "sessions", "structured", "step_extension"):
             if getattr(piece, name) is not None and getattr(self, name) is not None:
                 raise ValueError(f"two features install {name}")
         return Installed(
@@ -148,6 +152,7 @@ class Installed:
             expert_distribution=piece.expert_distribution or self.expert_distribution,
             mm_cache_bytes=piece.mm_cache_bytes if piece.mm_cache_bytes is not None else self.mm_cache_bytes,
             sessions=piece.sessions or self.sessions, structured=piece.structured or self.structured,
+            step_extension=piece.step_extension or self.step_extension,
         )
 
 
