@@ -66,8 +66,8 @@ class TestDirectLanding:
     @pytest.mark.parametrize("prefill_runs", [None, [6], [2, 9]], ids=["prefill-staged", "one-cut", "two-cuts"])
     def test_pages_in_runs_land_bit_exact_without_staging(self, link_pair, prefill_runs):
         """Pages in two runs, the prefill's runs cut elsewhere (or it stages), chunks of whole layers or of 8
-        tokens (a page run of 4 shorter than a message, a run across two chunks): every message lands straight in the pages, bit-exact,
-        nothing is staged, and the outcome comes before the fence."""
+        tokens (a page run of 4 shorter than a message, a run across two chunks): every message lands
+        straight in the pages, bit-exact, nothing is staged, and the outcome comes before the fence."""
         link, prefill, buffers, stats, staging = link_pair
         taken = _count_takes(staging)
         lj = _submit(link, buffers, "runs", locs=SPLIT, direct=True)
@@ -151,6 +151,31 @@ class TestGivingUpMidReceive:
             pass  # the decode closed the pair
         time.sleep(0.2)
         assert all(torch.equal(a, b) for a, b in zip(before, (*buffers.k, *buffers.v)))
+
+
+    @pytest.mark.parametrize("link_pair", [{"max_chunk_bytes": 8 * LAYOUT.bytes_per_token_layer}], indirect=True)
+    def test_a_link_down_mid_direct_receive_moves_the_job_once_its_receives_end(self, link_pair):
+        """The link goes down while a chunk is being received into the pages: the job is handed over open,
+        `writing()` holds it back until the receives posted before have ended, and nothing posted after
+        writes the pages."""
+        link, prefill, buffers, stats, _ = link_pair
+        moved: list = []
+        link.failover = lambda lj, error: moved.append((lj, error))
+        lj = _submit(link, buffers, "moving", direct=True)
+        _, tag, _ = prefill.recv_frame()
+        chunks = _kv(lj.plan)
+        prefill.answer(tag)
+        _pieces(prefill, lj, 0, chunks[0], None, slice(0, 1))
+        _wait(lambda: torch.equal(buffers.k[0][16:24], chunks[0][0, 0]))
+        link.down(LinkError("peer_closed", "test"), block=False)
+        assert [m[0].job.request_id for m in moved] == ["moving"]
+        assert lj.writing() and lj.job.outcome is None and not lj.job.fence.done()
+        _pieces(prefill, lj, 0, chunks[0], None, slice(1, None))
+        _pieces(prefill, lj, 1, chunks[1], None)
+        _wait(lambda: not lj.writing())
+        assert lj.job.outcome is None and not lj.done
+        assert lj.successor(time.monotonic() + 1).destination is lj.destination
+        assert buffers.k[1].abs().sum() == 0 and stats.snapshot()["failures"] == {}
 
 
 class TestProtocolVersion:
