@@ -46,6 +46,8 @@ from engine.errors import InvalidConfig
 
 SECRET_ENV = "KVLIFE_DISAGG_SECRET"
 BACKENDS = ("gloo", "nccl")
+#: the default `LinkSettings.direct_min_run_bytes`
+DIRECT_MIN_RUN_BYTES = 64 << 10
 
 
 def _env_secret() -> str | None:
@@ -109,7 +111,7 @@ class LinkSettings:
     #: a side sends from / receives into its KV buffers directly (one message per layer, K or V and run of
     #: page locations) when its runs average at least this many bytes of one layer's K; shorter runs, and
     #: KV the data group cannot reach (CUDA KV over gloo), go through staging (one gather or scatter)
-    direct_min_run_bytes: int = attrs.field(default=64 << 10, validator=_int_at_least(0))
+    direct_min_run_bytes: int = attrs.field(default=DIRECT_MIN_RUN_BYTES, validator=_int_at_least(0))
 
     def __attrs_post_init__(self) -> None:
         p = type(self).__name__

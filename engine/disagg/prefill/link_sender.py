@@ -37,6 +37,7 @@ import torch
 from engine.disagg.decode.kv_transfer_hook import TransferCancelled
 from engine.disagg.decode.transfer import TransferFailed
 from engine.disagg.link.messages import Piece, direct_views, run_starts, staged_views, worth_direct
+from engine.disagg.link.settings import DIRECT_MIN_RUN_BYTES
 from engine.disagg.link.staging import StagingFull, StagingPool
 from engine.disagg.link.wire import Chunk, KVLayout, chunk_plan
 from engine.disagg.prefill.prefill_hooks import KV_SEND
@@ -51,7 +52,7 @@ class LinkSender:
 
     def __init__(self, src: KVBuffers, staging: StagingPool, layout: KVLayout, *,
                  find_job: Callable[[str], ServerJob | None], chunk_slack: float, fence_timeout: float,
-                 direct_min_run_bytes: int, faults: Any = None) -> None:
+                 direct_min_run_bytes: int = DIRECT_MIN_RUN_BYTES, faults: Any = None) -> None:
         self.src = src
         self._staging = staging
         self.layout = layout
