@@ -220,6 +220,8 @@ class PrefillServer(anyio.AsyncContextManagerMixin):
             self.runtime.cancel(sj.job)  # answered at once if not admitted; else once nothing writes
 
     def forget_job(self, sj: ServerJob) -> None:
+        """Drop an answered job from the table (from any thread: one atomic dict operation; its only lookup,
+        by its send, came before it was answered)."""
         self.by_worker_id.pop(sj.worker_id, None)
 
     def link_down(self, link: PrefillLink, jobs: list[ServerJob], error: LinkError) -> None:

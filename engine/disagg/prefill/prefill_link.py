@@ -194,7 +194,7 @@ class PrefillLink:
                     sent = True
                 finally:  # NOTE: the popped job is this thread's alone: `down` no longer sees it
                     head.wire_done(reusable=sent)  # a send that failed: its buffers are never reused
-                    self.server.call(self.server.forget_job, head)
+                    self.server.forget_job(head)  # NOTE: not through the loop: the next answer must not wait for it
                 last = time.monotonic()
         except Exception as exc:  # noqa: BLE001
             self.down(classify(exc))
