@@ -5,13 +5,11 @@ test_disagg_link), then across processes against the staged path and the single 
 
 from __future__ import annotations
 
-import threading
 import time
 
 import anyio
 import httpx
 import pytest
-import structlog
 import torch
 
 from disagg_helpers import SECRET, PrefillChild, assert_child_whole, client, remote_config
@@ -20,12 +18,12 @@ from engine.disagg.decode.destination import HostRowsDestination, PagedDestinati
 from engine.disagg.decode.kv_transfer_hook import FirstToken
 from engine.disagg.decode.remote_client import RemotePrefillClient
 from engine.disagg.link.messages import chunk_pieces, cuts, run_starts, staged_views
-from engine.disagg.link import bootstrap
 from engine.disagg.link.settings import LinkSettings
 from engine.disagg.link.transport import LinkError
 from engine.disagg.link.wire import OK, PROTOCOL_VERSION, compatibility_record
 from hisparse import HiSparseConfig
 from helpers import small_config
+import test_disagg_link as link_tests  # NOTE: as a module, so its tests are not collected here
 from test_disagg_link import LAYOUT, TOKENS, _kv, _settings, _submit, _wait, link_pair  # noqa: F401 - the fixture
 from test_disagg_remote import GREEDY, IMAGE, PROMPTS, SEEDED, _outputs, _page_kv, points  # noqa: F401 - the fixture
 
@@ -184,22 +182,8 @@ class TestProtocolVersion:
         the handshake, the field named, and never gets a job."""
         record = compatibility_record(model_identity="tiny:x", layout=LAYOUT, page_size=4, backend="gloo")
         assert record["protocol"] == PROTOCOL_VERSION == 3
-        server = bootstrap.BootstrapServer(_settings(), 0, record, structlog.get_logger("test"))
-        result: dict = {}
-
-        def dial() -> None:
-            try:
-                bootstrap.connect("127.0.0.1", server.port, _settings(), {**record, "protocol": 2})
-            except LinkError as exc:
-                result["error"] = exc
-
-        thread = threading.Thread(target=dial)
-        thread.start()
-        accepted = []
-        while thread.is_alive():
-            accepted += server.poll()
-            time.sleep(0.002)
-        accepted += server.poll()
+        result, accepted, server = link_tests.TestBootstrap()._handshake(_settings(), _settings(),
+                                                                         {**record, "protocol": 2}, record)
         assert result["error"].cause == "incompatible" and "protocol 2 here, 3 there" in str(result["error"])
         assert not accepted and server.refused == {"incompatible": 1}
 

@@ -324,8 +324,8 @@ class TestFailover:
 class TestBootstrap:
     RECORD = {"protocol": 1, "model": "tiny:x", "page_size": 4}
 
-    def _handshake(self, server_settings, client_settings, client_record=None):
-        server = bootstrap.BootstrapServer(server_settings, 0, self.RECORD, _Log())
+    def _handshake(self, server_settings, client_settings, client_record=None, server_record=None):
+        server = bootstrap.BootstrapServer(server_settings, 0, server_record or self.RECORD, _Log())
         result: dict = {}
 
         def dial() -> None:

@@ -39,6 +39,7 @@ from typing import Any
 import attrs
 import structlog
 import torch
+import torch.distributed as dist
 
 from engine.disagg.decode.kv_transfer_hook import FirstToken
 from engine.disagg.decode.link_job import LinkJob, RemoteTransferFailed
@@ -353,7 +354,7 @@ class _Posted:
     lj: LinkJob
     chunk: Chunk
     pieces: list[Piece]
-    works: list[Any]
+    works: list[dist.Work]
     buf: torch.Tensor | None
     owner: str
     writing: bool

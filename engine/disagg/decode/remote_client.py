@@ -37,7 +37,7 @@ import torch
 from engine.disagg.link import bootstrap
 from engine.disagg.decode.decode_link import DecodeLink
 from engine.disagg.decode.link_job import LinkJob
-from engine.disagg.decode.destination import PagedDestination
+from engine.disagg.decode.destination import KVDestination, PagedDestination
 from engine.disagg.decode.kv_transfer_hook import TransferJob, cancel_unstarted
 from engine.disagg.link.messages import reaches, worth_direct
 from engine.disagg.link.observability import TransferStats
@@ -120,11 +120,11 @@ class RemotePrefillClient:
         elif not self._dispatch(lj):  # every link went down since admission looked: fail now
             self._fail(lj, "no_link", self.unavailable() or "no prefill link is up")
 
-    def _direct_runs(self, destination: Any) -> list[int] | None:
+    def _direct_runs(self, destination: KVDestination) -> list[int] | None:
         """The run starts of a destination that takes messages straight into its pages (memory the data
         group reaches, runs long enough: `LinkSettings.direct_min_run_bytes`); None: it receives into
         staging (HiSparse's host rows, CUDA pages over gloo, short runs)."""
-        if not hasattr(destination, "views") or destination.device.type != reaches(self.settings.backend):
+        if not isinstance(destination, PagedDestination) or destination.device.type != reaches(self.settings.backend):
             return None
         starts: list[int] = destination.run_starts()
         if not worth_direct(self.layout, destination.num_tokens, starts, self.settings.direct_min_run_bytes):

@@ -39,7 +39,7 @@ from engine.disagg.decode.transfer import TransferFailed
 from engine.disagg.link.messages import Piece, direct_views, run_starts, staged_views, worth_direct
 from engine.disagg.link.settings import DIRECT_MIN_RUN_BYTES
 from engine.disagg.link.staging import StagingFull, StagingPool
-from engine.disagg.link.wire import Chunk, KVLayout, chunk_plan
+from engine.disagg.link.wire import Chunk, JobSpec, KVLayout, chunk_plan
 from engine.disagg.prefill.prefill_hooks import KV_SEND
 from engine.disagg.prefill.prefill_link import ServerJob
 from engine.disagg.prefill.send import SEND_FENCE, WIRE_FENCE, SendQueue, SendRecord
@@ -96,7 +96,7 @@ class LinkSender:
     def close(self) -> None:
         self.queue.close()
 
-    def _check(self, record: SendRecord, sj: ServerJob | None) -> Any:
+    def _check(self, record: SendRecord, sj: ServerJob | None) -> JobSpec:
         """The job's spec, or why it cannot be sent."""
         job = record.job
         if sj is None or sj.spec is None:

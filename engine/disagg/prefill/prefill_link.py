@@ -35,6 +35,7 @@ from typing import Any
 import attrs
 import structlog
 import torch
+import torch.distributed as dist
 
 from engine.disagg.link.messages import chunk_pieces, cuts
 from engine.disagg.link.transport import LinkError, Pair, classify
@@ -230,13 +231,13 @@ class PrefillLink:
         layout, points = self.server.layout, self.server.test_points
         views = record.views
         assert views is not None
-        outstanding: list[tuple[Chunk, list[Any]]] = []
+        outstanding: list[tuple[Chunk, list[dist.Work]]] = []
         try:
             for index, chunk in enumerate(record.plan):
                 if points is not None:
                     points("sending", request_id, index)
                 pieces = chunk_pieces(layout, chunk, cut)
-                works: list[Any] = []
+                works: list[dist.Work] = []
                 outstanding.append((chunk, works))
                 for view in views(index, chunk, pieces):
                     works.append(self.pair.post_send_data(view))
