@@ -5,10 +5,17 @@ with the real command (`kvlife serve --disaggregation prefill`), on 127.0.0.1.
 
 1. Transfer throughput: N jobs of P tokens of KV (the null model: no compute,
    the tiny model's shapes), submitted at once, from submission to landed in
-   the decode's pages (the real path: frames, the prefill's worker and gather,
-   gloo, the decode's scatter), against a bare gloo send/recv of the same
-   bytes, in the same messages, between two processes; rounds of the two
-   alternate, and the ratio is the median of the per-round ratios.
+   the decode's pages (the real path: frames, the prefill runtime, gloo),
+   against a bare gloo send/recv of the same bytes, one message per job,
+   between two processes. Two real paths, each with its own prefill server:
+   "direct" (the default: sent from the prefill's KV pages, received into
+   the decode's) and "staged" (both sides through staging: a gather and a
+   scatter more, the path before the direct one). Rounds of the three
+   alternate (`--rounds`, 15), and each ratio is the median of the per-round
+   ratios (with its quartiles: single rounds swing 2x on a loaded machine).
+   Also the CPU time each side spent per job during the rounds (all threads
+   of the decode process and of the prefill server; of the bare receiver and
+   sender): on a machine with no idle core, the ratio follows it.
 2. TTFT and end-to-end throughput of the tiny model on one workload: the single
    engine, the decode role with its in-process prefill worker, and decode + one
    remote prefill server.
@@ -24,6 +31,7 @@ Prints a table, writes JSON (figures, settings, the load average before and afte
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -69,12 +77,13 @@ def _cli_flags(fields: dict) -> list[str]:
 class Prefill:
     """`kvlife serve --disaggregation prefill` in a child process (killed by pid on exit)."""
 
-    def __init__(self, fields: dict) -> None:
+    def __init__(self, fields: dict, *, direct_min_run_bytes: int | None = None) -> None:
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+        extra = [] if direct_min_run_bytes is None else ["--transfer-direct-min-run-bytes", str(direct_min_run_bytes)]
         self.proc = subprocess.Popen([sys.executable, "-m", "engine.cli.main", "serve", "--disaggregation", "prefill",
                                       "--disaggregation-bootstrap-port", "0", "--port", "0", "--log-level",
-                                      "info", *_cli_flags(fields)], stderr=self.log, stdout=subprocess.DEVNULL,
-                                     env=dict(os.environ, OMP_NUM_THREADS="1"))
+                                      "info", *_cli_flags(fields), *extra], stderr=self.log,
+                                     stdout=subprocess.DEVNULL, env=dict(os.environ, OMP_NUM_THREADS="1"))
         deadline = time.monotonic() + 60
         while True:
             with open(self.log.name) as f:
@@ -117,37 +126,75 @@ async def _run(engine: Engine, prompts: list[list[int]], params: SamplingParams)
 
 
 # --------------------------------------------------------------- 1. throughput
+#: the transfer part's paths: the default (each side sends from / receives into its pages where it can), and
+#: every job through staging on both sides (a gather on the prefill, a scatter on the decode: the path before)
+PATHS = {"direct": None, "staged": 1 << 62}
+
+
 async def bench_transfer(jobs: int, tokens: int, rounds: int, chunk_bytes: int) -> dict:
-    """Rounds of the real path and of bare gloo, alternating, so each ratio compares the same moment."""
+    """Rounds of each path and of bare gloo, alternating, so each ratio compares the same moment."""
     fields = _engine_fields("null", tokens, 1, jobs)
-    prefill = Prefill(fields)
+    prefills: dict[str, Prefill] = {}
     bare = None
     try:
-        config = _remote(fields, prefill.address, max_chunk_bytes=chunk_bytes)
-        real, plain = [], []
-        async with Engine(config) as engine:
-            client = engine.parts.prefill_client
-            nbytes = tokens * _bytes_per_token(engine)
+        async with contextlib.AsyncExitStack() as stack:
+            engines = {}
+            for name, min_run in PATHS.items():
+                prefills[name] = Prefill(fields, direct_min_run_bytes=min_run)
+                link = {} if min_run is None else {"direct_min_run_bytes": min_run}
+                config = _remote(fields, prefills[name].address, max_chunk_bytes=chunk_bytes, **link)
+                engines[name] = await stack.enter_async_context(Engine(config))
+            nbytes = tokens * _bytes_per_token(engines["direct"])
             bare = _BareGloo(jobs, nbytes, rounds + 1)
             params = SamplingParams(max_new_tokens=1, ignore_eos=True)
-            await _run(engine, _prompts(2, tokens, 0), params)  # warm-up
+            for engine in engines.values():
+                await _run(engine, _prompts(2, tokens, 0), params)  # warm-up
             bare.round()
+            real: dict[str, list[float]] = {name: [] for name in PATHS}
+            plain = []
+            #: CPU seconds spent in the rounds: (decode or receiver, prefill or sender), per path and bare
+            cpu = {name: [0.0, 0.0] for name in (*PATHS, "bare")}
             for r in range(rounds):
-                before = client.stats.snapshot()["bytes"]
-                wall, outs = await _run(engine, _prompts(jobs, tokens, r + 1), params)
-                moved = client.stats.snapshot()["bytes"] - before
-                assert moved == jobs * nbytes, "every job moved its KV"
-                real.append(moved / wall)
+                for name, engine in engines.items():
+                    client = engine.parts.prefill_client
+                    before = client.stats.snapshot()["bytes"]
+                    prompts = _prompts(jobs, tokens, r + 1)
+                    spent = _cpu_s(), _cpu_s(prefills[name].proc.pid)
+                    wall, outs = await _run(engine, prompts, params)
+                    cpu[name][0] += _cpu_s() - spent[0]
+                    cpu[name][1] += _cpu_s(prefills[name].proc.pid) - spent[1]
+                    moved = client.stats.snapshot()["bytes"] - before
+                    assert moved == jobs * nbytes, "every job moved its KV"
+                    real[name].append(moved / wall)
+                spent = _cpu_s(), _cpu_s(bare.child.pid)
                 plain.append(bare.round())
-            engine.check_memory()
+                cpu["bare"][0] += _cpu_s() - spent[0]
+                cpu["bare"][1] += _cpu_s(bare.child.pid) - spent[1]
+            for engine in engines.values():
+                engine.check_memory()
     finally:
-        prefill.close()
+        for prefill in prefills.values():
+            prefill.close()
         if bare is not None:
             bare.close()
-    ratios = [r / b for r, b in zip(real, plain)]
+    per_job = {name: [round(c * 1000 / (rounds * jobs), 2) for c in spent] for name, spent in cpu.items()}
+    paths = {name: {"GBps": statistics.median(got) / 1e9,
+                    "ratio": statistics.median([g / b for g, b in zip(got, plain)]),
+                    "ratios": [g / b for g, b in zip(got, plain)], "cpu_ms_per_job": per_job[name]}
+             for name, got in real.items()}
     return {"jobs": jobs, "tokens": tokens, "job_bytes": nbytes, "chunk_bytes": chunk_bytes,
-            "real_GBps": statistics.median(real) / 1e9, "bare_GBps": statistics.median(plain) / 1e9,
-            "ratio": statistics.median(ratios), "ratios": ratios}
+            "real_GBps": paths["direct"]["GBps"], "bare_GBps": statistics.median(plain) / 1e9,
+            "ratio": paths["direct"]["ratio"], "ratios": paths["direct"]["ratios"], "paths": paths,
+            "bare_cpu_ms_per_job": per_job["bare"]}
+
+
+def _cpu_s(pid: int | None = None) -> float:
+    """CPU seconds (user + system, every thread) of this process, or of child `pid` (Linux)."""
+    if pid is None:
+        return time.process_time()
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _bytes_per_token(engine: Engine) -> int:
@@ -280,6 +327,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smaller workloads (a smoke run)")
     parser.add_argument("--out", default="bench-results/disagg.json")
     parser.add_argument("--chunk-mib", type=float, default=16.0, help="max_chunk_bytes of the transfer part, MiB")
+    parser.add_argument("--rounds", type=int, default=15, help="rounds of the transfer part (each path and bare gloo)")
     parser.add_argument("--parts", nargs="+", default=["transfer", "workload", "failures"])
     parser.add_argument("--cap", type=float, default=90.0, help="failures: seconds a request may take to answer")
     parser.add_argument("--bare-sender", nargs=4, type=int, help=argparse.SUPPRESS)
@@ -295,7 +343,7 @@ def main() -> None:
     load_before = os.getloadavg()
     quick = args.quick
     chunk = int(args.chunk_mib * (1 << 20))
-    transfer = anyio.run(bench_transfer, 8 if quick else 16, 2048, 2 if quick else 5, chunk) \
+    transfer = anyio.run(bench_transfer, 8 if quick else 16, 2048, 2 if quick else args.rounds, chunk) \
         if "transfer" in args.parts else None
     workload = anyio.run(bench_workload, 16 if quick else 32, 256, 16 if quick else 32) \
         if "workload" in args.parts else None
@@ -312,9 +360,16 @@ def main() -> None:
 def _report(transfer, workload, failures, load_before, load_after) -> None:
     t = transfer
     if t is not None:
-            print(f"transfer: {t['jobs']} jobs x {t['job_bytes'] / 2**20:.0f} MiB in {t['chunk_bytes'] / 2**20:g} MiB "
-              f"chunks  real path {t['real_GBps']:.2f} GB/s  bare gloo {t['bare_GBps']:.2f} GB/s  ratio "
-              f"{t['ratio']:.2f} (per round: {', '.join(f'{r:.2f}' for r in t['ratios'])})")
+        bare_cpu = t["bare_cpu_ms_per_job"]
+        print(f"transfer: {t['jobs']} jobs x {t['job_bytes'] / 2**20:.0f} MiB in {t['chunk_bytes'] / 2**20:g} MiB "
+              f"chunks, bare gloo {t['bare_GBps']:.2f} GB/s (CPU ms per job: receiver {bare_cpu[0]:.2f}, sender "
+              f"{bare_cpu[1]:.2f})")
+        for name, path in t["paths"].items():
+            quartiles = statistics.quantiles(path["ratios"], n=4) if len(path["ratios"]) > 1 else [path["ratio"]] * 3
+            decode, prefill = path["cpu_ms_per_job"]
+            print(f"  {name:>7} path {path['GBps']:.2f} GB/s  ratio {path['ratio']:.2f} (quartiles {quartiles[0]:.2f}"
+                  f"-{quartiles[2]:.2f}); CPU ms per job: decode {decode:.2f}, prefill {prefill:.2f}")
+            print(f"          per round: {', '.join(f'{r:.2f}' for r in path['ratios'])}")
     w = workload
     if w is not None:
         print(f"workload: {w['requests']} requests, {w['prompt']}-token prompts, {w['new_tokens']} new tokens")

@@ -5,19 +5,20 @@
 
 It wraps the one runtime in the prefill role (`PrefillRuntime`, the same as
 the in-process decode role's prefill, over pools of its own), whose sender
-stages each request's KV for its link (`StagingSender`). Decodes connect
-through the bootstrap store (`engine.disagg.link.bootstrap`); each gets a
-`PrefillLink`.
+hands each request's KV to its link (`LinkSender`: sent from the KV pages,
+staged only where it must be). Decodes connect through the bootstrap store
+(`engine.disagg.link.bootstrap`); each gets a `PrefillLink`.
 
 A job's path: the link's control thread receives it -> `submit_job` (on
 this event loop) hands the runtime a `TransferJob` -> the runtime prefills
 it in its batches, and its first token takes it to PREBUILT, where the
-`kv_send` hook's acquisition starts the staging -> the sender resolves the
-job -> the link's sending thread sends the answer and the chunks, then says
-it is done with them -> the request's release gives the staging back. A job
-over its compute budget, cancelled by the decode, or whose link went down is
-cancelled in the runtime, which finishes and releases its request through
-the machine as for any abort.
+`kv_send` hook's acquisition starts the send -> the sender resolves the
+job -> the link's sending thread sends the answer and the chunks (from the
+KV pages, or from staging), then says it is done with them -> the request's
+release, which waited for that, frees the pages (and gives any staging
+back). A job over its compute budget, cancelled by the decode, or whose link
+went down is cancelled in the runtime, which finishes and releases its
+request through the machine as for any abort.
 
 The leak check is the runtime's own: when nothing is in flight it checks the
 prefill's pools (staging included) and counts the result (`leak_checks`,
@@ -51,7 +52,7 @@ from engine.disagg.link.staging import StagingPool
 from engine.disagg.link.transport import LinkError, Pair
 from engine.disagg.link.wire import KVLayout, compatibility_record, model_identity
 from engine.disagg.prefill.prefill_link import PrefillLink, ServerJob
-from engine.disagg.prefill.staging_sender import StagingSender
+from engine.disagg.prefill.link_sender import LinkSender
 from engine.model.loading import load_model
 from engine.runtime.assembly import assemble, resolve_device
 from engine.runtime.features.base import BuildContext
@@ -111,12 +112,12 @@ class PrefillServer(anyio.AsyncContextManagerMixin):
         self._closing = threading.Event()
         self._loop_thread = 0
 
-    def _sender(self, ctx: BuildContext) -> StagingSender:
+    def _sender(self, ctx: BuildContext) -> LinkSender:
         mc = ctx.model_config
         layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, ctx.kv_buffers.k[0].dtype)
-        return StagingSender(ctx.kv_buffers, self.staging, layout, find_job=self.by_worker_id.get,
-                             chunk_slack=self.settings.chunk_slack, fence_timeout=ctx.config.fence_timeout,
-                             faults=self.faults)
+        return LinkSender(ctx.kv_buffers, self.staging, layout, find_job=self.by_worker_id.get,
+                          chunk_slack=self.settings.chunk_slack, fence_timeout=ctx.config.fence_timeout,
+                          direct_min_run_bytes=self.settings.direct_min_run_bytes, faults=self.faults)
 
     # ------------------------------------------------------------ lifecycle
     @asynccontextmanager
@@ -219,6 +220,8 @@ class PrefillServer(anyio.AsyncContextManagerMixin):
             self.runtime.cancel(sj.job)  # answered at once if not admitted; else once nothing writes
 
     def forget_job(self, sj: ServerJob) -> None:
+        """Drop an answered job from the table (from any thread: one atomic dict operation; its only lookup,
+        by its send, came before it was answered)."""
         self.by_worker_id.pop(sj.worker_id, None)
 
     def link_down(self, link: PrefillLink, jobs: list[ServerJob], error: LinkError) -> None:

@@ -54,7 +54,10 @@ class PageAllocator:
         self.num_pages = num_pages
         self.page_size = page_size
         self.capacity = num_pages - 1
-        # lowest ids on top so a fresh allocator hands out 1, 2, 3, ...
+        # lowest ids on top so a fresh allocator hands out 1, 2, 3, ... An allocation takes the top
+        # `n` in popping order (ascending ids on a fresh allocator) and a free pushes its ids so
+        # they pop again in the order given: a request's pages stay runs of consecutive ids, so a
+        # KV transfer moves them in few messages (engine.disagg.link.messages)
         self._stack = np.arange(num_pages - 1, 0, -1, dtype=np.int64)
         self._top = self.capacity  # number of free pages
         # NOTE: tag 0: held by a caller; negative: free (a freed page keeps the
@@ -76,7 +79,7 @@ class PageAllocator:
             return np.empty(0, dtype=np.int64)
         if top < 0:
             return None
-        ids: np.ndarray = self._stack[top : self._top].copy()
+        ids: np.ndarray = self._stack[top : self._top][::-1].copy()  # NOTE: popping order: see _stack
         if n == 1:
             self._tag[ids.item()] = 0
         else:
@@ -96,7 +99,7 @@ class PageAllocator:
             out[0] = page
             self._tag[page] = 0
         elif n:
-            out[:] = self._stack[top : self._top]
+            out[:] = self._stack[top : self._top][::-1]
             self._tag[out] = 0
         self._top = top
         return True
@@ -151,7 +154,7 @@ class PageAllocator:
         if np.count_nonzero(tag[ids] != stamp):
             tag[ids] = held  # undo: every id was held
             raise DoubleFree(f"page ids repeated within one free: {ids.tolist()}")
-        self._stack[self._top : self._top + n] = ids
+        self._stack[self._top : self._top + n] = ids[::-1]
         self._top += n
 
     def free_chunks(self, chunks: Sequence[np.ndarray]) -> None:

@@ -173,8 +173,8 @@ def assert_child_whole(report: dict[str, Any]) -> None:
 
 def remote_config(*peers: str, secret: str | None = None, **overrides: Any):
     """A small decode engine config whose prefill servers are `peers`."""
-    link = {**LINK, "reconnect_interval": 0.1, **{k: overrides.pop(k) for k in list(overrides) if k in LINK
-                                                  or k in ("reconnect_interval", "max_chunk_bytes")}}
+    named = ("reconnect_interval", "max_chunk_bytes", "direct_min_run_bytes")
+    link = {**LINK, "reconnect_interval": 0.1, **{k: overrides.pop(k) for k in list(overrides) if k in LINK or k in named}}
     remote = RemotePrefill(peers=peers, secret=secret, **link)
     fields = {**ENGINE, "fence_timeout": FENCE_TIMEOUT, **overrides}
     return small_config(disaggregation="decode", remote_prefill=remote, **fields)

@@ -6,6 +6,7 @@ the decode's pools whole (conftest's check) and the surviving prefill whole."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 
@@ -30,6 +31,22 @@ BIG_PROMPT = [7] * 8192
 async def _reference(prompt, **engine) -> list[int]:
     async with Engine(small_config(**engine)) as single:
         return (await single.complete(prompt, GREEDY)).token_ids
+
+
+#: the link's two ways: through staging, and from the prefill's pages into the decode's
+PATHS = [{}, {"direct_min_run_bytes": 0}]
+
+
+@contextlib.asynccontextmanager
+async def _held_before_chunk_1(spawn, points, rid: str, direct: dict):
+    """A prefill child and a decode engine (both `direct` or not) whose job `rid` is held before its second
+    chunk (the first one landed, the second's receives posted): (child, engine, the request's stream)."""
+    child = spawn(settings=direct)
+    points.set(f"hold-send/{rid}/1")
+    async with Engine(remote_config(child.address, **CHUNKED, **direct)) as engine:
+        stream = engine.generate(PROMPT, GREEDY, request_id=rid)
+        await anyio.to_thread.run_sync(points.wait, f"sending/{rid}/1")
+        yield child, engine, stream
 
 
 async def _fail_after(engine, stream, act) -> tuple[FinishReason, float]:
@@ -62,13 +79,12 @@ class TestKilled:
         assert_child_whole(await anyio.to_thread.run_sync(second.wait_idle))
 
     @pytest.mark.asyncio
-    async def test_killed_between_chunks(self, spawn, points):
-        """SIGKILL after the first chunk, before the second: TRANSFER_FAILED within a chunk's bound."""
-        child = spawn()
-        points.set("hold-send/k2/1")
-        async with Engine(remote_config(child.address, **CHUNKED)) as engine:
-            stream = engine.generate(PROMPT, GREEDY, request_id="k2")
-            await anyio.to_thread.run_sync(points.wait, "sending/k2/1")
+    @pytest.mark.parametrize("direct", PATHS, ids=["staged", "direct"])
+    async def test_killed_between_chunks(self, spawn, points, direct):
+        """SIGKILL after the first chunk, before the second: TRANSFER_FAILED within a chunk's bound; the same
+        with the KV sent from the prefill's pages and received straight into the decode's (the second
+        chunk's receives already posted into the pages when the prefill dies)."""
+        async with _held_before_chunk_1(spawn, points, f"k2-{len(direct)}", direct) as (child, engine, stream):
             reason, elapsed = await _fail_after(engine, stream, child.kill)
             evictable = engine.check_memory().pools["kv_pages"].evictable
         assert reason is FinishReason.TRANSFER_FAILED and elapsed < 1.5
@@ -88,20 +104,18 @@ class TestKilled:
 
 class TestStopped:
     @pytest.mark.asyncio
-    async def test_stopped_past_the_deadline_then_resumed(self, spawn, points):
+    @pytest.mark.parametrize("direct", PATHS, ids=["staged", "direct"])
+    async def test_stopped_past_the_deadline_then_resumed(self, spawn, points, direct):
         """SIGSTOP between chunks: TRANSFER_FAILED once the chunk's wait runs out. After SIGCONT the prefill's
-        late send lands nothing (the decode's KV buffers are unchanged), the decode links to it again, and
-        both sides end whole."""
-        child = spawn()
-        points.set("hold-send/k4/1")
-        async with Engine(remote_config(child.address, **CHUNKED)) as engine:
-            stream = engine.generate(PROMPT, GREEDY, request_id="k4")
-            await anyio.to_thread.run_sync(points.wait, "sending/k4/1")
+        late send lands nothing (the decode's KV buffers are unchanged, also when its receives were posted
+        straight into the pages), the decode links to it again, and both sides end whole."""
+        rid = f"k4-{len(direct)}"
+        async with _held_before_chunk_1(spawn, points, rid, direct) as (child, engine, stream):
             reason, elapsed = await _fail_after(engine, stream, lambda: child.signal(signal.SIGSTOP))
             assert reason is FinishReason.TRANSFER_FAILED and elapsed < 2.0
             buffers = engine.parts.kv_buffers
             before = [t.clone() for t in (*buffers.k, *buffers.v)]
-            points.set("go/k4")
+            points.set(f"go/{rid}")
             child.signal(signal.SIGCONT)
             report = await anyio.to_thread.run_sync(child.wait_idle)  # its late send failed; it released
             assert all(t.equal(b) for t, b in zip((*buffers.k, *buffers.v), before))

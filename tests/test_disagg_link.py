@@ -23,6 +23,7 @@ from engine.disagg.link.observability import TransferStats
 from engine.disagg.link.settings import LinkSettings
 from engine.disagg.link.staging import StagingPool
 from engine.disagg.link.transport import LinkError, Pair
+from engine.disagg.link.messages import chunk_pieces, cuts, staged_views
 from engine.disagg.link.wire import (BYE, CANCEL, FAILED, HEADER_LEN, JOB, OK, PING, RESULT, JobSpec, KVLayout, chunk_plan,
                                 decode_job, empty_header, header)
 from resources import ManualFence
@@ -69,11 +70,19 @@ class ScriptedPrefill:
         self.pair.recv_ctl(frame, 5.0)
         return op, tag, decode_job(frame)
 
-    def answer(self, tag: int, status: int = OK, first_token: int = 42) -> None:
-        self.pair.send_ctl(header(RESULT, tag, status, first_token, 0), 5.0)
+    def answer(self, tag: int, status: int = OK, first_token: int = 42, runs: list[int] | None = None) -> None:
+        """RESULT; `runs`: the prefill's run starts (it sends from its pages), None: from staging."""
+        self.pair.send_ctl(header(RESULT, tag, status, first_token, 0, 0, len(runs or ()), int(runs is not None)),
+                           5.0)
+        if runs:
+            self.pair.send_ctl(torch.tensor(runs, dtype=torch.int64), 5.0)
 
-    def chunk(self, kv: torch.Tensor) -> None:
-        self.pair.wait(self.pair.post_send_data(kv.contiguous().view(torch.uint8).reshape(-1)), 5.0)
+    def chunk(self, lj: LinkJob, index: int, kv: torch.Tensor, runs: list[int] | None = None) -> None:
+        """Chunk `index` of `lj` holding `kv`, in the messages both sides plan (`runs` as in `answer`)."""
+        chunk = lj.plan[index]
+        pieces = chunk_pieces(LAYOUT, chunk, cuts(runs, lj.spec.runs))
+        for view in staged_views(LAYOUT, chunk, kv.contiguous().view(torch.uint8).reshape(-1), pieces):
+            self.pair.wait(self.pair.post_send_data(view.contiguous()), 5.0)
 
     def ping(self) -> None:
         self.pair.send_ctl(header(PING), 5.0)
@@ -118,12 +127,16 @@ def link_pair(request):
     assert link.join(settings.liveness_timeout + settings.chunk_slack + 1)
 
 
-def _submit(link: DecodeLink, buffers: KVBuffers, rid: str, *, deadline: float = 60.0, start: int = 4) -> LinkJob:
-    locs = torch.arange(start * 4, start * 4 + TOKENS)
+def _submit(link: DecodeLink, buffers: KVBuffers, rid: str, *, deadline: float = 60.0, start: int = 4,
+            locs: torch.Tensor | None = None, direct: bool = False) -> LinkJob:
+    """A job landing at `locs` (default: TOKENS consecutive locations from page `start`); `direct`: its
+    messages are received straight into the pages (as the client decides for long runs)."""
+    locs = torch.arange(start * 4, start * 4 + TOKENS) if locs is None else locs
     dest = PagedDestination(buffers, locs)
     now = time.monotonic()
-    lj = LinkJob(_job(rid), dest, chunk_plan(LAYOUT, TOKENS, link.settings.max_chunk_bytes),
-                 JobSpec(rid, list(range(TOKENS)), {}, max_chunk_bytes=link.settings.max_chunk_bytes), now,
+    spec = JobSpec(rid, list(range(TOKENS)), {}, max_chunk_bytes=link.settings.max_chunk_bytes,
+                   runs=dest.run_starts() if direct else None)
+    lj = LinkJob(_job(rid), dest, chunk_plan(LAYOUT, TOKENS, link.settings.max_chunk_bytes), spec, now,
                  now + deadline)
     assert link.submit(lj)
     return lj
@@ -164,8 +177,8 @@ class TestLanding:
         assert op == JOB and spec.request_id == "r1" and spec.token_ids == list(range(TOKENS))
         chunks = _kv(lj.plan)
         prefill.answer(tag, OK, 42)
-        for kv in chunks:
-            prefill.chunk(kv)
+        for index, kv in enumerate(chunks):
+            prefill.chunk(lj, index, kv)
         _wait(lj.job.fence.done)
         assert lj.job.outcome == ("ok", FirstToken(42)) and lj.job.fence.outcome_first
         locs = torch.arange(16, 16 + TOKENS)
@@ -183,8 +196,8 @@ class TestLanding:
         _, tag2, _ = prefill.recv_frame()
         prefill.answer(tag1, FAILED)
         prefill.answer(tag2, OK, 7)
-        for kv in _kv(second.plan):
-            prefill.chunk(kv)
+        for index, kv in enumerate(_kv(second.plan)):
+            prefill.chunk(second, index, kv)
         _wait(second.job.fence.done)
         assert first.job.outcome[0] == "failed" and first.job.outcome[1].cause == "prefill_failed"
         assert second.job.outcome == ("ok", FirstToken(7)) and link.up
@@ -238,13 +251,13 @@ class TestGivingUp:
         chunks = _kv(lj.plan)
         assert len(chunks) == 2
         prefill.answer(tag)
-        prefill.chunk(chunks[0])
+        prefill.chunk(lj, 0, chunks[0])
         _wait(lambda: buffers.k[0][16:28].abs().sum() > 0)  # the first chunk has landed
         assert lj.end(None, "cancelled", "test")
         link.cancel(lj)
         assert lj.job.fence.done()
         assert prefill.recv_frame()[:2] == (CANCEL, tag)
-        prefill.chunk(chunks[1])
+        prefill.chunk(lj, 1, chunks[1])
         prefill.ping()
         _wait(lambda: not link.jobs() and staging.held == 0)
         assert link.up and buffers.k[1].abs().sum() == 0  # chunk 1 (layer 1) never written
@@ -257,8 +270,8 @@ class TestGivingUp:
         entered, release = _hold_writes(lj)
         _, tag, _ = prefill.recv_frame()
         prefill.answer(tag)
-        for kv in _kv(lj.plan):
-            prefill.chunk(kv)
+        for index, kv in enumerate(_kv(lj.plan)):
+            prefill.chunk(lj, index, kv)
         assert entered.wait(5)
         started = time.monotonic()
         assert lj.end(None, "cancelled", "test", block=False)
@@ -295,7 +308,7 @@ class TestFailover:
         prefill.recv_frame()
         assert gone.end(None, "cancelled", "test")
         prefill.answer(tag)
-        prefill.chunk(_kv(lj.plan)[0])
+        prefill.chunk(lj, 0, _kv(lj.plan)[0])
         assert entered.wait(5)
         link.down(LinkError("peer_closed", "test"), block=False)
         assert [(m.job.request_id, e.cause) for m, e in moved] == [("moving", "peer_closed")]
@@ -311,8 +324,8 @@ class TestFailover:
 class TestBootstrap:
     RECORD = {"protocol": 1, "model": "tiny:x", "page_size": 4}
 
-    def _handshake(self, server_settings, client_settings, client_record=None):
-        server = bootstrap.BootstrapServer(server_settings, 0, self.RECORD, _Log())
+    def _handshake(self, server_settings, client_settings, client_record=None, server_record=None):
+        server = bootstrap.BootstrapServer(server_settings, 0, server_record or self.RECORD, _Log())
         result: dict = {}
 
         def dial() -> None:

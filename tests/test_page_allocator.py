@@ -83,15 +83,28 @@ class TestArrays:
         """alloc_array returns a fresh int64 array; writing into it cannot corrupt the allocator."""
         alloc = PageAllocator(8, 16)
         pages = alloc.alloc_array(3)
-        assert pages.dtype == np.int64 and pages.tolist() == [3, 2, 1]
+        assert pages.dtype == np.int64 and pages.tolist() == [1, 2, 3]
         pages[:] = 0
-        assert alloc.alloc_array(4).tolist() == [7, 6, 5, 4] and alloc.alloc_array(1) is None
+        assert alloc.alloc_array(4).tolist() == [4, 5, 6, 7] and alloc.alloc_array(1) is None
+
+    def test_pages_come_in_runs_and_go_back_in_order(self):
+        """Fresh pages come out in ascending runs, and freed ones come back in the order they were
+        given, so a request's pages stay runs of consecutive ids (a KV transfer's messages)."""
+        alloc = PageAllocator(16, 4)
+        a, b = alloc.alloc_array(5), alloc.alloc_array(4)
+        assert a.tolist() == [1, 2, 3, 4, 5] and b.tolist() == [6, 7, 8, 9]
+        alloc.free(a)
+        alloc.free(b)
+        assert alloc.alloc_array(4).tolist() == [6, 7, 8, 9]
+        row = np.zeros(7, dtype=np.int64)
+        assert alloc.alloc_into(row) and row.tolist() == [1, 2, 3, 4, 5, 10, 11]
+        assert alloc.alloc_one() == 12
 
     def test_alloc_one_and_alloc_into(self):
         """alloc_one hands out one page as an int; alloc_into fills the caller's array; both all or nothing."""
         alloc = PageAllocator(5, 16)
         row = np.zeros(6, dtype=np.int64)
-        assert alloc.alloc_into(row[:3]) and row[:3].tolist() == [3, 2, 1]
+        assert alloc.alloc_into(row[:3]) and row[:3].tolist() == [1, 2, 3]
         page = alloc.alloc_one()
         assert type(page) is int and page == 4 and alloc.in_use(4)
         before = _snapshot(alloc)

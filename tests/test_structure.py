@@ -33,7 +33,7 @@ HOOK_MEMBERS = {"acquire", "release", "grow", "trim", "publish", "extend", "roll
 FREEING_EXCEPTIONS = {
     # a link's receive buffers: taken and given back by the link's own threads within one chunk's
     # bound, held for no request (the decode's `transfer.staging`; no request handle owns them)
-    ("engine/disagg/decode/decode_link.py", "DecodeLink", "_recv_chunks"),
+    ("engine/disagg/decode/decode_link.py", "DecodeLink", "_drain"),
     ("engine/disagg/decode/decode_link.py", "DecodeLink", "_write_items"),
 }
 #: a request's progress: written only by the step applier

@@ -92,6 +92,8 @@ _TRANSFER_OPTIONS: list[tuple[str, type, str]] = [
     ("floor_bandwidth", float, "bytes/s a KV chunk must at least move at"),
     ("chunk_slack", float, "seconds added to every chunk's bound"),
     ("max_chunk_bytes", int, "largest KV message"),
+    ("direct_min_run_bytes", int, "shortest mean page run (bytes of one layer's K) sent from / received into "
+                                  "the KV pages directly; shorter ones go through staging"),
     ("keepalive", float, "seconds between keepalives (4 missed end the link)"),
     ("connect_timeout", float, "seconds for the bootstrap handshake"),
 ]

@@ -1,13 +1,22 @@
-"""The decode side of one link: a sending thread, a receiving thread, a FIFO of jobs.
+"""The decode side of one link: a sending thread, a receiving thread, a writing thread, a FIFO of jobs.
 
-The receiving thread is the only writer of a job's pages. It writes each
-chunk under the job's lock, and a job ends exactly once, also under that
-lock (`LinkJob.end`: outcome first, then the fence). Whoever ends it, the
-receiving thread (landed, reported failure), the link going down, or the
-client (a cancel, a missed first-answer deadline), nothing writes the
-pages after that: a later chunk for an ended job is received into staging
-and dropped. So the fence means "no write can happen any more", and it
-is completed within a bounded time on every path.
+The receiving thread is the only writer of a job's pages: it posts the
+receives of each chunk's messages (`engine.disagg.link.messages`) straight
+into them when the job's destination takes them directly (its pages, in
+memory the data group reaches), with the next chunk's posted before this
+one is waited for. Otherwise (HiSparse's host rows, CUDA pages over gloo,
+short page runs) it receives the chunk into staging and hands it to the
+writing thread, which copies it in. Each write is bracketed by the job's
+`begin_write` / `end_write`, and a job ends exactly once
+(`LinkJob.end`: outcome first, then the fence, once no write of it is in
+progress). Whoever ends it, the receiving thread (landed, reported
+failure), the link going down, or the client (a cancel, a missed
+first-answer deadline), nothing writes the pages after that: a later chunk
+for an ended job is received into staging and dropped. A receive posted
+into the pages is over only when its wait has returned or failed (a
+failure or a timeout closes the pair, so nothing lands later). So the fence
+means "no write can happen any more", and it is completed within a bounded
+time on every path.
 
 Waits: a header (or keepalive) within `liveness_timeout`; a chunk within
 `chunk_timeout(bytes)`. Any transport error or timeout ends the link and it
@@ -30,12 +39,14 @@ from typing import Any
 import attrs
 import structlog
 import torch
+import torch.distributed as dist
 
 from engine.disagg.decode.kv_transfer_hook import FirstToken
 from engine.disagg.decode.link_job import LinkJob, RemoteTransferFailed
+from engine.disagg.link.messages import Piece, check_starts, chunk_pieces, cuts, staged_views
 from engine.disagg.link.transport import LinkError, Pair, classify
-from engine.disagg.link.wire import (BYE, CANCEL, CANCELLED, JOB, OK, PING, RESULT, STATUS_NAMES, KVLayout,
-                                ProtocolError, decode_logprob, empty_header, encode_job, header)
+from engine.disagg.link.wire import (BYE, CANCEL, CANCELLED, JOB, OK, PING, RESULT, STATUS_NAMES, Chunk, KVLayout,
+                                     ProtocolError, decode_logprob, empty_header, encode_job, header)
 
 log = structlog.get_logger("kvlife.transfer")
 __all__ = ["DecodeLink", "LinkJob", "RemoteTransferFailed"]
@@ -180,7 +191,7 @@ class DecodeLink:
             self.pair.recv_ctl(hdr, self.settings.liveness_timeout)
             if not self.up:
                 return
-            op, tag, status, first_token, reason_len, logprob_len = hdr[:6].tolist()
+            op, tag, status, first_token, reason_len, logprob_len, runs_len, direct = hdr.tolist()
             if op == PING:
                 continue
             if op == BYE:
@@ -194,10 +205,12 @@ class DecodeLink:
                 raise ProtocolError(f"result for job {tag}, expected {lj.tag if lj else 'none'}")
             reason = self._recv_bytes(reason_len).decode(errors="replace")
             first = FirstToken(first_token, decode_logprob(self._recv_bytes(logprob_len)))
-            with lj.lock:
-                lj.answered = time.monotonic()
+            runs = self._recv_bytes(8 * runs_len)
+            src = check_starts(torch.frombuffer(bytearray(runs), dtype=torch.int64).tolist() if runs else [],
+                               lj.destination.num_tokens, "the prefill's") if direct else None
+            lj.answered = time.monotonic()
             if status == OK:
-                self._recv_chunks(lj, first)
+                self._recv_chunks(lj, first, cuts(src, lj.spec.runs))
             elif lj.end(None, "prefill_failed", f"the prefill answered {STATUS_NAMES.get(status, status)}: "
                                                 f"{reason}"):
                 if status == CANCELLED:
@@ -216,35 +229,66 @@ class DecodeLink:
         self.pair.recv_ctl(buf, self.settings.chunk_timeout(nbytes))
         return buf.numpy().tobytes()
 
-    def _recv_chunks(self, lj: LinkJob, first_token: FirstToken) -> None:
-        """Receive every chunk into staging (the next one posted before this one is waited for) and hand
-        it to the writing thread, which writes it into the pages while the next one arrives."""
+    def _recv_chunks(self, lj: LinkJob, first_token: FirstToken, cut: list[int] | None) -> None:
+        """Receive every chunk's messages (the next chunk's posted before this one is waited for): into the
+        job's pages when its destination takes them directly, else into staging for the writing thread,
+        which copies it in while the next one arrives. Every receive posted is waited for before this
+        returns, even on a failure (bounded by its chunk's timeout; a failure or timeout closes the pair),
+        so no write of the job's memory outlives it."""
         owner = f"{lj.job.request_id}@{self.peer}#{self.epoch}"
-        device = self.pair.data_device
-        posted: list[torch.Tensor] = []
-
-        def post(chunk):
-            buf = self.staging.take(owner, chunk.nbytes, timeout=self.settings.chunk_slack, device=device)
-            posted.append(buf)
-            return buf, self.pair.post_recv_data(buf)
-
+        outstanding: list[_Posted] = []
         try:
-            pending = post(lj.plan[0])
-            for i, chunk in enumerate(lj.plan):
-                buf, work = pending
-                pending = post(lj.plan[i + 1]) if i + 1 < len(lj.plan) else None
-                self.pair.wait(work, self.settings.chunk_timeout(chunk.nbytes))
-                posted.remove(buf)
-                self._writes.put((lj, chunk, buf, owner))
+            for chunk in lj.plan:
+                outstanding.append(self._post(lj, chunk, chunk_pieces(self.layout, chunk, cut), owner))
+                if len(outstanding) > 1:
+                    self._finish(outstanding[0])
+                    outstanding.pop(0)
+            while outstanding:
+                self._finish(outstanding[0])
+                outstanding.pop(0)
         finally:
-            for buf in posted:  # posted into by a receive that failed: never read or reused
-                self.staging.give(owner, buf, reuse=False)
+            for posted in outstanding:
+                self._drain(posted)
         self._writes.put((lj, None, first_token, owner))
 
+    def _post(self, lj: LinkJob, chunk: Chunk, pieces: list[Piece], owner: str) -> _Posted:
+        """Post a chunk's receives: straight into the job's pages if it takes them and is still writable
+        (the receives are then a write of it), else into a staging buffer."""
+        writing = lj.spec.runs is not None and lj.begin_write()
+        buf = None if writing else self.staging.take(owner, chunk.nbytes, timeout=self.settings.chunk_slack,
+                                                     device=self.pair.data_device)
+        posted = _Posted(lj, chunk, pieces, [], buf, owner, writing)
+        try:
+            views = lj.destination.views(pieces) if buf is None else staged_views(self.layout, chunk, buf, pieces)
+            for view in views:
+                posted.works.append(self.pair.post_recv_data(view, into_kv=writing))
+        except BaseException:
+            self._drain(posted)
+            raise
+        return posted
+
+    def _finish(self, posted: _Posted) -> None:
+        """Wait for a chunk's receives; hand a staged one to the writing thread (which writes it into a job
+        still writable, and gives the buffer back). If a wait raises, the caller drains it."""
+        self.pair.wait_all(posted.works, self.settings.chunk_timeout(posted.chunk.nbytes))
+        if posted.writing:
+            posted.lj.end_write()
+        else:
+            self._writes.put((posted.lj, posted.chunk, posted.buf, posted.owner))
+
+    def _drain(self, posted: _Posted) -> None:
+        """After a failure: wait (bounded) until no receive of `posted` can write any more, then end its
+        write or give its buffer back, never to be reused."""
+        self.pair.drain(posted.works, self.settings.chunk_timeout(posted.chunk.nbytes))
+        if posted.writing:
+            posted.lj.end_write()
+        elif posted.buf is not None:
+            self.staging.give(posted.owner, posted.buf, reuse=False)
+
     def _write_loop(self) -> None:
-        """The only writer of the jobs' pages: each chunk under its job's lock, then the job's end.
-        It is the last user of the pair's data group (the receiving thread has returned): it closes
-        the pair as it leaves (an NCCL group is aborted, so a dropped link leaks no communicator)."""
+        """Copies staged chunks into the jobs' destinations and ends jobs in order. It is the last user of
+        the pair's data group (the receiving thread has returned): it closes the pair as it leaves (an
+        NCCL group is aborted, so a dropped link leaks no communicator)."""
         try:
             self._write_items()
         finally:
@@ -256,16 +300,16 @@ class DecodeLink:
             if chunk is None:  # every chunk of the job is written
                 now = time.monotonic()
                 if lj.end(value):  # False: it was given up or failed meanwhile
-                    self.stats.job_ok(lj.nbytes, now - lj.answered, now - lj.submitted)
+                    self.stats.job_ok(lj.nbytes, now - (lj.answered or now), now - lj.submitted)
                     log.debug("transfer.landed", request_id=lj.job.request_id, peer=self.peer, epoch=self.epoch,
-                              bytes=lj.nbytes, seconds=round(now - lj.answered, 6))
+                              bytes=lj.nbytes, seconds=round(now - (lj.answered or now), 6))
                 continue
             try:
-                kv = value.view(self.layout.dtype).view(self.layout.chunk_shape(chunk))
-                with lj.lock:
-                    if lj.writable:
-                        lj.destination.write(chunk, kv)
-                lj.apply_decision()
+                if lj.begin_write():
+                    try:
+                        lj.destination.write(chunk, value.view(self.layout.dtype).view(self.layout.chunk_shape(chunk)))
+                    finally:
+                        lj.end_write()
             except Exception as exc:  # noqa: BLE001 - a bug must not leave the fence open
                 if lj.end(None, "transport", f"writing a chunk failed: {exc!r}"):
                     self.stats.job_failed("transport")
@@ -301,3 +345,16 @@ class DecodeLink:
               jobs_failed=failed, jobs_moved=moved)
         if self.on_down is not None:
             self.on_down(self, error)
+
+
+@attrs.define(eq=False)
+class _Posted:
+    """The receives posted for one chunk: into the job's pages (`writing`) or into a staging buffer."""
+
+    lj: LinkJob
+    chunk: Chunk
+    pieces: list[Piece]
+    works: list[dist.Work]
+    buf: torch.Tensor | None
+    owner: str
+    writing: bool

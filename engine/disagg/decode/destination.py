@@ -5,7 +5,9 @@ a time, always under the job's lock (`engine.disagg.decode.decode_link`), so onc
 the job is done (landed, failed or given up) nothing writes it again.
 
 - `PagedDestination`: the request's KV pages (`KVBuffers`, at the token
-  locations the KV hook pre-allocated).
+  locations the KV hook pre-allocated). It also hands out views of its
+  pages (`views`), so a link whose data group reaches them receives each
+  message straight into them (`engine.disagg.link.messages`).
 - `HostRowsDestination`: HiSparse's host pool rows (and the index keys
   computed from K), so the KV never detours through device pages.
 
@@ -25,8 +27,11 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
+from engine.disagg.link.messages import Piece, direct_views, run_starts
 from engine.disagg.link.wire import Chunk
 from hisparse.records import host_record
 from resources.device_io import compute_stream, on_device, to_host
@@ -78,16 +83,28 @@ class SideStream:
 
 
 class PagedDestination:
-    """The request's KV pages: `locs[i]` is token i's location in every layer's K/V buffer."""
+    """The request's KV pages: `locs[i]` is token i's location in every layer's K/V buffer.
+
+    `host_locs` are the same locations in host memory (from the request's page ids, so a device
+    destination needs no read-back); without them they are read from `locs`."""
 
     protects: tuple[str, ...] = ()
 
-    def __init__(self, kv_buffers: Any, locs: torch.Tensor) -> None:
+    def __init__(self, kv_buffers: Any, locs: torch.Tensor, host_locs: npt.NDArray[np.int64] | None = None) -> None:
         self.kv = kv_buffers
         self.device = kv_buffers.k[0].device
         self.locs = locs.to(self.device)
+        self.host_locs = host_locs if host_locs is not None else locs.cpu().numpy()
         self.num_tokens = int(locs.numel())
         self._copy = SideStream(self.device)
+
+    def run_starts(self) -> list[int]:
+        """Where its runs of consecutive locations start (after the first)."""
+        return run_starts(self.host_locs)
+
+    def views(self, pieces: list[Piece]) -> list[torch.Tensor]:
+        """Each message's view of the pages (a message never crosses one of `run_starts`)."""
+        return direct_views(self.kv.k, self.kv.v, self.host_locs, pieces)
 
     def write(self, chunk: Chunk, kv: torch.Tensor) -> None:
         locs = self.locs[chunk.start: chunk.start + chunk.count]

@@ -20,8 +20,10 @@ import attrs
 import torch
 
 from engine.disagg.decode.destination import KVDestination, PagedDestination
+from engine.disagg.link.messages import host_locations
 from resources import ManualFence, ResourceHook
 from resources.kv_buffers import KVBuffers
+from resources.kv_hook import KVHook
 from resources.kv_pool import KVPool
 from resources.ledger import Pool
 from resources.request_slots import RequestSlotHook
@@ -163,7 +165,9 @@ class KVTransferHook(ResourceHook):
             dst_locs = torch.empty(0, dtype=torch.int64)
         else:
             dst_locs = self.kv_pool.slots.req_to_token[RequestSlotHook.slot(request), :n].clone()
-            destination = PagedDestination(self.kv_buffers, dst_locs)
+            block = KVHook.block(request.handles[KVHook.name])  # NOTE: host-side page ids: no device read
+            host_locs = host_locations(block.row[: block.num_pages], self.kv_pool.page_size, n)
+            destination = PagedDestination(self.kv_buffers, dst_locs, host_locs)
         fence = ManualFence(TRANSFER_FENCE, {"kv", *destination.protects}, timeout=self.fence_timeout, armed=False)
         job = TransferJob(request.request_id, list(request.prompt_token_ids), list(request.output_token_ids),
                           request.params, list(request.mm_inputs), dst_locs, fence, self.fence_timeout,

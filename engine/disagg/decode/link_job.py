@@ -1,12 +1,16 @@
 """One decode job on its way through a link (`LinkJob`), and how it ends.
 
 A job is decided once (`end`: landed, failed, given up; `detach`: moved to
-another link), under `_deciding`, and resolved (outcome first, then the
-fence) under `lock`, the lock the link's writing thread holds while it
-writes one of the job's chunks. So once a job is decided, nothing writes its
-pages for this link any more: a write in progress finishes, and the
-resolution waits for it (or, from the event loop, is applied when it
-returns). A moved job is resolved by its successor on the next link.
+another link) and resolved (outcome first, then the fence) once no write of
+its memory is in progress. A write is whatever may change the job's
+destination: a receive posted straight into its pages (from the post until
+its wait has returned, or failed), or a staged chunk being copied in. The
+link's receiving and writing threads bracket each with `begin_write` (False
+once the job is decided: the chunk is then received into staging and
+dropped) and `end_write`. So once a job is decided, nothing writes its pages
+for this link any more: writes in progress finish, and the resolution waits
+for the last of them (or, from the event loop, is applied by whoever ends
+that write). A moved job is resolved by its successor on the next link.
 """
 
 from __future__ import annotations
@@ -50,17 +54,31 @@ class LinkJob:
     cancel_sent: bool = False
     #: how it ends, decided once: (first token and its logprob, cause, message)
     decision: tuple[FirstToken | int | None, str | None, str] | None = None
-    lock: threading.Lock = attrs.field(factory=threading.Lock)  # held by the writing thread while it writes
-    _deciding: threading.Lock = attrs.field(factory=threading.Lock)
+    _writes: int = 0  # writes of its memory in progress
+    _cond: threading.Condition = attrs.field(factory=threading.Condition)
 
     @property
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.plan)
 
-    @property
-    def writable(self) -> bool:
-        """Whether a chunk may still be written (call with the lock held)."""
-        return self.decision is None
+    def begin_write(self) -> bool:
+        """Start a write of the job's memory; False (nothing to end) once the job is decided."""
+        with self._cond:
+            if self.decision is not None:
+                return False
+            self._writes += 1
+            return True
+
+    def end_write(self) -> None:
+        """A write started by `begin_write` is over (done, or failed for good): resolve an end decided
+        during it once it was the last."""
+        with self._cond:
+            self._writes -= 1
+            last = self._writes == 0
+            if last:
+                self._cond.notify_all()
+        if last:
+            self._resolve()
 
     def end(self, first_token: FirstToken | int | None, cause: str | None = None, message: str = "", *,
             block: bool = True) -> bool:
@@ -68,55 +86,48 @@ class LinkJob:
         first, then the fence. Cause "cancelled" (the decode gave it up) resolves it with
         TransferCancelled.
 
-        With `block=False` (the event loop) a write in progress is not waited for: the writing
-        thread resolves the job as soon as that write returns, so a writing thread that wedges
-        leaves the fence open (and the loop quarantines the pages at its deadline) instead of
-        wedging the loop.
+        With writes in progress the resolution waits for them (`block`), or, with `block=False`
+        (the event loop), is left to the last of them to end: a write that wedges leaves the
+        fence open (and the loop quarantines the pages at its deadline) instead of wedging the
+        loop.
         """
-        with self._deciding:
+        with self._cond:
             decided = self.decision is None
             if decided:
                 self.decision = (first_token, cause, message)
-        if self.lock.acquire(blocking=block):
-            try:
-                self._resolve()
-            finally:
-                self.lock.release()
+            while block and self._writes:
+                self._cond.wait()
+            idle = self._writes == 0
+        if idle:
+            self._resolve()
         return decided
 
     def detach(self) -> bool:
         """Decide that this job leaves its link for another one (True if this call decided): nothing
         writes it for this link any more, and its TransferJob stays open for the next link."""
-        with self._deciding:
+        with self._cond:
             if self.decision is not None:
                 return False
             self.decision = (None, MOVED, "moved to another prefill")
         return True
 
     def writing(self) -> bool:
-        """Whether a chunk of it is being written right now (its lock is held)."""
-        if not self.lock.acquire(blocking=False):
-            return True
-        self.lock.release()
-        return False
+        """Whether a write of its memory is in progress."""
+        with self._cond:
+            return self._writes > 0
 
     def successor(self, deadline: float) -> LinkJob:
         """The same TransferJob, destination and chunks as a new job for another link."""
         return LinkJob(self.job, self.destination, self.plan, self.spec, self.submitted, deadline,
                        attempt=self.attempt + 1)
 
-    def apply_decision(self) -> None:
-        """After a write (lock released): resolve an end decided during it."""
-        if self.decision is not None and not self.done:
-            with self.lock:
-                self._resolve()
-
     def _resolve(self) -> None:
-        assert self.decision is not None  # `end` decides before anything resolves
-        if self.done or self.decision[1] == MOVED:  # a moved job is resolved by its successor
-            return
-        self.done = True
-        first_token, cause, message = self.decision
+        """Resolve a decided job once (whoever calls it first, with no write in progress)."""
+        with self._cond:
+            if self.decision is None or self.done or self.decision[1] == MOVED:  # a moved job: its successor's
+                return
+            self.done = True
+            first_token, cause, message = self.decision
         if cause is None:
             self.job.resolve("ok", first_token)
         else:

@@ -37,8 +37,9 @@ import torch
 from engine.disagg.link import bootstrap
 from engine.disagg.decode.decode_link import DecodeLink
 from engine.disagg.decode.link_job import LinkJob
-from engine.disagg.decode.destination import PagedDestination
+from engine.disagg.decode.destination import KVDestination, PagedDestination
 from engine.disagg.decode.kv_transfer_hook import TransferJob, cancel_unstarted
+from engine.disagg.link.messages import reaches, worth_direct
 from engine.disagg.link.observability import TransferStats
 from engine.disagg.link.staging import StagingPool
 from engine.disagg.link.transport import LinkError, Pair
@@ -109,7 +110,8 @@ class RemotePrefillClient:
             destination = PagedDestination(self.kv_buffers, job.dst_locs)
         now = time.monotonic()
         spec = JobSpec(job.request_id, job.token_ids, params_to_dict(job.params), list(job.output_token_ids),
-                       list(job.mm_inputs), max_chunk_bytes=self.settings.max_chunk_bytes)
+                       list(job.mm_inputs), max_chunk_bytes=self.settings.max_chunk_bytes,
+                       runs=self._direct_runs(destination))
         lj = LinkJob(job, destination, chunk_plan(self.layout, destination.num_tokens, self.settings.max_chunk_bytes),
                      spec, now, now + self.settings.first_timeout)
         self._jobs[id(job)] = lj
@@ -117,6 +119,17 @@ class RemotePrefillClient:
             self.cancel(job)
         elif not self._dispatch(lj):  # every link went down since admission looked: fail now
             self._fail(lj, "no_link", self.unavailable() or "no prefill link is up")
+
+    def _direct_runs(self, destination: KVDestination) -> list[int] | None:
+        """The run starts of a destination that takes messages straight into its pages (memory the data
+        group reaches, runs long enough: `LinkSettings.direct_min_run_bytes`); None: it receives into
+        staging (HiSparse's host rows, CUDA pages over gloo, short runs)."""
+        if not isinstance(destination, PagedDestination) or destination.device.type != reaches(self.settings.backend):
+            return None
+        starts: list[int] = destination.run_starts()
+        if not worth_direct(self.layout, destination.num_tokens, starts, self.settings.direct_min_run_bytes):
+            return None
+        return starts
 
     def _dispatch(self, lj: LinkJob) -> bool:
         """Queue `lj` on the link with the fewest jobs; it starts then (its fence's deadline runs)."""

@@ -2,9 +2,10 @@
 
 The KV itself moves through the prefill role's `KVSender`
 (`engine.disagg.prefill.send`): in process, `LoopbackSender` copies it into
-the decode's `KVDestination`; across processes, `StagingSender` stages it
-for a link and the decode's link writes it into the destination. Either way
-a destination's write runs on a side stream of its device that first waits
+the decode's `KVDestination`; across processes, `LinkSender` hands it to
+its link (from the pages, or staged) and the decode's link receives it into
+the destination's pages, or writes it there from staging. Either way a
+destination's write runs on a side stream of its device that first waits
 for the compute stream, and is waited for before the job ends: the transfer's
 fence completes after the copy, never while it is only queued.
 """

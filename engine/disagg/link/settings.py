@@ -46,6 +46,8 @@ from engine.errors import InvalidConfig
 
 SECRET_ENV = "KVLIFE_DISAGG_SECRET"
 BACKENDS = ("gloo", "nccl")
+#: the default `LinkSettings.direct_min_run_bytes`
+DIRECT_MIN_RUN_BYTES = 64 << 10
 
 
 def _env_secret() -> str | None:
@@ -104,8 +106,12 @@ class LinkSettings:
     max_chunk_bytes: int = attrs.field(default=16 << 20, validator=_int_at_least(1 << 10))
     keepalive: float = attrs.field(default=1.0, validator=_positive)
     connect_timeout: float = attrs.field(default=10.0, validator=_positive)
-    #: bytes of staging a side may hold at once (prefill: staged KV; decode: chunk buffers)
+    #: bytes of staging a side may hold at once (the fallback: see `direct_min_run_bytes`)
     staging_bytes: int = attrs.field(default=256 << 20, validator=_int_at_least(1 << 10))
+    #: a side sends from / receives into its KV buffers directly (one message per layer, K or V and run of
+    #: page locations) when its runs average at least this many bytes of one layer's K; shorter runs, and
+    #: KV the data group cannot reach (CUDA KV over gloo), go through staging (one gather or scatter)
+    direct_min_run_bytes: int = attrs.field(default=DIRECT_MIN_RUN_BYTES, validator=_int_at_least(0))
 
     def __attrs_post_init__(self) -> None:
         p = type(self).__name__

@@ -182,8 +182,10 @@ class Pair:
         with self._on(self.send_stream, after_compute=True):
             return self._post(self.data.send, tensor, DATA)
 
-    def post_recv_data(self, tensor: torch.Tensor) -> dist.Work:
-        with self._on(self.recv_stream, after_compute=False):
+    def post_recv_data(self, tensor: torch.Tensor, *, into_kv: bool = False) -> dist.Work:
+        """`into_kv`: the tensor is a view of KV pages, so on a device the receive first waits for the
+        compute stream (work queued there may still read the pages' previous contents)."""
+        with self._on(self.recv_stream, after_compute=into_kv):
             return self._post(self.data.recv, tensor, DATA)
 
     def wait(self, work: dist.Work, timeout: float) -> None:
@@ -192,6 +194,23 @@ class Pair:
             poll_wait(work, timeout)
         else:
             self._wait(work, timeout)
+
+    def wait_all(self, works: list[dist.Work], timeout: float) -> None:
+        """Wait for the works of one chunk's messages, all within `timeout` from now."""
+        deadline = time.monotonic() + timeout
+        for work in works:
+            self.wait(work, deadline - time.monotonic())
+
+    def drain(self, works: list[dist.Work], timeout: float) -> None:
+        """After a failure: wait (within `timeout` from now) until none of `works` can touch its tensor any
+        more. A work that failed or timed out has had the pair closed under it (gloo closes it itself; an
+        NCCL group is aborted here), so nothing reads or writes its tensor later."""
+        deadline = time.monotonic() + timeout
+        for work in works:
+            try:
+                self.wait(work, deadline - time.monotonic())
+            except Exception:  # noqa: BLE001 - failed or timed out: the pair is closed below
+                self.close()
 
     def close(self) -> None:
         """Abort the NCCL group (idempotent; nothing to do for gloo, whose groups go with the pair)."""

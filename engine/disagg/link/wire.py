@@ -9,22 +9,29 @@ Every message is a tensor; a header is `int64[8]`. Per link, in FIFO order::
         PING                                 keepalive
         BYE                                  the decode is leaving
 
-    prefill -> decode (tag DATA)  header [op, tag, status, first_token, reason_bytes, logprob_bytes, 0, 0]
+    prefill -> decode (tag DATA)  header [op, tag, status, first_token, reason_bytes, logprob_bytes,
+                                          runs, direct]
         RESULT  for the oldest job not yet answered; then uint8[reason_bytes]
                 if any; then uint8[logprob_bytes] if any (the first token's
                 logprob, when the job asked for logprobs: `encode_logprob`);
-                if status is OK, one message per chunk of `chunk_plan`
+                then int64[runs] if any: where the prefill's runs of KV
+                locations start (`direct` 1: it sends from its KV buffers;
+                0: from staging); if status is OK, the messages of every
+                chunk of `chunk_plan` (`engine.disagg.link.messages`)
         PING                                 keepalive
         BYE                                  the prefill is leaving
 
 A job frame is ``int64[n] token ids | uint8 images | utf-8 JSON meta`` with
 the meta's length in its last 8 bytes (request id, sampling parameters, the
 tokens generated before a retraction, image shapes, the compute budget, the
-chunk size both sides plan with).
+chunk size both sides plan with, and where the decode's runs of page
+locations start, or null when it receives into staging).
 
 A chunk is a run of whole layers for all tokens, or, when one layer does not
 fit in `max_chunk_bytes`, a run of tokens of one layer, laid out as
-``[layers, 2 (K, V), tokens, kv_heads, head_dim]`` in the KV dtype.
+``[layers, 2 (K, V), tokens, kv_heads, head_dim]`` in the KV dtype; it
+travels as one message, or as one per layer, K or V and run of locations
+when either side sends from or receives into its KV buffers directly.
 """
 
 from __future__ import annotations
@@ -39,8 +46,9 @@ import torch
 
 from states import TokenLogprob
 
-#: 2: the RESULT frame carries the first token's logprob
-PROTOCOL_VERSION = 2
+#: 2: the RESULT frame carries the first token's logprob; 3: chunks travel as messages per layer, K/V and
+#: page run, sent from and received into the KV buffers (the run starts in JOB and RESULT)
+PROTOCOL_VERSION = 3
 HEADER_LEN = 8
 CTL, DATA = 0, 1  # tags: decode -> prefill, prefill -> decode
 
@@ -74,6 +82,8 @@ class JobSpec:
     images: list[torch.Tensor] = attrs.field(factory=list)
     budget: float = 0.0
     max_chunk_bytes: int = 16 << 20
+    #: where the decode's runs of page locations start (it receives into its pages); None: into staging
+    runs: list[int] | None = None
 
 
 def encode_job(spec: JobSpec) -> torch.Tensor:
@@ -81,7 +91,7 @@ def encode_job(spec: JobSpec) -> torch.Tensor:
     meta = json.dumps({
         "request_id": spec.request_id, "params": spec.params, "output_token_ids": spec.output_token_ids,
         "images": [list(img.shape) for img in images], "budget": spec.budget,
-        "max_chunk_bytes": spec.max_chunk_bytes,
+        "max_chunk_bytes": spec.max_chunk_bytes, "runs": spec.runs,
     }).encode()
     parts = [torch.tensor(spec.token_ids, dtype=torch.int64).view(torch.uint8)]
     parts += [img.reshape(-1) for img in images]
@@ -110,9 +120,14 @@ def decode_job(frame: torch.Tensor) -> JobSpec:
             n = int(torch.Size(shape).numel())
             images.append(torch.frombuffer(bytearray(raw[offset: offset + n]), dtype=torch.uint8).view(shape))
             offset += n
+        runs = meta["runs"]
+        if runs is not None and (not isinstance(runs, list) or any(type(r) is not int for r in runs)
+                                 or any(not 0 < r < len(tokens) for r in runs)
+                                 or any(a >= b for a, b in zip(runs, runs[1:]))):
+            raise ProtocolError("job frame runs are not increasing integers within (0, tokens)")
         return JobSpec(str(meta["request_id"]), tokens, dict(meta["params"]),
                        [int(t) for t in meta["output_token_ids"]], images, float(meta["budget"]),
-                       int(meta["max_chunk_bytes"]))
+                       int(meta["max_chunk_bytes"]), runs)
     except (KeyError, TypeError, ValueError, RuntimeError) as exc:
         if isinstance(exc, ProtocolError):
             raise

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 from engine.disagg.decode.kv_transfer_hook import FirstToken, TransferCancelled, TransferJob
 from engine.disagg.decode.transfer import TransferFailed
+from engine.disagg.link.messages import host_locations
 from engine.disagg.prefill.send import KVSender, SendRecord
 from resources.contract import ResourceHook
+from resources.kv_hook import KVHook
 from resources.kv_pool import KVPool
 from resources.request_slots import RequestSlotHook
 from states import HELD_STATES, FinishReason, Handle, Request, RequestState
@@ -95,7 +97,9 @@ def arm_on_admission(request: Request, src: RequestState, dst: RequestState) -> 
 
 class KVSendHook(ResourceHook):
     """Entering PREBUILT starts the send of the request's KV; the handle holds the send's record
-    (staged chunks, fences) until the send is done, and its release gives the staging back."""
+    (what a link sends, fences) until the send is done, and its release gives any staging back.
+    Its fences keep the request's KV pages from release while the send reads them (a link
+    sending from the pages: until the last byte has left)."""
 
     name = KV_SEND
     acquire_on = frozenset({S.PREBUILT})
@@ -112,9 +116,11 @@ class KVSendHook(ResourceHook):
             return None
         logprob = request.output_logprobs[-1] if request.output_logprobs else None
         first = FirstToken(request.output_token_ids[-1], logprob)
-        slot = RequestSlotHook.slot(request)
-        src_locs = self.kv_pool.slots.req_to_token[slot, : len(job.token_ids)].clone()
-        record = SendRecord(job, first, src_locs)
+        slot, n = RequestSlotHook.slot(request), len(job.token_ids)
+        src_locs = self.kv_pool.slots.req_to_token[slot, :n].clone()
+        block = KVHook.block(request.handles[KVHook.name])  # NOTE: host-side page ids: no device read
+        host_locs = host_locations(block.row[: block.num_pages], self.kv_pool.page_size, n)
+        record = SendRecord(job, first, src_locs, host_locs)
         self.sender.start(record)
         return Handle(self.name, request.request_id, record, fences=record.fences)
 

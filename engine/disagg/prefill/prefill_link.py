@@ -6,12 +6,18 @@ thread answers the link's jobs strictly in the order they arrived: it waits
 for the oldest job's outcome (sending a keepalive every `keepalive` s
 meanwhile, so the decode can tell a busy prefill from a dead or stopped
 one), then sends its RESULT header (with the first token's logprob when the
-job asked for it) and, if it succeeded, its staged chunks.
+job asked for it, and where its page runs start) and, if it succeeded, the
+messages of each chunk (`engine.disagg.link.messages`), the next chunk's
+posted before this one's are waited for.
 
-The staged chunks are the `kv_send` handle's (`SendRecord`): the link only
-reads them, and says when it is done (`SendRecord.wire_done`: sent, failed,
-or never to be sent), which completes the send's wire fence; the prefill
-request's release then gives them back, as for every path.
+What it sends is the `kv_send` handle's (`SendRecord.views`: the KV pages
+themselves, or the staged chunks): the link only reads it, and says when it
+is done (`SendRecord.wire_done`), which completes the fence guarding it
+(the pages fence when it sends from the pages). Done means: every message
+has left, or never will (every send posted was waited for, and a failed or
+timed-out one closes the pair, so gloo reads nothing later), or none was
+posted. The prefill request's release waits for that fence, then frees the
+pages (and gives any staging back), as for every path.
 
 A link that fails (a send or receive error or timeout, the decode's
 silence for `liveness_timeout`, its BYE) is down for good: its jobs not yet
@@ -29,10 +35,12 @@ from typing import Any
 import attrs
 import structlog
 import torch
+import torch.distributed as dist
 
+from engine.disagg.link.messages import chunk_pieces, cuts
 from engine.disagg.link.transport import LinkError, Pair, classify
-from engine.disagg.link.wire import (BYE, CANCEL, CANCELLED, FAILED, JOB, OK, PING, RESULT, JobSpec, ProtocolError,
-                                     decode_job, empty_header, encode_logprob, header)
+from engine.disagg.link.wire import (BYE, CANCEL, CANCELLED, FAILED, JOB, OK, PING, RESULT, Chunk, JobSpec,
+                                     ProtocolError, decode_job, empty_header, encode_logprob, header)
 from engine.disagg.prefill.send import SendRecord
 
 log = structlog.get_logger("kvlife.transfer")
@@ -60,7 +68,7 @@ class ServerJob:
         if self.error is not None:
             return FAILED, 0, self.error, b""
         status, value = self.job.outcome
-        if status == "ok" and self.send is not None and self.send.staged:
+        if status == "ok" and self.send is not None and self.send.views is not None:
             return OK, int(value.token), "", encode_logprob(value.logprob)
         if self.cancelled:
             return CANCELLED, 0, "cancelled by the decode", b""
@@ -187,7 +195,7 @@ class PrefillLink:
                     sent = True
                 finally:  # NOTE: the popped job is this thread's alone: `down` no longer sees it
                     head.wire_done(reusable=sent)  # a send that failed: its buffers are never reused
-                    self.server.call(self.server.forget_job, head)
+                    self.server.forget_job(head)  # NOTE: not through the loop: the next answer must not wait for it
                 last = time.monotonic()
         except Exception as exc:  # noqa: BLE001
             self.down(classify(exc))
@@ -195,26 +203,53 @@ class PrefillLink:
     def _answer(self, sj: ServerJob) -> None:
         s, stats = self.settings, self.server.stats
         status, first_token, reason, logprob = sj.answer()
+        record = sj.send if status == OK else None
+        runs = None if record is None else record.src_runs
         raw = reason.encode()
-        self.pair.send_ctl(header(RESULT, sj.tag, status, first_token, len(raw), len(logprob)), s.chunk_slack)
-        for extra in (raw, logprob):
-            if extra:
-                self.pair.send_ctl(torch.frombuffer(bytearray(extra), dtype=torch.uint8),
-                                   s.chunk_timeout(len(extra)))
-        if status != OK:
+        self.pair.send_ctl(header(RESULT, sj.tag, status, first_token, len(raw), len(logprob), len(runs or ()),
+                                  int(runs is not None)), s.chunk_slack)
+        extras = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in (raw, logprob) if b]
+        if runs:
+            extras.append(torch.tensor(runs, dtype=torch.int64))
+        for extra in extras:
+            self.pair.send_ctl(extra, s.chunk_timeout(extra.numel() * extra.element_size()))
+        if record is None:
             if status == FAILED:
                 stats.job_failed("prefill_failed")
             return
-        spec, record = sj.spec, sj.send
-        assert spec is not None and record is not None  # an OK answer has both
-        nbytes = sum(chunk.nbytes for chunk, _ in record.staged)
-        points = self.server.test_points
-        for index, (chunk, buf) in enumerate(record.staged):
-            if points is not None:
-                points("sending", spec.request_id, index)
-            self.pair.wait(self.pair.post_send_data(buf), s.chunk_timeout(chunk.nbytes))
+        spec = sj.spec
+        assert spec is not None and record.views is not None  # an OK answer has both
+        self._send_chunks(spec.request_id, record, cuts(runs, spec.runs))
+        nbytes = sum(chunk.nbytes for chunk in record.plan)
         stats.job_ok(nbytes, None, time.monotonic() - sj.received)
         log.debug("transfer.sent", request_id=spec.request_id, peer=self.name, epoch=self.epoch, bytes=nbytes)
+
+    def _send_chunks(self, request_id: str, record: SendRecord, cut: list[int] | None) -> None:
+        """Post each chunk's messages, then wait for the chunk before; every send posted is waited for
+        before this returns, even on a failure (bounded by its timeout; a failed or timed-out send closes
+        the pair), so nothing reads the record's memory after it."""
+        layout, points = self.server.layout, self.server.test_points
+        views = record.views
+        assert views is not None
+        outstanding: list[tuple[Chunk, list[dist.Work]]] = []
+        try:
+            for index, chunk in enumerate(record.plan):
+                if points is not None:
+                    points("sending", request_id, index)
+                pieces = chunk_pieces(layout, chunk, cut)
+                works: list[dist.Work] = []
+                outstanding.append((chunk, works))
+                for view in views(index, chunk, pieces):
+                    works.append(self.pair.post_send_data(view))
+                if len(outstanding) > 1:
+                    self.pair.wait_all(outstanding[0][1], self.settings.chunk_timeout(outstanding[0][0].nbytes))
+                    outstanding.pop(0)
+            while outstanding:
+                self.pair.wait_all(outstanding[0][1], self.settings.chunk_timeout(outstanding[0][0].nbytes))
+                outstanding.pop(0)
+        finally:
+            for chunk, works in outstanding:
+                self.pair.drain(works, self.settings.chunk_timeout(chunk.nbytes))
 
     # ------------------------------------------------------------- down
     def down(self, error: LinkError) -> None:

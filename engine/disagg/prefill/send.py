@@ -3,16 +3,20 @@ thread that runs sends.
 
 A prefill-role request enters PREBUILT with its first token; the `kv_send`
 hook's acquisition then starts the send of its KV through the role's
-`KVSender` and holds a `SendRecord`: what is sent, the staging buffers the
-KV was gathered into (the remote sender's), and the fences of the send's
-reads. The machine adds those fences, so the request's release waits for
-them, and the hook's release gives the staging back: on every path (sent,
-cancelled, the decode gone, shutdown), through the one release sequence.
+`KVSender` and holds a `SendRecord`: what is sent, how a link reads it (the
+views of each chunk's messages: of the KV pages themselves, or of the
+staging buffers the KV was gathered into when it must be), and the fences
+of the send's reads. The machine adds those fences, so the request's
+release waits for them, and the hook's release gives any staging back: on
+every path (sent, cancelled, the decode gone, shutdown), through the one
+release sequence.
 
 - `pages_fence` (``kv_send``, protects ``kv``): the send reads the request's
-  KV pages until it completes;
+  KV pages until it completes. When a link sends straight from the pages,
+  it completes only once the link is done with them: the last byte has
+  left, or the send failed and the pair is closed (`wire_done`).
 - `wire_fence` (``kv_wire``, protects ``kv_send``): a link reads the staged
-  chunks until it completes (the remote sender only).
+  chunks until it completes (the remote sender's fallback through staging).
 
 A sender resolves the decode side's job: ("ok", first token) once the KV has
 landed there (in process) or is staged for its link (remote), ("failed",
@@ -28,11 +32,14 @@ from collections.abc import Callable
 from typing import Protocol
 
 import attrs
+import numpy as np
+import numpy.typing as npt
 import structlog
 import torch
 
 from engine.disagg.decode.kv_transfer_hook import FirstToken, TransferJob
 from engine.disagg.link.staging import StagingPool
+from engine.disagg.link.messages import Piece
 from engine.disagg.link.wire import Chunk
 from resources.fences import ManualFence
 from states import Fence
@@ -50,22 +57,33 @@ class SendRecord:
     first: FirstToken
     #: the KV's token locations in this side's buffers (a copy: the request slot may be given back first)
     src_locs: torch.Tensor
+    #: the same locations in host memory (from the page ids: no device read), for views of the pages
+    host_locs: npt.NDArray[np.int64] | None = None
     #: the send reads the KV pages until this completes
     pages_fence: Fence | None = None
-    #: staging buffers holding the gathered KV, in chunk order (the remote sender), and their owner
+    #: the chunks a link sends (the remote sender)
+    plan: list[Chunk] = attrs.field(factory=list)
+    #: where the runs of `host_locs` start when the link sends from the pages; None: from staging
+    src_runs: list[int] | None = None
+    #: (chunk index, chunk, its messages) -> the tensors a link sends for them (the remote sender)
+    views: Callable[[int, Chunk, list[Piece]], list[torch.Tensor]] | None = None
+    #: staging buffers holding the gathered KV, in chunk order (the fallback), and their owner
     staged: list[tuple[Chunk, torch.Tensor]] = attrs.field(factory=list)
     owner: str = ""
-    #: a link reads `staged` until this completes (the remote sender)
+    #: a link reads what `views` gives until this completes: `pages_fence` itself when it sends from the
+    #: pages, else the staged chunks' own fence (``kv_wire``)
     wire_fence: ManualFence | None = None
     #: False once a failed send may have posted a staged buffer: it is given back, never reused
     reusable: bool = True
 
     @property
     def fences(self) -> tuple[Fence, ...]:
-        return tuple(f for f in (self.pages_fence, self.wire_fence) if f is not None)
+        fences = (self.pages_fence, self.wire_fence)
+        return tuple(f for i, f in enumerate(fences) if f is not None and f not in fences[:i])
 
     def wire_done(self, *, reusable: bool = True) -> None:
-        """The link will not read the staged chunks any more (sent, failed, or never posted)."""
+        """The link will not read what it sends any more (sent, failed with the pair closed, or never
+        posted)."""
         if not reusable:
             self.reusable = False
         if self.wire_fence is not None:
