@@ -233,8 +233,8 @@ class DecodeLink:
         """Receive every chunk's messages (the next chunk's posted before this one is waited for): into the
         job's pages when its destination takes them directly, else into staging for the writing thread,
         which copies it in while the next one arrives. Every receive posted is waited for before this
-        returns, even on a failure (bounded by its chunk's timeout; a failure or timeout closes the pair),
-        so no write of the job's memory outlives it."""
+        returns; on a failure (a wait failed or timed out) the pair is aborted first, after which none
+        can land (`Pair.abort`), so no write of the job's memory outlives it."""
         owner = f"{lj.job.request_id}@{self.peer}#{self.epoch}"
         outstanding: list[_Posted] = []
         try:
@@ -246,9 +246,12 @@ class DecodeLink:
             while outstanding:
                 self._finish(outstanding[0])
                 outstanding.pop(0)
-        finally:
+        except BaseException:
+            if outstanding:  # a wait failed or timed out: the link is over, and after the abort nothing lands
+                self.pair.abort()
             for posted in outstanding:
                 self._drain(posted)
+            raise
         self._writes.put((lj, None, first_token, owner))
 
     def _post(self, lj: LinkJob, chunk: Chunk, pieces: list[Piece], owner: str) -> _Posted:

@@ -10,7 +10,10 @@ SCALEOUT.md): a peer that dies with nothing in flight is seen at once
 ("Connection closed by peer"); one that dies mid-message only at the wait's
 timeout; a timeout closes the pair, so nothing sent later lands. `abort()`
 does not unblock a waiting receive, so a link is never reused after an
-error: it is dropped and a new pair (a new epoch) is built.
+error: it is dropped and a new pair (a new epoch) is built. After a failed
+wait, `Pair.abort` closes the pair at once and `drain` waits for none of the
+other posted messages (each would otherwise run to its own timeout: a
+prefill killed mid-chunk cost two chunk timeouts, not one).
 
 NCCL (device chunks):
 
@@ -135,6 +138,7 @@ class Pair:
         self.nccl = backend == "nccl"
         self._keep = store  # the store must outlive the groups
         self._closed = False
+        self._aborted = False  # see `abort`
         self._close_lock = threading.Lock()
         #: the NCCL path's send and receive streams (None: posted on the caller's stream)
         self.send_stream: Any = None
@@ -203,14 +207,34 @@ class Pair:
 
     def drain(self, works: list[dist.Work], timeout: float) -> None:
         """After a failure: wait (within `timeout` from now) until none of `works` can touch its tensor any
-        more. A work that failed or timed out has had the pair closed under it (gloo closes it itself; an
-        NCCL group is aborted here), so nothing reads or writes its tensor later."""
+        more. A wait that fails or times out aborts the pair (`abort`); once it is aborted nothing reads or
+        writes any posted tensor, so the rest need no wait."""
         deadline = time.monotonic() + timeout
         for work in works:
+            if self._aborted:
+                return
             try:
                 self.wait(work, deadline - time.monotonic())
-            except Exception:  # noqa: BLE001 - failed or timed out: the pair is closed below
-                self.close()
+            except Exception:  # noqa: BLE001 - failed or timed out: the pair is aborted
+                self.abort()
+
+    def abort(self) -> None:
+        """End the pair's connections now (the link is over: a chunk's wait failed or timed out), so no
+        send or receive already posted reads or writes its tensor afterwards: gloo's pairs are closed
+        (`ProcessGroupGloo.abort`: a posted receive lands nothing, though its wait still runs to its
+        timeout), an NCCL communicator aborted. Builds without gloo's abort keep waiting in `drain`."""
+        if self.nccl:
+            self.close()
+            self._aborted = True
+            return
+        end = getattr(self.ctl, "abort", None)
+        if end is None:
+            return
+        try:
+            end()
+        except Exception:  # noqa: BLE001 - a group that failed may refuse: its posted works are still waited for
+            return
+        self._aborted = True
 
     def close(self) -> None:
         """Abort the NCCL group (idempotent; nothing to do for gloo, whose groups go with the pair)."""

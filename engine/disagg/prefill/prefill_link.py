@@ -247,9 +247,12 @@ class PrefillLink:
             while outstanding:
                 self.pair.wait_all(outstanding[0][1], self.settings.chunk_timeout(outstanding[0][0].nbytes))
                 outstanding.pop(0)
-        finally:
+        except BaseException:
+            if outstanding:  # a wait failed or timed out: the link is over, and after the abort nothing is read
+                self.pair.abort()
             for chunk, works in outstanding:
                 self.pair.drain(works, self.settings.chunk_timeout(chunk.nbytes))
+            raise
 
     # ------------------------------------------------------------- down
     def down(self, error: LinkError) -> None:
