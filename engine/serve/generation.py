@@ -216,11 +216,16 @@ class EventStream:
                     tg.cancel_scope.cancel()
                 if refusal is None:
                     await send({"type": "http.response.start", "status": 200, "headers": headers})
-                    if first is not None:
+                    if first is not None and not first.endswith(DONE):
                         await send({"type": "http.response.body", "body": first, "more_body": True})
+                        first = None
                         async for event in self.events:
+                            if event.endswith(DONE):  # the last event: sent with the end of the body
+                                first = event
+                                break
                             await send({"type": "http.response.body", "body": event, "more_body": True})
-                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                    # NOTE: the last events, [DONE] and the end of the chunked body in one write
+                    await send({"type": "http.response.body", "body": first or b"", "more_body": False})
                     tg.cancel_scope.cancel()
             if refusal is not None:  # nothing was sent yet: an HTTP error instead of a stream
                 await refusal(scope, receive, send)
@@ -232,18 +237,33 @@ class EventStream:
                 await self.events.aclose()
 
 
+_JSON = json.JSONEncoder(separators=(",", ":"))  # json.dumps(..., separators=...) builds one per call
+_json_str = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]  # the C encoder of a str
+
+
 def sse_event(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + _JSON.encode(payload).encode() + b"\n\n"
 
 
 async def generate_events(generation: Generation) -> AsyncGenerator[bytes, None]:
-    """`/generate` stream: one event per output chunk, the last with meta_info, then [DONE]."""
+    """`/generate` stream: one event per output chunk, the last with meta_info, then [DONE] (with the
+    last event, in one write).
+
+    NOTE: a chunk that does not finish is written from a template, byte for byte what `sse_event` makes
+    of `{"rid", "text", "token_ids", "finished": false}` (about a tenth of its cost, once per token)."""
+    head = b'data: {"rid":' + _json_str(generation.request_id).encode() + b',"text":'
     while (chunk := await generation.next()) is not None:
-        event: dict[str, Any] = {"rid": generation.request_id, "text": chunk.delta,
-                                 "token_ids": chunk.new_token_ids, "finished": chunk.finished}
-        if chunk.finished:
-            choice = generation.choices[0]
-            event |= {"meta_info": generation.meta_info(), "output_text": choice.text, "output_ids": choice.token_ids}
+        if not chunk.finished:
+            yield b"".join((head, _json_str(chunk.delta).encode(), b',"token_ids":[',
+                            ",".join(map(str, chunk.new_token_ids)).encode(), b'],"finished":false}\n\n'))
+            continue
+        choice = generation.choices[0]
+        event: dict[str, Any] = {"rid": generation.request_id, "text": chunk.delta, "token_ids": chunk.new_token_ids,
+                                 "finished": True, "meta_info": generation.meta_info(), "output_text": choice.text,
+                                 "output_ids": choice.token_ids}
+        if generation.done:
+            yield sse_event(event) + DONE
+            return
         yield sse_event(event)
     yield DONE
 
