@@ -19,7 +19,10 @@
    machine is taken from the server being measured. Embedded: the same
    clients through `Engine.generate` in this process, reading the token ids
    (the embedded client does strictly less work than the HTTP one).
-3. Requests/s counts the requests finishing inside the measured window;
+3. Requests/s counts the requests finishing inside the measured window
+   (whole requests: clients that run in step finish in waves, so it moves
+   in steps of clients / seconds); tokens/s the streamed tokens reaching
+   the clients inside it (no such steps: the finer ratio of the two);
    TTFT (request sent to the first event carrying a token) and latency
    percentiles the requests starting in it. An error is any status but 200,
    a stream without its final event, or a finish reason other than length.
@@ -85,6 +88,11 @@ class Window:
         self.latency: list[float] = []
         self.finished = 0
         self.errors = 0
+        self.tokens = 0  # streamed tokens that reached the client inside the window
+
+    def count_tokens(self, at: float, n: int) -> None:
+        if self.start <= at < self.end:
+            self.tokens += n
 
     def record(self, started: float, first: float) -> None:
         done = time.perf_counter()
@@ -110,6 +118,7 @@ def _summary(name: str, window: Window, cpu: dict[str, float]) -> dict:
         "name": name,
         "requests": window.finished,
         "requests_per_s": round(window.finished / window.seconds, 2),
+        "tokens_per_s": round(window.tokens / window.seconds, 1),
         "ttft_p50_ms": round(1000 * (percentile(window.ttft, 50) or 0.0), 1),
         "ttft_p99_ms": round(1000 * (percentile(window.ttft, 99) or 0.0), 1),
         "latency_p50_ms": round(1000 * (percentile(window.latency, 50) or 0.0), 1),
@@ -153,6 +162,8 @@ async def _http_client(port: int, rng: random.Random, args, out: Window) -> None
             start = time.perf_counter()
             status, events = await _stream_once(reader, writer, f"127.0.0.1:{port}", body)
             first = next((t - start for t, e in events if e["token_ids"]), None)
+            for t, e in events:
+                out.count_tokens(t, len(e["token_ids"]))
             final = events[-1][1] if events and events[-1][1]["finished"] else None
             if status != 200 or final is None or final["meta_info"]["finish_reason"] != "length" or first is None:
                 out.errors += 1
@@ -188,8 +199,11 @@ async def measure_embedded(args) -> dict:
                 params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
                 async with engine.generate(prompt, params) as stream:
                     async for output in stream:
-                        if first is None and output.new_token_ids:
-                            first = time.perf_counter() - start
+                        if output.new_token_ids:
+                            now = time.perf_counter()
+                            out.count_tokens(now, len(output.new_token_ids))
+                            if first is None:
+                                first = now - start
                         final = output
                 if final is None or final.finish_reason.value != "length" or first is None:
                     out.errors += 1
@@ -246,14 +260,15 @@ async def _finish_server(process: subprocess.Popen, port: int, log_path: Path) -
 
 
 def _table(rounds: list[dict]) -> str:
-    rows = ["| round | path | requests/s | TTFT p50 (ms) | TTFT p99 (ms) | latency p50 (ms) | errors "
-            "| CPU ms per request (main thread / others) |", "|---|---|---|---|---|---|---|---|"]
+    rows = ["| round | path | requests/s | tokens/s | TTFT p50 (ms) | TTFT p99 (ms) | latency p50 (ms) | errors "
+            "| CPU ms per request (main thread / others) |", "|---|---|---|---|---|---|---|---|---|"]
     for i, r in enumerate(rounds):
         for path in (r["http"], r["embedded"]):
             ms = path["cpu_ms_per_request"]
             cpu = ", ".join(f"{p} {ms[p + '_main']:.2f} / {ms[p + '_other']:.2f}" for p in ("server", "client", "process")
                             if p + "_main" in ms)
-            rows.append(f"| {i} | {path['name']} | {path['requests_per_s']:.1f} | {path['ttft_p50_ms']:.1f} | "
+            rows.append(f"| {i} | {path['name']} | {path['requests_per_s']:.1f} | {path['tokens_per_s']:.0f} | "
+                        f"{path['ttft_p50_ms']:.1f} | "
                         f"{path['ttft_p99_ms']:.1f} | {path['latency_p50_ms']:.1f} | {path['errors']} | {cpu} |")
     return "\n".join(rows)
 
@@ -306,6 +321,7 @@ def main() -> int:
             process.wait()
     ratios = [r["http"]["requests_per_s"] / r["embedded"]["requests_per_s"] for r in rounds]
     ttft_ratios = [r["http"]["ttft_p99_ms"] / r["embedded"]["ttft_p99_ms"] for r in rounds]
+    token_ratios = [r["http"]["tokens_per_s"] / r["embedded"]["tokens_per_s"] for r in rounds]
     report = {
         "machine": {"cpus": os.cpu_count(), "load_average_before": load_before, "python": platform.python_version(),
                     "torch": torch.__version__, "torch_threads": args.threads},
@@ -316,14 +332,18 @@ def main() -> int:
         "rounds": rounds, "server": server,
         "http_over_embedded_throughput": round(statistics.median(ratios), 3),
         "http_over_embedded_ttft_p99": round(statistics.median(ttft_ratios), 3),
+        "http_over_embedded_tokens": round(statistics.median(token_ratios), 3),
+        "load_average_after": os.getloadavg(),
     }
     out.write_text(json.dumps(report, indent=2))
     print(f"{args.clients} streaming clients, {args.prompt_tokens}-token prompts, {args.new_tokens} new tokens, "
-          f"{args.seconds:g} s per path per round; {os.cpu_count()} CPUs, load {load_before[0]:.2f}, "
+          f"{args.seconds:g} s per path per round; {os.cpu_count()} CPUs, load {load_before[0]:.2f} before, "
+          f"{report['load_average_after'][0]:.2f} after, "
           f"{args.threads} torch thread(s)")
     print(_table(rounds))
     print(f"HTTP / embedded: throughput {report['http_over_embedded_throughput']:.2f}x, "
-          f"TTFT p99 {report['http_over_embedded_ttft_p99']:.2f}x (medians over {args.rounds} rounds); "
+          f"TTFT p99 {report['http_over_embedded_ttft_p99']:.2f}x, streamed tokens/s "
+          f"{report['http_over_embedded_tokens']:.2f}x (medians over {args.rounds} rounds); "
           f"server: leak check {server['leak_check_verdict']}, exit {server['server_exit_code']}")
     errors = sum(r[p]["errors"] for r in rounds for p in ("http", "embedded"))
     ok = errors == 0 and server["leak_check_verdict"] == "clean" and server["server_exit_code"] == 0
