@@ -273,7 +273,8 @@ def _freeze_startup_objects() -> None:
     objects) out of the collector's sight, as a process that owns its heap may (`gc.freeze`).
 
     NOTE: measured under the 64-client benchmark (docs/http.md, Performance): without it a full
-    collection scanned all of them on the event loop's thread, holding the GIL, for about 0.3 s."""
+    collection ran about every 9 s and scanned all of them on the event loop's thread, holding the GIL
+    (the engine stopped with it) for 0.18-0.22 s each."""
     gc.collect()
     gc.freeze()
 
