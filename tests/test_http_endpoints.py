@@ -5,6 +5,7 @@ The autouse fixture in conftest.py checks every engine's pools after each test.
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -58,6 +59,22 @@ class TestGenerate:
         meta = chunks[-1]["meta_info"]
         assert meta["finish_reason"] == "length" and meta["completion_tokens"] == 5
         assert meta["time_to_first_token"] is not None and meta["e2e_latency"] > 0
+
+    @pytest.mark.asyncio
+    async def test_streamed_events_are_compact_json(self):
+        """Each streamed event is byte for byte the compact JSON (ASCII-escaped, no spaces) of its payload:
+        the per-token events are written from a template, which must escape the rid and text as json does."""
+        rid = 'r"1\\\u00e9'
+        async with serving() as (engine, client):
+            async with client.stream("POST", "/generate", json={"text": "h\u00e9llo", "rid": rid, "stream": True,
+                                                                 "sampling_params": {"max_new_tokens": 12}}) as response:
+                lines = [line async for line in response.aiter_lines() if line]
+        assert lines[-1] == "data: [DONE]" and len(lines) == 13
+        payloads = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+        assert all(p["rid"] == rid for p in payloads) and [p["finished"] for p in payloads] == [False] * 11 + [True]
+        for line, payload in zip(lines, payloads):
+            assert line == "data: " + json.dumps(payload, separators=(",", ":"))
+        assert "".join(p["text"] for p in payloads) == payloads[-1]["output_text"]
 
     @pytest.mark.asyncio
     async def test_stop_string(self):

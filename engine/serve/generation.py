@@ -238,7 +238,7 @@ class EventStream:
 
 
 _JSON = json.JSONEncoder(separators=(",", ":"))  # json.dumps(..., separators=...) builds one per call
-_json_str = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]  # the C encoder of a str
+_json_str = json.encoder.encode_basestring_ascii  # the C encoder of a str, as json.dumps(str) writes it
 
 
 def sse_event(payload: dict[str, Any]) -> bytes:
