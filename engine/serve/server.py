@@ -26,7 +26,9 @@ needs the key (auth.py). A client that disconnects, while its request is
 queued, running or streaming, aborts it: the stream is abandoned and the
 engine releases the request like any other.
 
-`serve` owns the process: it binds, runs engine and server, and on SIGTERM
+`serve` owns the process: it binds, runs engine and server (once the engine
+runs, it moves the objects that exist out of the collector's sight:
+`gc.freeze`), and on SIGTERM
 or SIGINT stops accepting, leaves the engine (every request in flight
 finishes with SHUTDOWN, so each SSE client gets a final event), logs the
 final leak-check verdict and returns 0 (1 if the leak check failed). If the
