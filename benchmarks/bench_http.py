@@ -2,6 +2,7 @@
 
     python benchmarks/bench_http.py [--seconds 15] [--warmup 3] [--rounds 2] [--clients 64]
         [--prompt-tokens 32] [--new-tokens 32] [--vary-lengths] [--threads 1] [--inline-step-tokens N]
+        [--stream-interval N]
         [--out bench-results/http.json]
 
 1. `kvlife serve` starts once, in its own process on 127.0.0.1 (an ephemeral
@@ -234,6 +235,7 @@ def _start_server(args, log_path: Path) -> tuple[subprocess.Popen, int]:
     argv = [sys.executable, "-m", "engine.cli.main", "serve", "--port", "0", "--no-plugins"]
     for name, value in ENGINE_ARGS.items():
         argv += [f"--{name.replace('_', '-')}", str(value)]
+    argv += ["--stream-interval", str(args.stream_interval)]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
     with open(log_path, "w") as log_file:
         process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=log_file, env=env)
@@ -292,6 +294,8 @@ def main() -> int:
     parser.add_argument("--inline-step-tokens", type=int, default=None,
                         help="EngineConfig.inline_step_tokens for the server and the embedded engine alike "
                              "(default: the engine's)")
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="the server's --stream-interval: tokens per event after a sequence's first (default 1)")
     parser.add_argument("--out", default="bench-results/http.json")
     parser.add_argument("--device", default="cpu",
                         help="torch device the engines run on: cpu (default), cuda, cuda:1 ... (docs/gpu.md)")
@@ -332,7 +336,7 @@ def main() -> int:
                     "torch": torch.__version__, "torch_threads": args.threads},
         "workload": {"clients": args.clients, "seconds": args.seconds, "warmup": args.warmup, "rounds": args.rounds,
                      "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
-                     "vary_lengths": args.vary_lengths, "engine": ENGINE_ARGS,
+                     "vary_lengths": args.vary_lengths, "engine": ENGINE_ARGS, "stream_interval": args.stream_interval,
                      "model": "tiny", "route": "POST /generate, stream"},
         "rounds": rounds, "server": server,
         "http_over_embedded_throughput": round(statistics.median(ratios), 3),

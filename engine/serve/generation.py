@@ -49,6 +49,13 @@ class Chunk:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def then(self, later: Chunk) -> Chunk:
+        """This chunk and the same sequence's next one, as one."""
+        logprobs = None if self.logprobs is None and later.logprobs is None else (
+            (self.logprobs or ()) + (later.logprobs or ()))
+        return Chunk(self.index, self.delta + later.delta, self.new_token_ids + later.new_token_ids, logprobs,
+                     later.finish_reason)
+
 
 @attrs.define
 class Choice:
@@ -70,7 +77,7 @@ class Choice:
 
 class Generation:
     def __init__(self, engine: Any, body: GenerateBody, *, route: str, id_prefix: str = "",
-                 default_deadline: float | None = None, openai_reasons: bool = False) -> None:
+                 default_deadline: float | None = None, openai_reasons: bool = False, stream_interval: int = 1) -> None:
         #: the OpenAI routes' finish reasons: a deadline that cut an answer short is "length"
         #: (`engine.serve.failures.openai_finish_reason`); /generate keeps the engine's reasons
         self.openai_reasons = openai_reasons
@@ -87,13 +94,32 @@ class Generation:
         self.on_close: Callable[[], None] | None = None
         self._open = body.params.n
         self._closed = False
+        #: streamed: a sequence's chunks after its first are held until this many tokens (or its end)
+        self.stream_interval = stream_interval if body.stream else 1
+        self._held: dict[int, Chunk] = {}
+
 
     @property
     def done(self) -> bool:
         return self._open == 0
 
     async def next(self) -> Chunk | None:
-        """The next chunk to send; None once every sequence's final chunk was returned."""
+        """The next chunk to send; None once every sequence's final chunk was returned. With a stream
+        interval, a sequence's chunks after its first token come `stream_interval` tokens at a time."""
+        while True:
+            chunk = await self._next_output()
+            if chunk is None or self.stream_interval == 1:
+                return chunk
+            held = self._held.pop(chunk.index, None)
+            if held is not None:
+                chunk = held.then(chunk)
+            tokens = len(chunk.new_token_ids)
+            if chunk.finished or not tokens or tokens >= self.stream_interval or \
+                    tokens == len(self.choices[chunk.index].token_ids):  # its first token goes at once
+                return chunk
+            self._held[chunk.index] = chunk
+
+    async def _next_output(self) -> Chunk | None:
         if self._open == 0:
             return None
         try:

@@ -97,7 +97,8 @@ def _generation(ctx: ServerContext, request: Request, api: API, body: GenerateBo
     that one is already in flight: a router's retry), else a new one."""
     def start(body: GenerateBody, id_prefix: str = "") -> Generation:
         return Generation(ctx.engine, body, route=request.scope["path"], id_prefix=id_prefix,
-                          default_deadline=ctx.settings.default_deadline, openai_reasons=api.failures_as_errors)
+                          default_deadline=ctx.settings.default_deadline, openai_reasons=api.failures_as_errors,
+                          stream_interval=ctx.settings.stream_interval)
 
     if body.rid is not None or wanted_id is None:
         return start(body, api.id_prefix)
