@@ -15,6 +15,7 @@ from engine.disagg.link.observability import TransferStats
 from engine.serve.transfer_metrics import TransferCollector
 from engine.disagg.link.settings import SECRET_ENV, PrefillServerConfig, RemotePrefill
 from engine.disagg.link.staging import StagingFull, StagingPool
+from resources.paging import size_class
 from engine.disagg.link.wire import (JobSpec, KVLayout, ProtocolError, chunk_plan, decode_job, encode_job, params_to_dict,
                                 proof, proof_ok, record_mismatch)
 from engine.errors import InvalidConfig
@@ -116,24 +117,46 @@ class TestSettings:
 
 class TestStagingPool:
     def test_take_give_and_push_back(self):
-        """Bytes are accounted per owner; a full pool blocks, then refuses; giving back wakes a waiter; a
-        buffer given back is reused for the same size, unless a failed receive was posted into it."""
-        pool = StagingPool("transfer.staging", 4096, torch.device("cpu"))
+        """Bytes are accounted per owner (what was allocated: the size class); a full pool blocks, then
+        refuses; giving back wakes a waiter; a buffer given back is reused for its class, unless a failed
+        receive was posted into it."""
+        pool = StagingPool("transfer.staging", 4096, torch.device("cpu"), keep_bytes=4096)
         buf = pool.take("a", 3000, timeout=0.1)
         usage = pool.stats()
-        assert buf.numel() == 3000 and pool.held == usage.shared == 3000 and usage.free + usage.shared == 4096
+        assert buf.numel() == 3000 and pool.held == usage.shared == size_class(3000, 4096) == 3072
+        assert usage.free + usage.shared == 4096
         with pytest.raises(StagingFull):
             pool.take("b", 2000, timeout=0.05)
         threading.Timer(0.05, pool.give, args=("a", buf)).start()
-        other = pool.take("b", 2000, timeout=5.0)  # the kept 3000-byte buffer made room
-        assert [(o.request_id, o.amount) for o in pool.shared_owners()] == [("b", 2000)]
+        other = pool.take("b", 2000, timeout=5.0)  # the kept 3072-byte buffer made room
+        assert [(o.request_id, o.amount) for o in pool.shared_owners()] == [("b", 2048)]
         with pytest.raises(RuntimeError):
             pool.give("c", other)
         pool.give("b", other)
-        assert pool.take("c", 2000, timeout=0.1) is other  # reused, same size
-        pool.give("c", other, reuse=False)
-        assert pool.take("d", 2000, timeout=0.1) is not other  # a failed receive's buffer is never reused
-        assert pool.held == 2000
+        again = pool.take("c", 1900, timeout=0.1)  # another size of the same class
+        assert again.numel() == 1900 and again.data_ptr() == other.data_ptr()  # reused
+        pool.give("c", again, reuse=False)
+        assert pool.take("d", 2000, timeout=0.1).data_ptr() != other.data_ptr()  # a failed receive's: never
+        assert pool.held == 2048
+        with pytest.raises(RuntimeError, match="did not lend"):
+            pool.give("d", torch.empty(2000, dtype=torch.uint8))
+
+    def test_kept_memory_is_bounded(self):
+        """Jobs of ever-changing sizes: what the pool keeps for reuse never passes `keep_bytes`, so resident
+        memory is what is lent plus that bound (it was the whole capacity, one buffer per exact size)."""
+        pool = StagingPool("transfer.staging", 1 << 20, torch.device("cpu"), keep_bytes=64 << 10)
+        for n in range(1000, 40000, 997):
+            bufs = [pool.take(f"r{n}-{i}", n + i, timeout=0.1) for i in range(3)]
+            for i, buf in enumerate(bufs):
+                pool.give(f"r{n}-{i}", buf)
+            assert pool.held == 0 and pool.kept_bytes <= 64 << 10
+        assert pool.stats().free == 1 << 20
+
+    @pytest.mark.parametrize("nbytes", [1, 9, 1000, 3000, 4097, 1 << 20, (1 << 20) + 1, 123_456_789])
+    def test_size_classes_waste_at_most_a_quarter(self, nbytes):
+        size = size_class(nbytes, 1 << 40)
+        assert nbytes <= size <= nbytes * 1.25 and size_class(size, 1 << 40) == size
+        assert size_class(nbytes, nbytes) == nbytes  # never past the capacity
 
 
 class TestMetrics:

@@ -19,6 +19,7 @@ from engine.model.layers import RMSNorm
 from engine.model.llama import LlamaModel
 from engine.model.model_config import ModelConfig, RopeScaling
 from engine.model.projection import Projection, onednn_applies, resolve_layout
+from resources.paging import size_class
 from engine.model.rope import RotaryEmbedding, apply_rope, apply_rope_
 from helpers import small_config
 from resources.kv_buffers import KVBuffers
@@ -92,7 +93,7 @@ def test_fused_step_equals_the_reference(name, layout):
 
 
 class TestProjection:
-    @pytest.mark.parametrize("tokens", [1, 2, 3, 16])
+    @pytest.mark.parametrize("tokens", [1, 2, 3, 9, 16, 37])
     @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
     @pytest.mark.parametrize("layout", LAYOUTS)
     def test_projection_equals_the_matmul(self, layout, bias, tokens):
@@ -104,7 +105,24 @@ class TestProjection:
             x = torch.randn(tokens, features[0], generator=gen)
             got = Projection(weight.t().contiguous(), b, layout)(x)
             expected = torch.nn.functional.linear(x.double(), weight.double(), None if b is None else b.double())
+            assert got.shape == (tokens, features[1])  # padded rows (oneDNN) never leak out
             torch.testing.assert_close(got.double(), expected, atol=1e-4, rtol=1e-5)
+
+    def test_onednn_sees_few_shapes(self, monkeypatch):
+        """oneDNN caches a primitive (with memory of its own) per input shape: every row count from 1 to
+        512 reaches it as one of a few size classes, each at most a quarter larger."""
+        seen: set[int] = set()
+        real = torch.ops.mkldnn._linear_pointwise
+
+        def spy(x, *args):
+            seen.add(x.shape[0])
+            return real(x, *args)
+
+        monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+        projection = Projection(torch.randn(64, 1024), None, LAYOUTS[-1])  # onednn where this build has it
+        for rows in range(1, 513):
+            assert projection(torch.randn(rows, 64)).shape == (rows, 1024)
+        assert len(seen) <= 40 and all(size_class(n) == n for n in seen)
 
     def test_layout_names_resolve_or_fail_clearly(self):
         """auto picks onednn only where it applies; an unknown name or onednn for float16 raises ValueError."""
