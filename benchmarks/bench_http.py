@@ -2,6 +2,7 @@
 
     python benchmarks/bench_http.py [--seconds 15] [--warmup 3] [--rounds 2] [--clients 64]
         [--prompt-tokens 32] [--new-tokens 32] [--vary-lengths] [--threads 1] [--inline-step-tokens N]
+        [--stream-interval N]
         [--out bench-results/http.json]
 
 1. `kvlife serve` starts once, in its own process on 127.0.0.1 (an ephemeral
@@ -18,8 +19,13 @@
    httpx's own per-chunk work took about half a core, which on a 2-core
    machine is taken from the server being measured. Embedded: the same
    clients through `Engine.generate` in this process, reading the token ids
-   (the embedded client does strictly less work than the HTTP one).
-3. Requests/s counts the requests finishing inside the measured window;
+   (the embedded client does strictly less work than the HTTP one). Both
+   processes freeze their startup objects out of the collector's sight
+   (`gc.freeze()`) once the engine runs, as `kvlife serve` does.
+3. Requests/s counts the requests finishing inside the measured window
+   (whole requests: clients that run in step finish in waves, so it moves
+   in steps of clients / seconds); tokens/s the streamed tokens reaching
+   the clients inside it (no such steps: the finer ratio of the two);
    TTFT (request sent to the first event carrying a token) and latency
    percentiles the requests starting in it. An error is any status but 200,
    a stream without its final event, or a finish reason other than length.
@@ -35,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import platform
@@ -85,6 +92,11 @@ class Window:
         self.latency: list[float] = []
         self.finished = 0
         self.errors = 0
+        self.tokens = 0  # streamed tokens that reached the client inside the window
+
+    def count_tokens(self, at: float, n: int) -> None:
+        if self.start <= at < self.end:
+            self.tokens += n
 
     def record(self, started: float, first: float) -> None:
         done = time.perf_counter()
@@ -110,6 +122,7 @@ def _summary(name: str, window: Window, cpu: dict[str, float]) -> dict:
         "name": name,
         "requests": window.finished,
         "requests_per_s": round(window.finished / window.seconds, 2),
+        "tokens_per_s": round(window.tokens / window.seconds, 1),
         "ttft_p50_ms": round(1000 * (percentile(window.ttft, 50) or 0.0), 1),
         "ttft_p99_ms": round(1000 * (percentile(window.ttft, 99) or 0.0), 1),
         "latency_p50_ms": round(1000 * (percentile(window.latency, 50) or 0.0), 1),
@@ -153,6 +166,8 @@ async def _http_client(port: int, rng: random.Random, args, out: Window) -> None
             start = time.perf_counter()
             status, events = await _stream_once(reader, writer, f"127.0.0.1:{port}", body)
             first = next((t - start for t, e in events if e["token_ids"]), None)
+            for t, e in events:
+                out.count_tokens(t, len(e["token_ids"]))
             final = events[-1][1] if events and events[-1][1]["finished"] else None
             if status != 200 or final is None or final["meta_info"]["finish_reason"] != "length" or first is None:
                 out.errors += 1
@@ -179,6 +194,8 @@ async def measure_embedded(args) -> dict:
     config = EngineConfig(**ENGINE_ARGS, leak_check="log", use_entry_points=False)
     cpu: dict = {}
     async with Engine(config) as engine:
+        gc.collect()  # NOTE: as `kvlife serve` does once its engine runs: full collections skip the startup objects
+        gc.freeze()
 
         async def client(rng: random.Random, out: Window) -> None:
             while time.perf_counter() < out.end:
@@ -188,8 +205,11 @@ async def measure_embedded(args) -> dict:
                 params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
                 async with engine.generate(prompt, params) as stream:
                     async for output in stream:
-                        if first is None and output.new_token_ids:
-                            first = time.perf_counter() - start
+                        if output.new_token_ids:
+                            now = time.perf_counter()
+                            out.count_tokens(now, len(output.new_token_ids))
+                            if first is None:
+                                first = now - start
                         final = output
                 if final is None or final.finish_reason.value != "length" or first is None:
                     out.errors += 1
@@ -215,6 +235,7 @@ def _start_server(args, log_path: Path) -> tuple[subprocess.Popen, int]:
     argv = [sys.executable, "-m", "engine.cli.main", "serve", "--port", "0", "--no-plugins"]
     for name, value in ENGINE_ARGS.items():
         argv += [f"--{name.replace('_', '-')}", str(value)]
+    argv += ["--stream-interval", str(args.stream_interval)]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
     with open(log_path, "w") as log_file:
         process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=log_file, env=env)
@@ -246,14 +267,15 @@ async def _finish_server(process: subprocess.Popen, port: int, log_path: Path) -
 
 
 def _table(rounds: list[dict]) -> str:
-    rows = ["| round | path | requests/s | TTFT p50 (ms) | TTFT p99 (ms) | latency p50 (ms) | errors "
-            "| CPU ms per request (main thread / others) |", "|---|---|---|---|---|---|---|---|"]
+    rows = ["| round | path | requests/s | tokens/s | TTFT p50 (ms) | TTFT p99 (ms) | latency p50 (ms) | errors "
+            "| CPU ms per request (main thread / others) |", "|---|---|---|---|---|---|---|---|---|"]
     for i, r in enumerate(rounds):
         for path in (r["http"], r["embedded"]):
             ms = path["cpu_ms_per_request"]
             cpu = ", ".join(f"{p} {ms[p + '_main']:.2f} / {ms[p + '_other']:.2f}" for p in ("server", "client", "process")
                             if p + "_main" in ms)
-            rows.append(f"| {i} | {path['name']} | {path['requests_per_s']:.1f} | {path['ttft_p50_ms']:.1f} | "
+            rows.append(f"| {i} | {path['name']} | {path['requests_per_s']:.1f} | {path['tokens_per_s']:.0f} | "
+                        f"{path['ttft_p50_ms']:.1f} | "
                         f"{path['ttft_p99_ms']:.1f} | {path['latency_p50_ms']:.1f} | {path['errors']} | {cpu} |")
     return "\n".join(rows)
 
@@ -272,6 +294,8 @@ def main() -> int:
     parser.add_argument("--inline-step-tokens", type=int, default=None,
                         help="EngineConfig.inline_step_tokens for the server and the embedded engine alike "
                              "(default: the engine's)")
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="the server's --stream-interval: tokens per event after a sequence's first (default 1)")
     parser.add_argument("--out", default="bench-results/http.json")
     parser.add_argument("--device", default="cpu",
                         help="torch device the engines run on: cpu (default), cuda, cuda:1 ... (docs/gpu.md)")
@@ -306,24 +330,29 @@ def main() -> int:
             process.wait()
     ratios = [r["http"]["requests_per_s"] / r["embedded"]["requests_per_s"] for r in rounds]
     ttft_ratios = [r["http"]["ttft_p99_ms"] / r["embedded"]["ttft_p99_ms"] for r in rounds]
+    token_ratios = [r["http"]["tokens_per_s"] / r["embedded"]["tokens_per_s"] for r in rounds]
     report = {
         "machine": {"cpus": os.cpu_count(), "load_average_before": load_before, "python": platform.python_version(),
                     "torch": torch.__version__, "torch_threads": args.threads},
         "workload": {"clients": args.clients, "seconds": args.seconds, "warmup": args.warmup, "rounds": args.rounds,
                      "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
-                     "vary_lengths": args.vary_lengths, "engine": ENGINE_ARGS,
+                     "vary_lengths": args.vary_lengths, "engine": ENGINE_ARGS, "stream_interval": args.stream_interval,
                      "model": "tiny", "route": "POST /generate, stream"},
         "rounds": rounds, "server": server,
         "http_over_embedded_throughput": round(statistics.median(ratios), 3),
         "http_over_embedded_ttft_p99": round(statistics.median(ttft_ratios), 3),
+        "http_over_embedded_tokens": round(statistics.median(token_ratios), 3),
+        "load_average_after": os.getloadavg(),
     }
     out.write_text(json.dumps(report, indent=2))
     print(f"{args.clients} streaming clients, {args.prompt_tokens}-token prompts, {args.new_tokens} new tokens, "
-          f"{args.seconds:g} s per path per round; {os.cpu_count()} CPUs, load {load_before[0]:.2f}, "
+          f"{args.seconds:g} s per path per round; {os.cpu_count()} CPUs, load {load_before[0]:.2f} before, "
+          f"{report['load_average_after'][0]:.2f} after, "
           f"{args.threads} torch thread(s)")
     print(_table(rounds))
     print(f"HTTP / embedded: throughput {report['http_over_embedded_throughput']:.2f}x, "
-          f"TTFT p99 {report['http_over_embedded_ttft_p99']:.2f}x (medians over {args.rounds} rounds); "
+          f"TTFT p99 {report['http_over_embedded_ttft_p99']:.2f}x, streamed tokens/s "
+          f"{report['http_over_embedded_tokens']:.2f}x (medians over {args.rounds} rounds); "
           f"server: leak check {server['leak_check_verdict']}, exit {server['server_exit_code']}")
     errors = sum(r[p]["errors"] for r in rounds for p in ("http", "embedded"))
     ok = errors == 0 and server["leak_check_verdict"] == "clean" and server["server_exit_code"] == 0

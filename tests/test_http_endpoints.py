@@ -5,6 +5,7 @@ The autouse fixture in conftest.py checks every engine's pools after each test.
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from engine import SamplingParams
 from engine.testing import FaultInjector
 from hisparse import HiSparseConfig
+from engine.serve.settings import ServerSettings
 from http_helpers import serving, stream_events
 
 PROMPT = [5, 17, 42, 99, 3, 8, 120, 77, 31]
@@ -58,6 +60,39 @@ class TestGenerate:
         meta = chunks[-1]["meta_info"]
         assert meta["finish_reason"] == "length" and meta["completion_tokens"] == 5
         assert meta["time_to_first_token"] is not None and meta["e2e_latency"] > 0
+
+    @pytest.mark.asyncio
+    async def test_streamed_events_are_compact_json(self):
+        """Each streamed event is byte for byte the compact JSON (ASCII-escaped, no spaces) of its payload:
+        the per-token events are written from a template, which must escape the rid and text as json does."""
+        rid = 'r"1\\\u00e9'
+        async with serving() as (engine, client):
+            body = {"text": "h\u00e9llo", "rid": rid, "stream": True, "sampling_params": {"max_new_tokens": 12}}
+            async with client.stream("POST", "/generate", json=body) as response:
+                lines = [line async for line in response.aiter_lines() if line]
+        assert lines[-1] == "data: [DONE]" and len(lines) == 13
+        payloads = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+        assert all(p["rid"] == rid for p in payloads) and [p["finished"] for p in payloads] == [False] * 11 + [True]
+        for line, payload in zip(lines, payloads):
+            assert line == "data: " + json.dumps(payload, separators=(",", ":"))
+        assert "".join(p["text"] for p in payloads) == payloads[-1]["output_text"]
+
+    @pytest.mark.asyncio
+    async def test_stream_interval(self):
+        """With a stream interval of 3, a sequence's first token comes at once, then 3 tokens an event, the
+        rest with the final event; the tokens and text are those of an event per output (/generate and /v1)."""
+        async with serving(ServerSettings(stream_interval=3)) as (engine, client):
+            expected = await engine.complete(PROMPT, SamplingParams(max_new_tokens=9))
+            events = await stream_events(client, "/generate", {"input_ids": PROMPT, "stream": True,
+                                                               "sampling_params": {"max_new_tokens": 9}})
+            openai = await stream_events(client, "/v1/completions", {"prompt": PROMPT, "max_tokens": 9, "stream": True,
+                                                                     "temperature": 0})
+        chunks = events[:-1]
+        assert [len(c["token_ids"]) for c in chunks] == [1, 3, 3, 2] and events[-1] == "[DONE]"
+        assert sum((c["token_ids"] for c in chunks), []) == expected.token_ids == chunks[-1]["output_ids"]
+        assert "".join(c["text"] for c in chunks) == chunks[-1]["output_text"] == engine.tokenizer.decode(
+            expected.token_ids)
+        assert len(openai) <= 5 and "".join(e["choices"][0]["text"] for e in openai[:-1]) == chunks[-1]["output_text"]
 
     @pytest.mark.asyncio
     async def test_stop_string(self):

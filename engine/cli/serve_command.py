@@ -58,6 +58,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction, parents: list[argpa
     server.add_argument("--default-deadline", type=positive_seconds, default=None,
                         help="seconds a generation request may take when its body gives no deadline "
                              "(default: none)")
+    server.add_argument("--stream-interval", type=int_at_least(1), default=1,
+                        help="tokens per streamed event after a sequence's first (default: 1, every output)")
     _add_structured_options(serve)
     add_router_options(serve)
     _add_disaggregation_options(serve)
@@ -158,7 +160,8 @@ def server_settings_from_args(args: argparse.Namespace) -> Any:
     return ServerSettings(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                           max_inflight=args.max_inflight, health_timeout=args.health_timeout,
                           served_model_name=args.served_model_name, api_key=api_key_from(args),
-                          default_deadline=args.default_deadline, tool_call_parser=args.tool_call_parser,
+                          default_deadline=args.default_deadline, stream_interval=args.stream_interval,
+                          tool_call_parser=args.tool_call_parser,
                           reasoning_parser=args.reasoning_parser,
                           vllm_metric_names=getattr(args, "vllm_metric_names", False),
                           kv_events=kv_events_from_args(args))

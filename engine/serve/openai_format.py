@@ -63,6 +63,7 @@ async def _events(generation: Generation, head: dict[str, Any], choice: Callable
                   first: Callable[[int], dict] | None) -> AsyncGenerator[bytes, None]:
     usage_field = {"usage": None} if generation.body.include_usage else {}
     held = deque(await _started(generation))
+    tail: list[bytes] = []
     if first is not None:
         for index in range(len(generation.choices)):
             yield sse_event(head | {"choices": [first(index)]} | usage_field)
@@ -71,13 +72,19 @@ async def _events(generation: Generation, head: dict[str, Any], choice: Callable
             yield sse_event(GenerationFailed(chunk.finish_reason or "error").body())
             yield DONE
             return
+        events = []
         if chunk.delta or chunk.finished or chunk.logprobs:
             made = choice(chunk)  # NOTE: a list when the text is read (reasoning, tool calls): maybe none yet
-            for one in made if isinstance(made, list) else [made]:
-                yield sse_event(head | {"choices": [one]} | usage_field)
+            events = [sse_event(head | {"choices": [one]} | usage_field)
+                      for one in (made if isinstance(made, list) else [made])]
+        if generation.done and not held:  # the last chunk: its events, usage and [DONE] in one write
+            tail = events
+            break
+        for event in events:
+            yield event
     if generation.body.include_usage:
-        yield sse_event(head | {"choices": [], "usage": generation.usage()})
-    yield DONE
+        tail.append(sse_event(head | {"choices": [], "usage": generation.usage()}))
+    yield b"".join([*tail, DONE])
 
 
 def completion_events(generation: Generation, model: str) -> AsyncGenerator[bytes, None]:

@@ -96,8 +96,9 @@ def _generation(ctx: ServerContext, request: Request, api: API, body: GenerateBo
     """The generation under the body's rid, else the id a header or /v1 field asked for (made unique if
     that one is already in flight: a router's retry), else a new one."""
     def start(body: GenerateBody, id_prefix: str = "") -> Generation:
-        return Generation(ctx.engine, body, route=request.url.path, id_prefix=id_prefix,
-                          default_deadline=ctx.settings.default_deadline, openai_reasons=api.failures_as_errors)
+        return Generation(ctx.engine, body, route=request.scope["path"], id_prefix=id_prefix,
+                          default_deadline=ctx.settings.default_deadline, openai_reasons=api.failures_as_errors,
+                          stream_interval=ctx.settings.stream_interval)
 
     if body.rid is not None or wanted_id is None:
         return start(body, api.id_prefix)

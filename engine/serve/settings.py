@@ -70,6 +70,9 @@ class ServerSettings:
     api_key: str | None = attrs.field(default=None, validator=_optional_text, repr=False)
     #: issue 21: seconds a generation request may take when its body gives no `deadline` (None: no deadline)
     default_deadline: float | None = attrs.field(default=None, validator=_optional_seconds)
+    #: a streamed sequence's tokens per event (SGLang's and vLLM's `--stream-interval`): its first token
+    #: and its last event go at once, the others once this many are ready; 1: an event per output
+    stream_interval: int = attrs.field(default=1, validator=_int_at_least(1))
     #: how tool calls are read from a model's text (`tool_choice` "auto"); None: "auto" is refused
     tool_call_parser: str | None = attrs.field(default=None, validator=_parser_name(TOOL_PARSERS))
     #: how a reasoning model's thinking is split into `reasoning_content`; None: it stays content
