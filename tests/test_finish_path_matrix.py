@@ -13,6 +13,7 @@ forward that ran (decode engine and prefill runtime).
 from __future__ import annotations
 
 import itertools
+import time
 from collections import Counter
 
 import anyio
@@ -111,12 +112,16 @@ async def test_every_finish_path_releases_everything(role, hisparse, with_images
     def abort_while_transferring(request_id: str) -> bool:
         if request_id == "abort-transferring":  # called during the send: the request is TRANSFERRING
             holder["engine"].loop.abort(request_id)
+            # the send goes on once the loop has applied the abort: else the copy may land first (a race)
+            deadline = time.monotonic() + 30
+            while "abort-transferring" not in holder["watch"].finished_from and time.monotonic() < deadline:
+                time.sleep(0.002)
         return request_id == "transfer-failed"
 
     faults = FaultInjector(fail_step=lambda ids: "error" in ids, fail_transfer=abort_while_transferring)
     recorders = Recorders()
     engine = holder["engine"] = Engine(_config(role, hisparse, model, recorders), faults=faults)
-    watch = _Watch(engine)
+    watch = holder["watch"] = _Watch(engine)
     images = [IMAGE] if with_images else []
     with anyio.fail_after(120):
         async with engine:
