@@ -110,6 +110,8 @@ class SamplingParams:
                 f"{p}.stop", "a list of non-empty strings", self.stop)
         require(not self.stop or self.detokenize, InvalidRequest, f"{p}.stop", "empty when detokenize is False",
                 self.stop)
+        require(self.top_k < 2**63, InvalidRequest, f"{p}.top_k", "an integer >= 0 and < 2**63 (0: no limit)",
+                self.top_k)
         require(self.seed is None or (is_int(self.seed) and 0 <= self.seed < 2**63), InvalidRequest, f"{p}.seed",
                 "None or an integer >= 0 and < 2**63", self.seed)
         require(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),

@@ -251,7 +251,9 @@ class Engine:
         `max_sessions` are open. See `engine.runtime.sessions`."""
         if not self._running:
             raise EngineClosed("the engine is not running (use `async with Engine(...)`)")
-        return self.loop.sessions.open(session_id, idle_timeout=idle_timeout, max_pages=max_pages)
+        opened = self.loop.sessions.open(session_id, idle_timeout=idle_timeout, max_pages=max_pages)
+        self.loop.wake()  # an idle loop waits with no timeout: its next wait is bounded by this lease
+        return opened
 
     async def close_session(self, session_id: str) -> bool:
         """Close a session (its kept KV is released); False if it is not open. A turn in flight

@@ -28,6 +28,7 @@ BAD_PARAMS = [
     ({"top_p": 0.0}, "SamplingParams.top_p", "(0, 1]"),
     ({"top_p": 1.5}, "SamplingParams.top_p", "(0, 1]"),
     ({"top_k": -1}, "SamplingParams.top_k", ">= 0"),
+    ({"top_k": 2**63}, "SamplingParams.top_k", "< 2**63"),  # overflowed in the step, failing its batch
     ({"stop_token_ids": [-3]}, "SamplingParams.stop_token_ids", "non-negative"),
     ({"seed": -1}, "SamplingParams.seed", ">= 0"),
 ]

@@ -279,6 +279,20 @@ class TestHazards:
         assert waited < 5.0 and engine.stats.leak_checks > checks  # the idle check ran again, clean
 
     @pytest.mark.anyio
+    async def test_an_unused_lease_expires_on_an_idle_engine(self):
+        """A session opened and never used, on an engine with no traffic at all: it expires on time and
+        gives its sessions slot back (opening it wakes the loop, whose idle wait is then bounded)."""
+        with anyio.fail_after(DEADLINE):
+            async with Engine(small_config()) as engine:
+                await engine.wait_idle(DEADLINE)
+                sid = await engine.open_session(idle_timeout=0.2)
+                assert engine.memory_report().pools["sessions"].held == 1
+                while engine.session_info(sid) is not None:
+                    await anyio.sleep(0.01)
+                assert engine.memory_report().pools["sessions"].held == 0
+                assert_pools_whole(engine)
+
+    @pytest.mark.anyio
     async def test_retracted_turn_keeps_the_session(self):
         """A turn retracted for a higher priority request: the session's KV stays locked meanwhile,
         and the turn's output equals the one-shot output."""
