@@ -122,6 +122,22 @@ class TestEndpointPickerMetrics:
         assert 'block_size="4"' in text and 'num_gpu_blocks="256"' in text
 
     @pytest.mark.asyncio
+    async def test_every_documented_vllm_name_is_exported(self):
+        """Each family the metrics table of docs/http.md gives a vLLM name for is there under it."""
+        async with serving(ServerSettings(vllm_metric_names=True)) as (_, client):
+            await client.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})
+            text = (await client.get("/metrics")).text
+        names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line.startswith("vllm:")}
+        for family in ("num_requests_waiting", "num_requests_running", "kv_cache_usage_perc", "cache_config_info",
+                       "prompt_tokens_total", "generation_tokens_total", "request_success_total",
+                       "prefix_cache_queries_total", "prefix_cache_hits_total", "num_preemptions_total",
+                       "time_to_first_token_seconds_count", "inter_token_latency_seconds_count",
+                       "e2e_request_latency_seconds_count", "request_queue_time_seconds_count",
+                       "spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
+                       "spec_decode_num_accepted_tokens_total"):
+            assert f"vllm:{family}" in names, family
+
+    @pytest.mark.asyncio
     async def test_vllm_names_only_with_the_switch(self):
         async with serving() as (_, client):
             text = (await client.get("/metrics")).text

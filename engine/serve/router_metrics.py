@@ -44,6 +44,9 @@ VLLM_NAMES = {
     f"{P}inter_token_latency_seconds": "vllm:inter_token_latency_seconds",
     f"{P}e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
     f"{P}request_queue_time_seconds": "vllm:request_queue_time_seconds",
+    f"{P}spec_decode_num_drafts": "vllm:spec_decode_num_drafts",
+    f"{P}spec_decode_num_draft_tokens": "vllm:spec_decode_num_draft_tokens",
+    f"{P}spec_decode_num_accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
 }
 
 
