@@ -57,13 +57,15 @@ class TestDeadlineAndPriority:
             try:
                 with pytest.raises(openai.APIStatusError) as raised:
                     answer = await oa.completions.create(model="null", prompt=PROMPT, max_tokens=8, stream=stream,
-                                                         extra_body={"deadline": 0.05})
+                                                         extra_body={"deadline": 0.05},
+                                                         extra_headers={"X-Request-Id": "late-1"})
                     if stream:
                         [chunk async for chunk in answer]
             finally:
                 await oa.close()
             await collect(filler)
         assert raised.value.status_code == 408 and raised.value.type == "timeout", raised.value
+        assert raised.value.response.headers["x-request-id"] == "late-1"  # an error answer names its request too
         assert engine.stats.finishes[("normal", "DEADLINE")] == 1
 
     @pytest.mark.asyncio

@@ -24,6 +24,7 @@ from engine.serve.body_conventions import openai_conventions, sglang_generate
 from engine.serve.chat_schema import parse_chat
 from engine.serve.context import ServerContext
 from engine.serve.failures import first_failure
+from engine.serve.failures import GenerationFailed
 from engine.serve.generation import EventStream, Generation, generate_events, generate_json, run_to_end
 from engine.serve.http_errors import HTTPError
 from engine.serve.openai_format import chat_events, chat_json, completion_events, completion_json
@@ -141,14 +142,21 @@ async def _serve(ctx: ServerContext, request: Request, api: API) -> Response | E
 
     generation.on_close = done
     id_header = {"X-Request-Id": generation.request_id}
+
+    def failure(failed: GenerationFailed) -> Response:
+        """The failure's HTTP error, with the request id as every generation's answer has it."""
+        response: Response = ctx.failure_response(failed)
+        response.headers.update(id_header)
+        return response
+
     if generation.body.stream:
         return EventStream(api.events(generation, model), generation.close,
-                           on_failure=ctx.failure_response if api.failures_as_errors else None, headers=id_header)
+                           on_failure=failure if api.failures_as_errors else None, headers=id_header)
     if not await run_to_end(generation, request.receive):
         return Response(status_code=499)  # the client left; nobody reads this
     failed = first_failure(c.finish_reason for c in generation.choices) if api.failures_as_errors else None
     if failed is not None:
-        return ctx.failure_response(failed)
+        return failure(failed)
     return JSONResponse(api.json(generation, model), headers=id_header)
 
 
