@@ -1,7 +1,7 @@
 """HTTP soak with disconnect storms: a decode server with a remote prefill, nothing may grow.
 
     python benchmarks/bench_soak_http.py [--requests 6000] [--clients 32] [--model tiny]
-                                         [--storm-every 10] [--out bench-results/soak_http.json]
+                                         [--storm-every 10] [--device cpu] [--out bench-results/soak_http.json]
 
 Two real processes on 127.0.0.1: `kvlife serve --disaggregation prefill` and
 `kvlife serve --disaggregation decode --prefill 127.0.0.1:<its bootstrap port>`
@@ -42,7 +42,7 @@ import httpx
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks.machine import header, loadavg, machine_info, write_results  # noqa: E402
+from benchmarks.machine import add_device_option, header, loadavg, machine_info, write_results  # noqa: E402
 
 ENGINE = ["--page-size", "8", "--num-kv-pages", "512", "--max-running", "32", "--max-prefill-tokens", "256",
           "--transfer-keepalive", "1", "--fence-timeout", "30", "--no-plugins"]
@@ -175,19 +175,20 @@ def main() -> int:
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--storm-every", type=int, default=10, help="every N-th round all clients disconnect (0: none)")
     parser.add_argument("--out", default="bench-results/soak_http.json")
+    add_device_option(parser)
     args = parser.parse_args()
-    info = machine_info()
+    info = machine_info(args.device)
     print(header(info))
     log_dir = Path(args.out).parent
     log_dir.mkdir(parents=True, exist_ok=True)
     servers: list[Server] = []
     try:
         prefill = Server("prefill", ["--disaggregation", "prefill", "--disaggregation-bootstrap-port", "0",
-                                     "--model", args.model, *ENGINE], log_dir)
+                                     "--model", args.model, "--device", args.device, *ENGINE], log_dir)
         servers.append(prefill)
         decode = Server("decode", ["--disaggregation", "decode", "--prefill",
                                    f"127.0.0.1:{prefill.started['bootstrap_port']}", "--model", args.model,
-                                   *ENGINE], log_dir)
+                                   "--device", args.device, *ENGINE], log_dir)
         servers.append(decode)
         warm: dict[str, float] = {}
 

@@ -15,6 +15,7 @@ from engine.errors import (
     InvalidRequest,
 )
 from engine.logging import LEVELS as LOG_LEVELS
+from engine.model.hf_config import CheckpointError
 from engine.logging import configure_logging
 from engine.outputs import RequestOutput, SpeculationStats, TokenLogprob
 from engine.speculative.config import SpeculativeConfig
@@ -23,9 +24,11 @@ from engine.stream import RequestStream
 from engine.structured import Constraint, StructuredConfig
 from hisparse.config import HiSparseConfig
 from resources.ledger import LeakError, MemoryReport
+from resources.plugins import PluginError
 from states import FinishReason, RequestKind, RequestState
 
 __all__ = [
+    "CheckpointError",
     "Constraint",
     "Engine",
     "EngineClosed",
@@ -42,6 +45,7 @@ __all__ = [
     "LOG_LEVELS",
     "LeakError",
     "MemoryReport",
+    "PluginError",
     "RequestKind",
     "RequestOutput",
     "RequestState",

@@ -45,7 +45,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction, parents: list[argpa
     add_engine_options(serve, {"leak_check": "log"}, roles=(*ROLES, "prefill"))
     server = serve.add_argument_group("server options")
     server.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer <key>' on every route "
-                        f"but /health (default: ${API_KEY_ENV} if set, else no key)")
+                        f"but /health and /live (default: ${API_KEY_ENV} if set, else no key)")
     server.add_argument("--max-body-bytes", type=int_at_least(1), default=1 << 20,
                         help="largest request body accepted (default: 1048576)")
     server.add_argument("--max-prompt-tokens", type=int_at_least(1), default=None,

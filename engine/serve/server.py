@@ -21,7 +21,7 @@ Routes (bodies and answers in docs/http.md):
 
 Routes live by concern in routes_generation.py and routes_ops.py; every
 error (unknown routes and wrong methods included) is JSON in OpenAI's shape
-(http_errors.py); with `ServerSettings.api_key` every route but /health
+(http_errors.py); with `ServerSettings.api_key` every route but /health and /live
 needs the key (auth.py). A client that disconnects, while its request is
 queued, running or streaming, aborts it: the stream is abandoned and the
 engine releases the request like any other.

@@ -66,7 +66,7 @@ class ServerSettings:
     retry_after_s: int = attrs.field(default=1, validator=_int_at_least(0))
     served_model_name: str | None = attrs.field(default=None, validator=_optional_text)
     graceful_timeout: float = attrs.field(default=10.0, validator=_positive_seconds)
-    #: None: no access control; else every route but /health needs `Authorization: Bearer <key>`
+    #: None: no access control; else every route but /health and /live needs `Authorization: Bearer <key>`
     api_key: str | None = attrs.field(default=None, validator=_optional_text, repr=False)
     #: issue 21: seconds a generation request may take when its body gives no `deadline` (None: no deadline)
     default_deadline: float | None = attrs.field(default=None, validator=_optional_seconds)
