@@ -10,10 +10,10 @@ import pytest
 
 PUBLIC = {
     "engine": {
-        "Constraint", "Engine", "EngineClosed", "EngineConfig", "EngineDead", "EngineOverloaded", "FinishReason",
+        "CheckpointError", "Constraint", "Engine", "EngineClosed", "EngineConfig", "EngineDead", "EngineOverloaded", "FinishReason",
         "HealthCheckFailed", "HealthCheckTimeout", "HealthReport", "HiSparseConfig", "InvalidConfig", "InvalidRequest",
         "LOG_LEVELS", "LeakError",
-        "MemoryReport", "RequestKind", "RequestOutput", "RequestState", "RequestStream", "SamplingParams",
+        "MemoryReport", "PluginError", "RequestKind", "RequestOutput", "RequestState", "RequestStream", "SamplingParams",
         "SessionInfo", "SpeculationStats", "SpeculativeConfig", "StructuredConfig", "TokenLogprob",
         "configure_logging",
     },
