@@ -44,7 +44,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from engine.model.attention import AttentionBackend, AttentionMetadata, PagedAttention, PagedFactory
-from engine.model.batch import MakesFences, ScheduledSeq, row_tokens
+from engine.model.batch import ScheduledSeq, row_tokens
+from engine.model.decode_inputs import decode_inputs
 from engine.model.llama import LlamaModel
 from engine.model.prompt_logprobs import PromptEntries, PromptLogprobPlan
 from engine.model.decode_graphs import FIELD_ROWS, DecodeGraphs
@@ -103,6 +104,12 @@ class ModelRunner:
         self.timings: list[StepTiming] | None = None
         #: the step's inputs: one pinned host buffer, one copy
         self.upload = StepUpload(device)
+        #: plain decode steps take `engine.model.decode_inputs`' short path (False: every step the
+        #: general one; tests compare the two)
+        self.short_decode = True
+        #: the token table as a host array when it lives on the host (the short path reads it there)
+        table = slots.req_to_token
+        self._host_table = table.numpy() if table.device.type == "cpu" else None
         pack = getattr(model, "pack", None)
         if pack is not None:
             with on_device(device):
@@ -241,21 +248,35 @@ class ModelRunner:
                 if timed:
                     self._record(seqs, t0, t0)
                 return out
-        inputs = self.prepare(seqs, batch)
-        embeds = self.embedder(seqs, inputs.ids) if self.embedder is not None else None
-        attention = self.attention_factory(seqs, inputs.meta)
+        factory = self.attention_factory
+        short = None
+        if self.short_decode and plan is None and batch is not None and isinstance(factory, PagedFactory):
+            short = decode_inputs(seqs, batch.fields, upload=self.upload, table=self.slots.req_to_token,
+                                  host_table=self._host_table, kv=self.kv, slot_of=self.slot_of,
+                                  layer_windows=factory.layer_windows)
+        attention: AttentionBackend
+        if short is not None:  # a plain decode step (engine.model.decode_inputs): every row sampled
+            ids, positions, attention, fields = short
+            sample_rows = None
+        else:
+            inputs = self.prepare(seqs, batch)
+            ids, positions, sample_rows, fields = inputs.ids, inputs.positions, inputs.sample_rows, inputs.fields
+            attention = factory(seqs, inputs.meta)
+        embeds = self.embedder(seqs, ids) if self.embedder is not None else None
         t1 = time.perf_counter() if timed else 0.0
         routing: list[torch.Tensor] = []
-        rows = inputs.sample_rows if plan is None else plan.output_rows(inputs.sample_rows, self.device)
-        logits = self.model(inputs.ids, inputs.positions, attention, embeds, output_rows=rows, routing=routing)
+        rows = sample_rows if plan is None else plan.output_rows(sample_rows, self.device)
+        logits = self.model(ids, positions, attention, embeds, output_rows=rows, routing=routing)
         prompt_logprobs: list[PromptEntries] = []
         if plan is not None:  # issue 21: read back on their own (one more sync, in such steps only)
-            logits, prompt_logprobs = plan.split(logits, inputs.sample_rows, len(params))
-        out = self._finish(logits, batch, inputs.fields, torch.stack(routing) if routing else None,
+            logits, prompt_logprobs = plan.split(logits, sample_rows, len(params))
+        out = self._finish(logits, batch, fields, torch.stack(routing) if routing else None,
                            masks=masks() if masks is not None else None)
         out.prompt_logprobs = prompt_logprobs
-        if isinstance(attention, MakesFences):
-            out.fences = attention.fences
+        # NOTE: what `isinstance(attention, MakesFences)` checks, without a protocol check's cost every step
+        fences = getattr(attention, "fences", None)
+        if fences is not None:
+            out.fences = fences
         if timed:
             self._record(seqs, t0, t1)
         return out
