@@ -72,34 +72,47 @@ def decode_inputs(seqs: Sequence[ScheduledSeq], fields: np.ndarray | None, *, up
     width = round_up(longest, ps)
     # the upload: ids | positions | context lengths | then, from a host table, the new tokens'
     # locations | the page table [B, columns]; else the slots (the device gathers both)
+    # NOTE: every torch or numpy call here runs with cold caches (the forward before it
+    # streamed the weights through them), so the fewest calls win, not the fewest Python steps
     head = ids + positions + [p + 1 for p in positions]
     page_rows = None
+    columns = 0
     if host_table is not None:
         head += [host_table[slot, p] for slot, p in zip(slots, positions)]
-        page_rows = host_table[slots, :width:ps]
-        size = 4 * n + page_rows.size
+        if n == 1:  # one row: its pages as Python ints, in the same write as the rest
+            row = host_table[slots[0], :width:ps].tolist()
+            columns = len(row)
+            head += [page // ps for page in row] if ps > 1 else row
+        else:
+            page_rows = host_table[slots, :width:ps]
+            columns = page_rows.shape[1]
+        size = 4 * n + n * columns
     else:
         head += slots
         size = 4 * n
     words = size if fields is None else size + fields.size
     host = upload.start(words)
-    host[: 4 * n] = head
+    host[: len(head)] = head
     if page_rows is not None:
         np.floor_divide(page_rows, ps, out=host[4 * n : size].reshape(page_rows.shape))
     if fields is not None:
         host[size:words] = fields.reshape(-1)
-    dev = upload.send(words)
-    ids_t, pos_t, lens_t = dev[:n], dev[n : 2 * n], dev[2 * n : 3 * n]
-    if page_rows is not None:
-        out_locs, pages = dev[3 * n : 4 * n], dev[4 * n : size].view(page_rows.shape)
+    sizes = [n, n, n, n]
+    if columns:
+        sizes.append(n * columns)
+    if fields is not None:
+        sizes.append(fields.size)
+    parts = upload.send(words).split(sizes)  # NOTE: one call for every section's view
+    ids_t, pos_t, lens_t, fourth = parts[:4]
+    if columns:
+        out_locs, pages = fourth, parts[4].view(n, columns)
     else:
-        slots_t = dev[3 * n : 4 * n]
-        out_locs = table[slots_t, pos_t]
-        pages = table[slots_t, :width:ps]
+        out_locs = table[fourth, pos_t]
+        pages = table[fourth, :width:ps]
         if ps > 1:
             pages = pages // ps
     # NOTE: a row's context is its position + 1 tokens and its one query sits at its position
     context = ContextBatch(pages, ps, lens_t, pos_t.view(n, 1), longest if min(positions) + 1 == longest else None,
                            q_len=1)
     attention = PagedAttention.decode_rows(kv, out_locs, context, longest, layer_windows)
-    return ids_t, pos_t, attention, None if fields is None else dev[size:words].view(fields.shape)
+    return ids_t, pos_t, attention, None if fields is None else parts[-1].view(fields.shape)
