@@ -13,7 +13,10 @@ raises `InvalidRequest` before any output.
 NOTE: `OutputChannel` is a deque and a wake-up event instead of an anyio
 memory object stream: both ends live on the event loop's thread (the loop
 writes, one client reads), and a send is then an append, which matters at
-one send per token of every running request.
+one send per token of every running request. For the same reason a channel
+makes its wake-up events from the running library's own event class (the
+class of the first `anyio.Event` it made), not through `anyio.Event`, which
+looks the library up on every call.
 """
 
 from __future__ import annotations
@@ -31,11 +34,13 @@ from engine.outputs import RequestOutput
 class OutputChannel:
     """Outputs from the loop (the only writer) to one RequestStream (the only reader)."""
 
-    __slots__ = ("_items", "_waiter", "closed", "reader_gone")
+    __slots__ = ("_items", "_waiter", "_event_type", "closed", "reader_gone")
 
     def __init__(self) -> None:
         self._items: deque[Any] = deque()
         self._waiter: anyio.Event | None = None
+        #: the running async library's event class, from the first wait on (module docstring)
+        self._event_type: type[anyio.Event] | None = None
         self.closed = False  # the writer is done: the reader ends after the items left
         self.reader_gone = False  # the reader left: nothing is delivered any more
 
@@ -69,8 +74,14 @@ class OutputChannel:
         while not self._items:
             if self.closed or self.reader_gone:
                 raise anyio.EndOfStream
-            self._waiter = anyio.Event()
-            await self._waiter.wait()
+            event_type = self._event_type
+            if event_type is None:
+                waiter = anyio.Event()
+                self._event_type = type(waiter)
+            else:
+                waiter = event_type()
+            self._waiter = waiter
+            await waiter.wait()
         return self._items.popleft()
 
     def _wake(self) -> None:

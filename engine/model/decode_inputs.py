@@ -102,7 +102,7 @@ def decode_inputs(seqs: Sequence[ScheduledSeq], fields: np.ndarray | None, *, up
         sizes.append(n * columns)
     if fields is not None:
         sizes.append(fields.size)
-    parts = upload.send(words).split(sizes)  # NOTE: one call for every section's view
+    parts = upload.send_sections(sizes)  # NOTE: one call for every section's view
     ids_t, pos_t, lens_t, fourth = parts[:4]
     if columns:
         out_locs, pages = fourth, parts[4].view(n, columns)
