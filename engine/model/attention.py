@@ -239,10 +239,12 @@ class PagedAttention:
 
     @classmethod
     def decode_rows(cls, kv: KVBuffers, out_locs: Tensor, context: ContextBatch, longest: int,
-                    layer_windows: Sequence[int | None] = ()) -> PagedAttention:
+                    layer_windows: tuple[int | None, ...] = ()) -> PagedAttention:
         """A decode-only step planned by its caller (`engine.model.decode_inputs`): the same
         plan as the constructor's for a step whose every row is one new token, from a
         `ContextBatch` of those rows whose longest context is `longest` tokens."""
+        if layer_windows.count(None) == len(layer_windows):  # NOTE: no window (the common case): nothing to trim
+            return cls._decoding(kv, out_locs, context, layer_windows)
         windows = tuple(None if w is not None and w >= longest else w for w in layer_windows)
         return cls._decoding(kv, out_locs, context, windows)
 

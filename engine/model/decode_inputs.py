@@ -44,7 +44,7 @@ DecodeInputs = tuple[Tensor, Tensor, PagedAttention, "Tensor | None"]
 
 def decode_inputs(seqs: Sequence[ScheduledSeq], fields: np.ndarray | None, *, upload: StepUpload, table: Tensor,
                   host_table: np.ndarray | None, kv: KVBuffers, slot_of: Callable[[Request], int | None],
-                  layer_windows: Sequence[int | None]) -> DecodeInputs | None:
+                  layer_windows: tuple[int | None, ...]) -> DecodeInputs | None:
     """The inputs of a plain decode step (module docstring), or None when `seqs` is not one.
     `fields`: the sampler's host fields (`SamplingBatch.fields`), uploaded with the rest;
     `host_table`: the token table `table` itself as a host array, when it lives on the host (the

@@ -284,7 +284,7 @@ class ModelRunner:
         if fences is not None:
             out.fences = fences
         if timed:
-            self._record(seqs, t0, t1)
+            self._record(seqs, t0, t1, decode_only=True if short is not None else None)
         return out
 
     def _replay(self, seqs: Sequence[ScheduledSeq], batch: SamplingBatch) -> tuple[Any, Any, Any, Any] | None:
@@ -346,10 +346,11 @@ class ModelRunner:
             logprobs = format_logprobs(batch, token_ids, *host[1:4])
         return StepOutput(token_ids, list(host[-1].unbind(0)) if routing is not None else [], logprobs)
 
-    def _record(self, seqs: Sequence[ScheduledSeq], t0: float, t1: float) -> None:
+    def _record(self, seqs: Sequence[ScheduledSeq], t0: float, t1: float, decode_only: bool | None = None) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        decode_only = all(s.num_tokens == 1 for s in seqs)
+        if decode_only is None:
+            decode_only = all(s.num_tokens == 1 for s in seqs)
         assert self.timings is not None  # called only for timed steps
         self.timings.append(StepTiming(len(seqs), decode_only, t1 - t0, time.perf_counter() - t1))
 
