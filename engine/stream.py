@@ -65,12 +65,13 @@ class OutputChannel:
         """The next item; raises `anyio.EndOfStream` once closed and drained. A
         cancellation point even when an item is ready (as any anyio receive).
 
-        NOTE: checked first whenever an item is ready: a consumer whose wake-up is always
-        set before it is looked at (the loop sends, then yields) would otherwise never be
-        seen waiting, and anyio would never deliver its cancellation. With nothing ready,
-        the wait is the cancellation point (one per token, not two)."""
-        if self._items:
-            await anyio.lowlevel.checkpoint_if_cancelled()
+        NOTE: checked first, unconditionally: a consumer whose wake-up is always set
+        before it is looked at (the loop sends, then yields) would otherwise never be
+        seen waiting, and anyio would never deliver its cancellation. (Not only when an
+        item is ready: a consumer that cancelled itself and then waits could be woken by
+        the next output before anyio delivers the cancellation; tests/test_finish_paths.py
+        holds it.)"""
+        await anyio.lowlevel.checkpoint_if_cancelled()
         while not self._items:
             if self.closed or self.reader_gone:
                 raise anyio.EndOfStream
