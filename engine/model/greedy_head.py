@@ -10,10 +10,11 @@ how approximate is known: with unit roundoff ``u = 2**-8`` for bfloat16 and
 float32 accumulation over the hidden size ``n`` (``gamma = n * 2**-24 /
 (1 - n * 2**-24)``), each approximate logit ``a_j`` of a row ``x`` is within::
 
-    e_j = c * ||x|| * ||w_j|| + u / (1 - u) * |a_j|,    c = (2u + u^2)(1 + gamma) + 2 gamma
+    e_j = c * ||x|| * ||w_j|| + 2u / (1 - 2u) * |a_j|,    c = (2u + u^2)(1 + gamma) + 2 gamma
 
 of the float32 head's logit (products of rounded inputs, the two sums'
-rounding, the output's rounding to bfloat16; Cauchy-Schwarz bounds
+rounding, the output's rounding to bfloat16, taken as twice a round to
+nearest's so truncation is covered too; Cauchy-Schwarz bounds
 ``sum |x_i| |w_ji|`` by the norms, and ``||w_j||`` by the largest column norm,
 so one bound serves a row). With ``m`` the row's largest approximate logit,
 any token whose float32 logit could be the row's largest has ``a_j >= m - e_m
@@ -77,7 +78,7 @@ class VerifiedGreedyHead:
         self.head_t = head_t
         #: steps whose tokens it gave, and steps it left to the float32 head
         self.served = self.declined = 0
-        self._value_coeff = SAFETY * _U / (1 - _U)
+        self._value_coeff = SAFETY * 2 * _U / (1 - 2 * _U)
         self.refresh()
 
     @torch.no_grad()
