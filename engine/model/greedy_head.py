@@ -69,9 +69,11 @@ def verified_head_applies(head_t: Tensor, layout: str) -> bool:
 class VerifiedGreedyHead:
     """The greedy tokens of ``x @ head_t`` through a bfloat16 copy of `head_t`, verified (module docstring)."""
 
-    __slots__ = ("head_t", "low", "served", "declined", "_norm_coeff", "_value_coeff")
+    __slots__ = ("head_t", "low", "columns", "served", "declined", "_norm_coeff", "_value_coeff")
 
     low: Projection
+    #: the float32 head vocabulary-major, ``[vocab, hidden]``: a candidate's weights are one contiguous row
+    columns: Tensor
     _norm_coeff: float
 
     def __init__(self, head_t: Tensor) -> None:
@@ -84,10 +86,11 @@ class VerifiedGreedyHead:
     @torch.no_grad()
     def refresh(self) -> None:
         """Recopy the bfloat16 weights and the bound after the float32 weights changed (a state-dict load)."""
-        self.low = Projection(self.head_t.to(torch.bfloat16), None, "onednn")
+        self.columns = self.head_t.t().contiguous()
+        self.low = Projection.blocked_only(self.columns.t().to(torch.bfloat16))
         n = self.head_t.shape[0]
         gamma = n * 2.0**-24 / (1 - n * 2.0**-24)
-        largest_column = float(self.head_t.norm(dim=0).max())
+        largest_column = float(torch.linalg.vector_norm(self.columns, dim=1).max())
         self._norm_coeff = SAFETY * ((2 * _U + _U * _U) * (1 + gamma) + 2 * gamma) * largest_column
 
     def argmax(self, x: Tensor) -> Tensor | None:
@@ -123,7 +126,7 @@ class VerifiedGreedyHead:
         rows, candidates = block_rows.index_select(0, pick), columns[pick, offset]
         if candidates.numel() > MAX_TOKENS_PER_ROW * rows_in:
             return None
-        scores = (x.index_select(0, rows) * self.head_t.index_select(1, candidates).t()).sum(dim=-1)
+        scores = (x.index_select(0, rows) * self.columns.index_select(0, candidates)).sum(dim=-1)
         best = torch.full((rows_in,), float("-inf"), device=x.device).scatter_reduce_(0, rows, scores, "amax")
         if not bool(torch.isfinite(best).all()):
             return None
