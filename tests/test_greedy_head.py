@@ -142,3 +142,15 @@ async def test_engine_takes_the_float32_head_when_it_declines(monkeypatch):
         assert (await engine.complete(prompt, SamplingParams(max_new_tokens=10))).token_ids == expected
         head = engine.parts.model.verified_head
         assert head.served == 0 and head.declined >= 9
+
+
+def test_a_blocked_only_projection_keeps_no_plain_copy():
+    """`Projection.blocked_only` multiplies like the plain bfloat16 matmul and keeps no [in, out] tensor;
+    float32 is refused (its small steps take torch.mm on that tensor)."""
+    weight_t = _head(64, 300, 8).bfloat16()
+    projection = Projection.blocked_only(weight_t)
+    x = _rows(5, 64, 9).bfloat16()
+    assert projection.weight_t.numel() == 0
+    assert torch.allclose(projection(x).float(), (x @ weight_t).float(), atol=2e-2, rtol=2e-2)
+    with pytest.raises(ValueError, match="float32"):
+        Projection.blocked_only(weight_t.float())
