@@ -25,6 +25,12 @@ under the engine's device (`resources.device_io.on_device`)::
     read back: tokens, MoE routing and logprobs in one copy and one wait
                (`resources.device_io.read_back`), the step's only host sync
 
+A plain decode step (every row one sampled token of a request with a slot,
+the paged attention backend) builds the same tensors on a short path
+(`engine.model.decode_inputs`): on the host, the new tokens' locations and
+the page table are read from the token table there; the general layout is
+for every other step.
+
 The model's weights are packed once, at construction (`LlamaModel.pack`).
 A decode-only step on CUDA replays the CUDA graph of its batch bucket
 (`engine.model.decode_graphs`), captured when the runner is built, whatever
