@@ -34,7 +34,7 @@ from engine.outputs import RequestOutput
 class OutputChannel:
     """Outputs from the loop (the only writer) to one RequestStream (the only reader)."""
 
-    __slots__ = ("_items", "_waiter", "_event_type", "closed", "reader_gone")
+    __slots__ = ("_items", "_waiter", "_event_type", "closed", "reader_gone", "final_only")
 
     def __init__(self) -> None:
         self._items: deque[Any] = deque()
@@ -43,11 +43,16 @@ class OutputChannel:
         self._event_type: type[anyio.Event] | None = None
         self.closed = False  # the writer is done: the reader ends after the items left
         self.reader_gone = False  # the reader left: nothing is delivered any more
+        #: the reader wants final outputs only (`Engine.complete`): chunks are dropped, never queued,
+        #: so the reader is not woken once per token for outputs it would discard
+        self.final_only = False
 
     def send(self, item: Any) -> bool:
         """Queue `item`; False if the reader has left (or the channel is closed)."""
         if self.reader_gone or self.closed:
             return False
+        if self.final_only and isinstance(item, RequestOutput) and not item.finished:
+            return True
         self._items.append(item)
         self._wake()
         return True
@@ -119,6 +124,11 @@ class RequestStream:
             await self._ready.wait()
         if self._refused is not None:
             raise self._refused
+
+    def _final_only(self) -> None:
+        """Deliver only the final outputs (and errors): for a caller that discards the chunks
+        (`Engine.complete`). Call before the first output can be sent (right after `generate`)."""
+        self._channel.final_only = True
 
     def __aiter__(self) -> RequestStream:
         return self
