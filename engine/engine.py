@@ -306,7 +306,10 @@ class Engine:
             waiting = ", ".join(f"{r['request_id']} (for {', '.join(r.get('waiting_for', ())) or 'memory'})"
                                 for r in starved)
             return HealthReport(False, "starved", f"waiting for memory: {waiting}", **common)
-        if live and self.loop.num_running and (age is None or age > stuck_after):
+        # NOTE: stuck counts from the latest progress or admission, whichever is later: requests admitted
+        # after an idle spell (or on a fresh engine) are not stuck before their first step could end
+        since = max((t for t in (stats.last_progress, stats.last_admission) if t is not None), default=None)
+        if live and self.loop.num_running and (since is None or time.monotonic() - since > stuck_after):
             return HealthReport(False, "stuck", f"no step or token for {stuck_after}s", **common)
         return HealthReport(True, "ok", **common)
 

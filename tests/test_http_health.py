@@ -81,6 +81,28 @@ class TestUnhealthy:
         assert not any(kind == "health_check" for kind, _ in engine.stats.finishes)
 
     @pytest.mark.asyncio
+    @pytest.mark.parametrize("idle_first", [0.0, 1.5])
+    async def test_not_stuck_before_a_first_step_could_end(self, idle_first):
+        """Requests admitted on a fresh server, or after an idle spell longer than the health timeout,
+        whose first step is still running: /health and /health_generate answer 200 (a router that
+        took the instance out here refused every request it was given: test_gateway's killed instance)."""
+        gate = StepGate()
+        faults, settings = FaultInjector(fail_step=gate), ServerSettings(health_timeout=1.0)
+        async with serving(settings, faults=faults, max_running=1) as (engine, client):
+            if idle_first:
+                gate.open()
+                await client.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})
+                await anyio.sleep(idle_first)  # the latest progress is now older than the timeout
+                gate = faults.fail_step = StepGate()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(lambda: client.post("/generate", json={"input_ids": [4, 5, 6]}))
+                await gate.wait_entered()
+                ready, progress = await client.get("/health"), await client.get("/health_generate")
+                gate.open()
+        assert ready.status_code == 200, ready.json()
+        assert progress.status_code == 200 and progress.json()["checked"] == "progress", progress.json()
+
+    @pytest.mark.asyncio
     async def test_leaking_after_an_idle_leak_check_failed(self):
         """A release that leaks is found by the idle leak check; the health check then says 'leaking'."""
         faults = FaultInjector(fail_release={"kv"}, release_leaks=True)

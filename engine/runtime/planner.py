@@ -150,6 +150,7 @@ class Planner:
                 break
             waiting.remove(request)
             self.applier.admitted(request)
+            self.stats.last_admission = time.monotonic()
             self._admissions += 1
             request.admitted_seq = self._admissions
             self.starved.pop(request, None)

@@ -65,6 +65,9 @@ class EngineStats:
     finished_total: int = 0  # requests that reached FINISHED, any kind
     starved: int = 0  # requests reported waiting past the starvation bound
     last_progress: float | None = None
+    #: the monotonic time of the latest admission of any request (a health check's included): a request
+    #: admitted after a quiet spell has had no chance to make progress yet, so "stuck" counts from here too
+    last_admission: float | None = None
     #: speculative decoding: verify steps of a row with drafts, draft tokens verified, accepted
     spec_verify_steps: int = 0
     spec_draft_tokens: int = 0
