@@ -187,12 +187,14 @@ class DecodeLink:
 
     def _receive(self, hdr: torch.Tensor) -> None:
         """Headers and chunks in FIFO order until the link fails (every exception ends it)."""
+        work = self.pair.post_recv_ctl(hdr)
         while True:
-            self.pair.recv_ctl(hdr, self.settings.liveness_timeout)
+            self.pair.wait_ctl(work, self.settings.liveness_timeout)
             if not self.up:
                 return
             op, tag, status, first_token, reason_len, logprob_len, runs_len, direct = hdr.tolist()
             if op == PING:
+                work = self.pair.post_recv_ctl(hdr)
                 continue
             if op == BYE:
                 self._farewell = True  # answer it, so the prefill's receiving thread returns
@@ -210,17 +212,21 @@ class DecodeLink:
                                lj.destination.num_tokens, "the prefill's") if direct else None
             lj.answered = time.monotonic()
             if status == OK:
-                self._recv_chunks(lj, first, cuts(src, lj.spec.runs))
-            elif lj.end(None, "prefill_failed", f"the prefill answered {STATUS_NAMES.get(status, status)}: "
-                                                f"{reason}"):
-                if status == CANCELLED:
-                    self.stats.job_cancelled()
-                else:
-                    self.stats.job_failed("prefill_failed")
-                    log.warning("transfer.failed", request_id=lj.job.request_id, peer=self.peer,
-                                epoch=self.epoch, cause="prefill_failed", reason=reason)
+                work = self._recv_chunks(lj, first, cuts(src, lj.spec.runs), lambda: self.pair.post_recv_ctl(hdr))
+            else:
+                work = self.pair.post_recv_ctl(hdr)
+                self._answered_failed(lj, status, reason)
             with self.lock:
                 self.inflight.popleft()
+
+    def _answered_failed(self, lj: LinkJob, status: int, reason: str) -> None:
+        if lj.end(None, "prefill_failed", f"the prefill answered {STATUS_NAMES.get(status, status)}: {reason}"):
+            if status == CANCELLED:
+                self.stats.job_cancelled()
+            else:
+                self.stats.job_failed("prefill_failed")
+                log.warning("transfer.failed", request_id=lj.job.request_id, peer=self.peer, epoch=self.epoch,
+                            cause="prefill_failed", reason=reason)
 
     def _recv_bytes(self, nbytes: int) -> bytes:
         if nbytes <= 0:
@@ -229,17 +235,23 @@ class DecodeLink:
         self.pair.recv_ctl(buf, self.settings.chunk_timeout(nbytes))
         return buf.numpy().tobytes()
 
-    def _recv_chunks(self, lj: LinkJob, first_token: FirstToken, cut: list[int] | None) -> None:
+    def _recv_chunks(self, lj: LinkJob, first_token: FirstToken, cut: list[int] | None,
+                     next_header: Callable[[], dist.Work]) -> dist.Work:
         """Receive every chunk's messages (the next chunk's posted before this one is waited for): into the
         job's pages when its destination takes them directly, else into staging for the writing thread,
-        which copies it in while the next one arrives. Every receive posted is waited for before this
-        returns; on a failure (a wait failed or timed out) the pair is aborted first, after which none
-        can land (`Pair.abort`), so no write of the job's memory outlives it."""
+        which copies it in while the next one arrives. Once the last chunk's receives are posted, the
+        next header's is (`next_header`, returned), so it lands as soon as the prefill sends it, without
+        a round trip between jobs. Every chunk receive posted is waited for before this returns; on a
+        failure (a wait failed or timed out) the pair is aborted first, after which none can land
+        (`Pair.abort`), so no write of the job's memory outlives it."""
         owner = f"{lj.job.request_id}@{self.peer}#{self.epoch}"
         outstanding: list[_Posted] = []
+        work = next_header() if not lj.plan else None
         try:
-            for chunk in lj.plan:
+            for index, chunk in enumerate(lj.plan):
                 outstanding.append(self._post(lj, chunk, chunk_pieces(self.layout, chunk, cut), owner))
+                if index == len(lj.plan) - 1:
+                    work = next_header()
                 if len(outstanding) > 1:
                     self._finish(outstanding[0])
                     outstanding.pop(0)
@@ -253,6 +265,8 @@ class DecodeLink:
                 self._drain(posted)
             raise
         self._writes.put((lj, None, first_token, owner))
+        assert work is not None
+        return work
 
     def _post(self, lj: LinkJob, chunk: Chunk, pieces: list[Piece], owner: str) -> _Posted:
         """Post a chunk's receives: straight into the job's pages if it takes them and is still writable
