@@ -162,8 +162,9 @@ class DecodeLink:
                     budget = item.deadline - time.monotonic()
                     spec = attrs.evolve(item.spec, budget=max(budget - min(s.chunk_slack, budget / 4), 0.0))
                     frame = encode_job(spec)
-                    self.pair.send_ctl(header(JOB, item.tag, frame.numel()), s.chunk_slack)
-                    self.pair.send_ctl(frame, s.chunk_timeout(frame.numel()))
+                    hdr = header(JOB, item.tag, frame.numel())
+                    works = [self.pair.post_send_ctl(hdr), self.pair.post_send_ctl(frame)]
+                    self.pair.wait_all(works, s.chunk_timeout(frame.numel()), ctl=len(works))
                 elif kind == "cancel":
                     self.pair.send_ctl(header(CANCEL, item), s.chunk_slack)
                 elif kind == "ping":

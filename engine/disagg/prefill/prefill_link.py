@@ -142,18 +142,18 @@ class PrefillLink:
         hdr = empty_header()
         s = self.settings
         try:
+            work = self.pair.post_recv_ctl(hdr)
             while True:
-                self.pair.recv_ctl(hdr, s.liveness_timeout)
+                self.pair.wait_ctl(work, s.liveness_timeout)
                 op, tag, size = hdr[:3].tolist()
                 if not self.up:
                     return
-                if op == PING:
-                    continue
                 if op == BYE:
                     raise LinkError("shutdown", "the decode left")
-                if op == CANCEL:
+                if op in (PING, CANCEL):
+                    work = self.pair.post_recv_ctl(hdr)
                     with self.cond:
-                        sj = self.jobs.get(tag)
+                        sj = self.jobs.get(tag) if op == CANCEL else None
                     if sj is not None:
                         self.server.call(self.server.cancel_job, sj, "cancelled")
                     continue
@@ -161,6 +161,7 @@ class PrefillLink:
                     raise ProtocolError(f"unexpected control message op {op} size {size}")
                 frame = torch.empty(size, dtype=torch.uint8)
                 self.pair.recv_ctl(frame, s.chunk_timeout(size))
+                work = self.pair.post_recv_ctl(hdr)  # NOTE: the next frame's header lands while this one is read
                 now = time.monotonic()
                 try:
                     spec = decode_job(frame)
