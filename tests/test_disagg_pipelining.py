@@ -13,6 +13,7 @@ import time
 import anyio
 import anyio.lowlevel
 import pytest
+import torch
 
 from disagg_helpers import client, remote_config
 from engine import Engine, SamplingParams
@@ -20,7 +21,7 @@ from engine.disagg import PrefillServer, PrefillServerConfig
 from engine.disagg.link.wire import OK, chunk_plan
 from engine.prefill_server import soon_on_loop
 from helpers import small_config
-from test_disagg_link import _kv, _submit, _wait, link_pair  # noqa: F401 - the fixture
+from test_disagg_link import TOKENS, _kv, _submit, _wait, link_pair  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.anyio
 
@@ -66,6 +67,37 @@ def test_the_decode_posts_the_next_header_before_waiting_for_the_last_chunk(link
     events = [e for e in recorded.events if e != "wait_ctl"]
     # per job: chunk 0's receive posted, chunk 1's, the next header's, then the waits for chunks 0 and 1
     assert events == ["post_recv_data", "post_recv_data", "post_recv_ctl", "wait_all", "wait_all"] * 2, events
+    assert staging.held == 0
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_job_received_into_its_pages_ends_on_the_receiving_thread(link_pair, direct):
+    """Received straight into its pages, a job is ended by the receiving thread (no hop through the writing
+    thread); staged, by the writing thread once its chunks are copied in. Either way it lands bit-exact."""
+    link, prefill, buffers, _, staging = link_pair
+    lj = _submit(link, buffers, "r", direct=direct)
+    ended_by: list[str] = []
+    complete = lj.job.fence.complete
+
+    def recorded() -> None:
+        ended_by.append(threading.current_thread().name)
+        complete()
+
+    lj.job.fence.complete = recorded
+    prefill.recv_frame()
+    chunks = _kv(lj.plan)
+    runs = [] if direct else None
+    prefill.answer(lj.tag, OK, 5, runs=runs)
+    for index, kv in enumerate(chunks):
+        prefill.chunk(lj, index, kv, runs=runs)
+    _wait(lj.job.fence.done)
+    assert lj.job.outcome[0] == "ok"
+    assert ended_by and ended_by[0].startswith("kvlife-recv" if direct else "kvlife-write"), ended_by
+    locs = torch.arange(16, 16 + TOKENS)
+    for chunk, kv in zip(lj.plan, chunks):
+        for i in range(chunk.num_layers):
+            assert torch.equal(buffers.k[chunk.first_layer + i][locs], kv[i, 0])
+            assert torch.equal(buffers.v[chunk.first_layer + i][locs], kv[i, 1])
     assert staging.held == 0
 
 

@@ -248,9 +248,11 @@ class DecodeLink:
         owner = f"{lj.job.request_id}@{self.peer}#{self.epoch}"
         outstanding: list[_Posted] = []
         work = next_header() if not lj.plan else None
+        direct = True  # every chunk went straight into the pages: nothing of it is left for the writing thread
         try:
             for index, chunk in enumerate(lj.plan):
                 outstanding.append(self._post(lj, chunk, chunk_pieces(self.layout, chunk, cut), owner))
+                direct = direct and outstanding[-1].writing
                 if index == len(lj.plan) - 1:
                     work = next_header()
                 if len(outstanding) > 1:
@@ -265,9 +267,20 @@ class DecodeLink:
             for posted in outstanding:
                 self._drain(posted)
             raise
-        self._writes.put((lj, None, first_token, owner))
+        if direct:
+            self._landed(lj, first_token)  # NOTE: no hop through the writing thread
+        else:
+            self._writes.put((lj, None, first_token, owner))
         assert work is not None
         return work
+
+    def _landed(self, lj: LinkJob, first_token: FirstToken) -> None:
+        """Every chunk of the job is written: end it (unless it was given up or failed meanwhile)."""
+        now = time.monotonic()
+        if lj.end(first_token):
+            self.stats.job_ok(lj.nbytes, now - (lj.answered or now), now - lj.submitted)
+            log.debug("transfer.landed", request_id=lj.job.request_id, peer=self.peer, epoch=self.epoch,
+                      bytes=lj.nbytes, seconds=round(now - (lj.answered or now), 6))
 
     def _post(self, lj: LinkJob, chunk: Chunk, pieces: list[Piece], owner: str) -> _Posted:
         """Post a chunk's receives: straight into the job's pages if it takes them and is still writable
@@ -304,7 +317,8 @@ class DecodeLink:
             self.staging.give(posted.owner, posted.buf, reuse=False)
 
     def _write_loop(self) -> None:
-        """Copies staged chunks into the jobs' destinations and ends jobs in order. It is the last user of
+        """Copies staged chunks into the jobs' destinations and ends those jobs in order (a job received
+        straight into its pages is ended by the receiving thread). It is the last user of
         the pair's data group (the receiving thread has returned): it closes the pair as it leaves (an
         NCCL group is aborted, so a dropped link leaks no communicator)."""
         try:
@@ -316,11 +330,7 @@ class DecodeLink:
         while (item := self._writes.get()) is not None:
             lj, chunk, value, owner = item
             if chunk is None:  # every chunk of the job is written
-                now = time.monotonic()
-                if lj.end(value):  # False: it was given up or failed meanwhile
-                    self.stats.job_ok(lj.nbytes, now - (lj.answered or now), now - lj.submitted)
-                    log.debug("transfer.landed", request_id=lj.job.request_id, peer=self.peer, epoch=self.epoch,
-                              bytes=lj.nbytes, seconds=round(now - (lj.answered or now), 6))
+                self._landed(lj, value)
                 continue
             try:
                 if lj.begin_write():
