@@ -210,17 +210,25 @@ class PrefillServer(anyio.AsyncContextManagerMixin):
             pass  # the event loop has gone: the process is exiting
 
     def _run_calls(self) -> None:
-        """On the loop: every call queued so far, in order (one wake-up for a burst of jobs)."""
-        while True:
-            with self._calls_lock:
-                if not self._calls:
-                    self._calls_scheduled = False
-                    return
-                fn, args = self._calls.popleft()
+        """On the loop: the calls queued so far, in order (one wake-up for a burst of jobs). Calls queued
+        meanwhile run in the next drain, after what these woke (the runtime starts on the first jobs while
+        the rest of a burst arrives)."""
+        with self._calls_lock:
+            calls = list(self._calls)
+            self._calls.clear()
+        for fn, args in calls:
             try:
                 fn(*args)
             except Exception as exc:  # noqa: BLE001 - one bad call must not stop the others
                 log.error("transfer.call_failed", call=getattr(fn, "__name__", repr(fn)), error=repr(exc))
+        with self._calls_lock:
+            if not self._calls:
+                self._calls_scheduled = False
+                return
+        try:
+            soon_on_loop(self._token, self._run_calls)
+        except RuntimeError:
+            pass  # the event loop has gone: the process is exiting
 
     def submit_job(self, sj: ServerJob) -> None:
         spec = sj.spec

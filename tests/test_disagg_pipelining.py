@@ -7,6 +7,7 @@ test_disagg_link), and a real prefill server with a real decode engine, in one p
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -168,6 +169,25 @@ async def test_calls_from_a_link_thread_never_wait_for_the_loop():
         assert {t for _, t in ran} == {threading.get_ident()}
         server.call(lambda: ran.append((-1, 0)))
         assert ran[-1] == (-1, 0)
+
+        # a call queued while a drain runs waits for the next one: what the drain woke runs first
+        order: list[str] = []
+        loop = asyncio.get_running_loop()
+
+        def first() -> None:
+            order.append("first")
+            loop.call_soon(order.append, "woken")  # e.g. the runtime's task, woken by a submitted job
+            late = threading.Thread(target=server.call, args=(order.append, "late"))
+            late.start()
+            late.join()
+
+        queued = threading.Thread(target=lambda: [server.call(first), server.call(order.append, "second")])
+        queued.start()
+        queued.join()
+        with anyio.fail_after(10):
+            while len(order) < 4:
+                await anyio.sleep(0.001)
+        assert order == ["first", "second", "woken", "late"], order
 
 
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
