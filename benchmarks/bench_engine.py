@@ -21,6 +21,9 @@
    the loop; in the checkpoint's layout (`F.linear`), in the packed layout
    (`torch.mm` on [in, out]) and in oneDNN's blocked layout (where it applies:
    what kvlife's default `weight_layout` uses on CPU), the fastest quoted.
+   Beside it, the attention a decode step cannot avoid: per layer the
+   queries over contiguous K and V of the mean decode context (prompt +
+   new / 2), the faster of SDPA and matmul-softmax-matmul.
 5. Memory bandwidth, in the same run: a copy and a sum of a 64 MiB tensor
    (in the last-level cache here) and of a 1 GiB one.
 
@@ -48,8 +51,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.machine import (add_device_option, fmt, header, loadavg, machine_info, median_range,  # noqa: E402
-                                write_results)
+from benchmarks.machine import (add_device_option, bandwidth, fmt, header, loadavg, machine_info,  # noqa: E402
+                                median_range, write_results)
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from engine.logging import configure_logging  # noqa: E402
 from engine.model.projection import Projection, onednn_applies  # noqa: E402
@@ -193,7 +196,33 @@ class Floor:
             x = down(gate_up(x)[:, : self.mlp])
         return self.blocked[-1](x)
 
-    def run(self, batch: int, steps: int = 30) -> dict:
+    def attention(self, batch: int, context: int, steps: int) -> float:
+        """ms of a decode step's attention at its least: per layer, [B, heads, 1, head_dim] queries over
+        contiguous K and V of `context` tokens (no paging), the faster of SDPA and matmul-softmax-matmul."""
+        heads, dim = ANCHOR["num_attention_heads"], self.hidden // ANCHOR["num_attention_heads"]
+        q = torch.randn(batch, heads, 1, dim, device=self.device)
+        kv = torch.randn(ANCHOR["num_hidden_layers"], 2, batch, heads, context, dim, device=self.device)
+
+        def sdpa(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return F.scaled_dot_product_attention(q, k, v)
+
+        def matmuls(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return torch.softmax(torch.matmul(q, k.transpose(-1, -2)) * dim**-0.5, -1) @ v
+
+        best = []
+        for form in (sdpa, matmuls):
+            times = []
+            for i in range(steps + 3):
+                t0 = time.perf_counter()
+                for layer in kv:
+                    form(layer[0], layer[1])
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+            best.append(statistics.median(times[3:]))
+        return 1e3 * min(best)
+
+    def run(self, batch: int, context: int, steps: int = 30) -> dict:
         x = torch.randn(batch, self.hidden, device=self.device)
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         out = {}
@@ -213,27 +242,9 @@ class Floor:
                     times.append(time.perf_counter() - t0)
                 out[f"{name}_ms"] = 1e3 * statistics.median(times)
         out["step_ms"] = min(out[f"{name}_ms"] for name, _ in variants)
+        with torch.inference_mode():
+            out["attention_ms"] = self.attention(batch, context, steps)
         return out
-
-
-def bandwidth() -> dict:
-    """GB/s of a copy (bytes read + written) and a sum (bytes read), 64 MiB and 1 GiB."""
-    out = {}
-    for label, nbytes in (("64MiB", 64 << 20), ("1GiB", 1 << 30)):
-        a = torch.ones(nbytes // 4)
-        b = torch.empty_like(a)
-        copy, total = [], []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            b.copy_(a)
-            copy.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            a.sum()
-            total.append(time.perf_counter() - t0)
-        out[f"copy_{label}_GBps"] = 2 * nbytes / statistics.median(copy) / 1e9
-        out[f"sum_{label}_GBps"] = nbytes / statistics.median(total) / 1e9
-        del a, b
-    return out
 
 
 # ------------------------------------------------------------------- main
@@ -258,7 +269,7 @@ async def bench_batch(args, directory: Path, hf: HFGenerate, floor: Floor, batch
                     run["kvlife"] = await kvlife_run(engine, prompts, n)
                     run["kvlife"]["wall_1_s"] = one["wall_s"]
                 else:
-                    run["floor"] = floor.run(batch)
+                    run["floor"] = floor.run(batch, args.prompt_len + n // 2)
             for who in ("hf", "kvlife"):
                 r = run[who]
                 r["e2e_tok_s"] = batch * n / r["wall_s"]
@@ -269,6 +280,7 @@ async def bench_batch(args, directory: Path, hf: HFGenerate, floor: Floor, batch
             run["x_hf_e2e"] = kv["e2e_tok_s"] / run["hf"]["e2e_tok_s"]
             run["x_hf_decode"] = kv["decode_tok_s"] / run["hf"]["decode_tok_s"]
             run["x_floor"] = run["floor"]["step_ms"] / kv["step_ms"]
+            run["x_floor_attention"] = (run["floor"]["step_ms"] + run["floor"]["attention_ms"]) / kv["step_ms"]
             if kv["forward_ms"] is not None and kv["itl_ms"]:
                 run["engine_work_share"] = 1 - kv["forward_ms"] / kv["itl_ms"]
             for who in ("hf", "kvlife"):
@@ -301,6 +313,8 @@ def summarize(batch: int, runs: list[dict]) -> dict:
         "floor_packed_ms": stat(lambda r: r["floor"]["packed_ms"]),
         "floor_onednn_ms": stat(lambda r: r["floor"].get("onednn_ms")),
         "x_floor": stat(lambda r: r["x_floor"]),
+        "floor_attention_ms": stat(lambda r: r["floor"]["attention_ms"]),
+        "x_floor_attention": stat(lambda r: r["x_floor_attention"]),
         "kvlife_itl_ms": stat(lambda r: r["kvlife"]["itl_ms"]),
         "kvlife_prepare_ms": stat(lambda r: r["kvlife"]["prepare_ms"]),
         "kvlife_forward_ms": stat(lambda r: r["kvlife"]["forward_ms"]),
@@ -336,6 +350,13 @@ def print_tables(rows: list[dict], info: dict, bw: dict, floor_mib: float) -> No
     for r in rows:
         layouts = [r["floor_linear_ms"], r["floor_packed_ms"], r["floor_onednn_ms"]]
         print(f"{r['batch']:>5} | " + " / ".join("-" if v is None else f"{v['median']:.2f}" for v in layouts))
+    print("\nthe floor with attention: + attention over contiguous K/V of the mean decode context; "
+          "best reachable x floor = floor / (floor + attention)")
+    print(f"{'batch':>5} | {'attention ms':>18} | {'x (floor + attention)':>22} | {'best reachable x floor':>22}")
+    for r in rows:
+        fl, at = r["floor_step_ms"]["median"], r["floor_attention_ms"]["median"]
+        print(f"{r['batch']:>5} | {fmt(r['floor_attention_ms'], 2):>18} | {fmt(r['x_floor_attention'], 2):>22} | "
+              f"{fl / (fl + at):>22.2f}")
 
 
 def main(argv: list[str] | None = None) -> dict:

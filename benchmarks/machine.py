@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import time
 from pathlib import Path
 
@@ -93,3 +94,23 @@ def write_results(path: str, results: dict) -> dict:
     out.write_text(json.dumps(results, indent=2))
     print(f"wrote {out}")
     return results
+
+
+def bandwidth() -> dict:
+    """GB/s of a copy (bytes read + written) and a sum (bytes read), 64 MiB and 1 GiB."""
+    out = {}
+    for label, nbytes in (("64MiB", 64 << 20), ("1GiB", 1 << 30)):
+        a = torch.ones(nbytes // 4)
+        b = torch.empty_like(a)
+        copy, total = [], []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            b.copy_(a)
+            copy.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            a.sum()
+            total.append(time.perf_counter() - t0)
+        out[f"copy_{label}_GBps"] = 2 * nbytes / statistics.median(copy) / 1e9
+        out[f"sum_{label}_GBps"] = nbytes / statistics.median(total) / 1e9
+        del a, b
+    return out

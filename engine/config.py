@@ -154,6 +154,10 @@ class EngineConfig:
     copy), "onednn" (also a oneDNN blocked copy: CPU, float32 or bfloat16 only;
     1.6-8x faster matmuls on the development CPU, twice the weight memory) or
     "auto" (onednn where it applies, else packed).
+    `greedy_head`: where a greedy step's tokens come from (`engine.model.greedy_head`):
+    "auto" (a verified bfloat16 copy of the LM head where it applies: CPU, a float32
+    model in the onednn layout, native bfloat16 matmuls; the float32 head elsewhere),
+    "verified" (refused where it does not apply) or "full" (always the float32 head).
     """
 
     model: str = attrs.field(default="tiny")
@@ -197,6 +201,7 @@ class EngineConfig:
     #: the most KV pages one session keeps locked (None: a whole max_context)
     session_max_pages: int | None = attrs.field(default=None, validator=optional_int_at_least(0))
     weight_layout: str = attrs.field(default="auto", validator=one_of("auto", "packed", "onednn"))
+    greedy_head: str = attrs.field(default="auto", validator=one_of("auto", "verified", "full"))
 
     def __attrs_post_init__(self) -> None:
         p = "EngineConfig"

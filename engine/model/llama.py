@@ -25,11 +25,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.model.attention import AttentionBackend
+from engine.model.greedy_head import GREEDY_HEADS, VerifiedGreedyHead, verified_head_applies
 from engine.model.layers import GatedMLP, RMSNorm
-from engine.model.model_config import ModelConfig, VisionConfig
+from engine.model.model_config import ModelConfig
 from engine.model.moe import MoEFeedForward
 from engine.model.projection import Projection, pack_linears, resolve_layout
 from engine.model.rope import RotaryEmbedding, apply_rope, apply_rope_
+from engine.model.vision import VisionProjector
 
 __all__ = ["LlamaModel", "apply_rope"]
 
@@ -152,36 +154,6 @@ class DecoderLayer(nn.Module):
         return down(hidden.mul_(up))
 
 
-class VisionProjector(nn.Module):
-    """Cuts an RGB uint8 image ``[H, W, 3]`` into square patches (row-major),
-    scales pixels to [0, 1] and projects each patch to one embedding."""
-
-    def __init__(self, vision: VisionConfig, hidden_size: int) -> None:
-        super().__init__()
-        self.vision = vision
-        self.proj = nn.Linear(vision.patch_dim, hidden_size, bias=True)
-
-    def num_image_tokens(self, image: Tensor) -> int:
-        """Patches (= placeholder tokens) `image` needs; ValueError if it is
-        not an acceptable image."""
-        if image.dtype != torch.uint8 or image.dim() != 3 or image.shape[2] != 3:
-            raise ValueError(f"an image must be a uint8 [H, W, 3] tensor, got {image.dtype} {list(image.shape)}")
-        height, width, _ = image.shape
-        patch, limit = self.vision.patch_size, self.vision.max_image_size
-        if not (0 < height <= limit and 0 < width <= limit) or height % patch or width % patch:
-            raise ValueError(f"image sides must be positive multiples of {patch} up to {limit}, got {height}x{width}")
-        return (height // patch) * (width // patch)
-
-    def forward(self, image: Tensor) -> Tensor:
-        """``[num_patches, hidden_size]`` embeddings for `image`."""
-        num_patches = self.num_image_tokens(image)
-        patch = self.vision.patch_size
-        height, width, _ = image.shape
-        pixels = image.to(device=self.proj.weight.device, dtype=self.proj.weight.dtype) / 255.0
-        patches = pixels.view(height // patch, patch, width // patch, patch, 3).permute(0, 2, 1, 3, 4)
-        return self.proj(patches.reshape(num_patches, self.vision.patch_dim))
-
-
 class DecoderStack(nn.Module):
     """Embedding, decoder layers and final norm (Hugging Face's ``model.``)."""
 
@@ -212,6 +184,8 @@ class LlamaModel(nn.Module):
         #: the layout `pack` chose (`engine.model.projection`); None: not packed, every forward is the reference
         self.weight_layout: str | None = None
         self._head: Projection | None = None
+        #: set by `pack` where it applies: greedy tokens through a verified bfloat16 head (`engine.model.greedy_head`)
+        self.verified_head: VerifiedGreedyHead | None = None
         self._projections: list[Projection] = []
         self._layers: list[DecoderLayer] = []
         self.register_load_state_dict_post_hook(_refresh_blocked)
@@ -291,6 +265,7 @@ class LlamaModel(nn.Module):
         *,
         output_rows: Tensor | None = None,
         routing: list[Tensor] | None = None,
+        apply_head: bool = True,
     ) -> Tensor:
         """Float32 logits ``[T, vocab]`` for the step's T tokens (only the
         `output_rows` of them, in that order, when given).
@@ -298,12 +273,15 @@ class LlamaModel(nn.Module):
         `input_ids` and `positions` are LongTensors ``[T]``; `input_embeds`
         ``[T, hidden]``, when given, replaces the embedding lookup. Also
         appends each MoE layer's routed expert ids to `routing` when given.
+        With `apply_head` False: the final-normed hidden states instead of
+        the logits (for `verified_head`, or `logits` after it declined).
         """
         hidden = self.model.embed_tokens(input_ids) if input_embeds is None else input_embeds.to(self.dtype)
         if self.config.scale_embeddings:
             hidden = hidden * torch.tensor(self.config.hidden_size**0.5, dtype=hidden.dtype)
         if self.weight_layout is not None:
-            return self._fused_forward(hidden, positions, attention, input_embeds, output_rows, routing)
+            normed = self._fused_forward(hidden, positions, attention, input_embeds, output_rows, routing)
+            return self.logits(normed) if apply_head else normed
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
         for layer in self.model.layers:
             hidden, layer_routing = layer(hidden, cos, sin, attention)
@@ -312,6 +290,8 @@ class LlamaModel(nn.Module):
         if output_rows is not None:
             hidden = hidden[output_rows]
         hidden = self.model.norm.reference(hidden)
+        if not apply_head:
+            return hidden
         head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, head).float()
 
@@ -333,8 +313,14 @@ class LlamaModel(nn.Module):
                 routing.append(layer_routing)
         if output_rows is not None:
             hidden = hidden.index_select(0, output_rows)
-        assert self._head is not None  # `pack` sets it
-        logits = self._head(self.model.norm(hidden))
+        return self.model.norm(hidden)
+
+    def logits(self, normed: Tensor) -> Tensor:
+        """Float32 logits of final-normed hidden states (`forward` with `apply_head` False)."""
+        if self._head is None:  # not packed: the reference head
+            head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            return F.linear(normed, head).float()
+        logits = self._head(normed)
         return logits if logits.dtype == torch.float32 else logits.float()
 
     @torch.no_grad()
@@ -384,6 +370,20 @@ class LlamaModel(nn.Module):
         self._layers = [layer for layer in self.model.layers if isinstance(layer, DecoderLayer)]
         self.weight_layout = layout
 
+    def use_verified_head(self, mode: str = "auto") -> None:
+        """After `pack`: take greedy steps' tokens from a verified bfloat16 copy of the LM
+        head (`engine.model.greedy_head`): "auto" where it applies, "verified" (ValueError
+        where it does not), "full" never."""
+        if mode not in GREEDY_HEADS:
+            raise ValueError(f"greedy head must be one of {GREEDY_HEADS}, got {mode!r}")
+        head = self._head
+        applies = head is not None and verified_head_applies(head.weight_t, self.weight_layout or "")
+        if mode == "verified" and not applies:
+            raise ValueError("the verified greedy head needs a CPU float32 model in the onednn weight layout "
+                             "and oneDNN with native bfloat16 matmuls")
+        use = head is not None and applies and mode != "full"
+        self.verified_head = VerifiedGreedyHead(head.weight_t) if use and head is not None else None
+
 
 def _refresh_blocked(module: nn.Module, incompatible_keys: object) -> None:
     """After `load_state_dict` into a packed model: rebuild each oneDNN blocked copy."""
@@ -391,3 +391,5 @@ def _refresh_blocked(module: nn.Module, incompatible_keys: object) -> None:
     for projection in module._projections:
         if projection.blocked is not None:
             projection.refresh()
+    if module.verified_head is not None:
+        module.verified_head.refresh()

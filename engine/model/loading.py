@@ -44,6 +44,11 @@ def load_model(config: EngineConfig, device: torch.device) -> tuple[ModelConfig,
     except ValueError as exc:  # "onednn" for a dtype it does not cover
         raise InvalidConfig("EngineConfig.weight_layout", f"'auto' or 'packed' for this model ({exc})",
                             config.weight_layout) from exc
+    try:
+        model.use_verified_head(config.greedy_head)
+    except ValueError as exc:  # "verified" where it does not apply
+        raise InvalidConfig("EngineConfig.greedy_head", f"'auto' or 'full' for this model ({exc})",
+                            config.greedy_head) from exc
     if config.hisparse is not None and model_config.has_sliding_window:
         raise InvalidConfig("EngineConfig.hisparse", "None for a model with sliding-window attention "
                             f"(sliding_window={model_config.sliding_window})", config.hisparse)

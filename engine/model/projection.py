@@ -80,6 +80,16 @@ class Projection:
         if layout == "onednn":
             self.refresh()
 
+    @classmethod
+    def blocked_only(cls, weight_t: Tensor) -> Projection:
+        """A oneDNN projection that keeps only the blocked copy of `weight_t` (not float32: it
+        never takes `torch.mm`), so the ``[in, out]`` tensor can be a temporary."""
+        if weight_t.dtype == torch.float32:
+            raise ValueError("a float32 projection keeps its [in, out] weight for small steps")
+        projection = cls(weight_t, None, "onednn")
+        projection.weight_t = weight_t.new_empty((weight_t.shape[0], 0))
+        return projection
+
     def refresh(self) -> None:
         """Rebuild the blocked copy from `weight_t` (after its values changed)."""
         # NOTE: the batch-size hint only tunes the blocking; 8 measured as fast as 128 at every batch

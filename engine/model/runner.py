@@ -247,11 +247,20 @@ class ModelRunner:
         t1 = time.perf_counter() if timed else 0.0
         routing: list[torch.Tensor] = []
         rows = inputs.sample_rows if plan is None else plan.output_rows(inputs.sample_rows, self.device)
-        logits = self.model(inputs.ids, inputs.positions, attention, embeds, output_rows=rows, routing=routing)
+        # greedy rows only, no logprobs, no mask: the verified bfloat16 head (engine.model.greedy_head)
+        head = getattr(self.model, "verified_head", None)
+        verified = (head is not None and batch is not None and batch.greedy and not batch.wants_logprobs
+                    and masks is None and plan is None)
+        logits = self.model(inputs.ids, inputs.positions, attention, embeds, output_rows=rows, routing=routing,
+                            apply_head=not verified)
+        greedy = None
+        if verified:
+            greedy = head.argmax(logits) if head is not None else None  # `logits`: the final hidden states
+            logits = self.model.logits(logits) if greedy is None else logits
         prompt_logprobs: list[PromptEntries] = []
         if plan is not None:  # issue 21: read back on their own (one more sync, in such steps only)
             logits, prompt_logprobs = plan.split(logits, inputs.sample_rows, len(params))
-        out = self._finish(logits, batch, inputs.fields, torch.stack(routing) if routing else None,
+        out = self._finish(logits, batch, inputs.fields, torch.stack(routing) if routing else None, greedy,
                            masks=masks() if masks is not None else None)
         out.prompt_logprobs = prompt_logprobs
         if isinstance(attention, MakesFences):

@@ -5,7 +5,8 @@ Images are uint8 ``[H, W, 3]`` tensors. A prompt's image placeholder tokens
 (the tokenizer's `image_token_id`) are expanded so each image gets one
 placeholder per patch; a prompt without placeholders gets them prepended.
 The embeddings themselves are cached and reference-counted by
-`resources.multimodal_cache`.
+`resources.multimodal_cache`; `VisionProjector` is the model's part that
+computes them.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch import Tensor, nn
 
 from engine.errors import InvalidRequest
+from engine.model.model_config import VisionConfig
 from states import Request
 
 
@@ -80,3 +83,33 @@ def make_embedder(model: Any, image_token_id: int,
         return embeds
 
     return embed
+
+
+class VisionProjector(nn.Module):
+    """Cuts an RGB uint8 image ``[H, W, 3]`` into square patches (row-major),
+    scales pixels to [0, 1] and projects each patch to one embedding."""
+
+    def __init__(self, vision: VisionConfig, hidden_size: int) -> None:
+        super().__init__()
+        self.vision = vision
+        self.proj = nn.Linear(vision.patch_dim, hidden_size, bias=True)
+
+    def num_image_tokens(self, image: Tensor) -> int:
+        """Patches (= placeholder tokens) `image` needs; ValueError if it is
+        not an acceptable image."""
+        if image.dtype != torch.uint8 or image.dim() != 3 or image.shape[2] != 3:
+            raise ValueError(f"an image must be a uint8 [H, W, 3] tensor, got {image.dtype} {list(image.shape)}")
+        height, width, _ = image.shape
+        patch, limit = self.vision.patch_size, self.vision.max_image_size
+        if not (0 < height <= limit and 0 < width <= limit) or height % patch or width % patch:
+            raise ValueError(f"image sides must be positive multiples of {patch} up to {limit}, got {height}x{width}")
+        return (height // patch) * (width // patch)
+
+    def forward(self, image: Tensor) -> Tensor:
+        """``[num_patches, hidden_size]`` embeddings for `image`."""
+        num_patches = self.num_image_tokens(image)
+        patch = self.vision.patch_size
+        height, width, _ = image.shape
+        pixels = image.to(device=self.proj.weight.device, dtype=self.proj.weight.dtype) / 255.0
+        patches = pixels.view(height // patch, patch, width // patch, patch, 3).permute(0, 2, 1, 3, 4)
+        return self.proj(patches.reshape(num_patches, self.vision.patch_dim))
