@@ -8,6 +8,7 @@ test_disagg_link), and a real prefill server with a real decode engine, in one p
 from __future__ import annotations
 
 import asyncio
+import datetime
 import threading
 import time
 
@@ -15,10 +16,12 @@ import anyio
 import anyio.lowlevel
 import pytest
 import torch
+import torch.distributed as dist
 
 from disagg_helpers import client, remote_config
 from engine import Engine, SamplingParams
 from engine.disagg import PrefillServer, PrefillServerConfig
+from engine.disagg.link.transport import Pair
 from engine.disagg.link.wire import OK, chunk_plan
 from engine.prefill_server import soon_on_loop
 from helpers import small_config
@@ -213,3 +216,41 @@ def test_soon_on_loop_under_each_async_library(backend):
         soon_on_loop(token, lambda: None)
     with pytest.raises(RuntimeError):
         soon_on_loop(None, lambda: None)
+
+
+class _Waits:
+    """A posted work whose waits are recorded (the real work does them)."""
+
+    def __init__(self, work, index: int, log: list[int]) -> None:
+        self.work, self.index, self.log = work, index, log
+
+    def wait(self, timeout):
+        self.log.append(self.index)
+        return self.work.wait(timeout)
+
+
+def test_a_chunk_is_waited_for_from_its_last_message_once_each():
+    """`Pair.wait_all` waits for the last message first (the others are done by then: one wake-up per chunk),
+    then each other once (a second wait on a gloo work would run to its timeout); every message lands."""
+    store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10), wait_for_workers=False)
+    pairs: dict[int, Pair] = {}
+
+    def build(rank: int) -> None:
+        client_store = dist.TCPStore("127.0.0.1", store.port, None, False, datetime.timedelta(seconds=10))
+        pairs[rank] = Pair(client_store, "w/", rank=rank, host="127.0.0.1", backend="gloo",
+                           device=torch.device("cpu"), timeout=10.0)
+
+    threads = [threading.Thread(target=build, args=(rank,)) for rank in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    sent = [torch.full((1000,), float(i + 1)) for i in range(3)]
+    got = [torch.zeros(1000) for _ in range(3)]
+    order: list[int] = []
+    receives = [_Waits(pairs[1].post_recv_data(t), i, order) for i, t in enumerate(got)]
+    sends = [pairs[0].post_send_data(t) for t in sent]
+    pairs[1].wait_all(receives, 5.0)  # NOTE: a second wait on one of them would raise its timeout
+    pairs[0].wait_all(sends, 5.0)
+    assert order == [2, 0, 1]
+    assert all(torch.equal(a, b) for a, b in zip(sent, got))

@@ -216,11 +216,15 @@ class Pair:
         """Wait for the works of one chunk's messages, all within `timeout` from now; the first `ctl` of
         them are control messages (gloo's wait even with NCCL chunks)."""
         deadline = time.monotonic() + timeout
-        for i, work in enumerate(works):
+        # NOTE: the last first: a pair's messages complete in the order they were posted, so the others are
+        # done by then and their waits return at once (one wake-up of this thread per chunk, not one per
+        # message). Each work is waited for once: a second wait on a gloo work waits for its timeout.
+        last = len(works) - 1
+        for i in [last, *range(last)] if works else []:
             if i < ctl:
-                self._wait(work, deadline - time.monotonic())
+                self._wait(works[i], deadline - time.monotonic())
             else:
-                self.wait(work, deadline - time.monotonic())
+                self.wait(works[i], deadline - time.monotonic())
 
     def drain(self, works: list[dist.Work], timeout: float) -> None:
         """After a failure: wait (within `timeout` from now) until none of `works` can touch its tensor any

@@ -30,7 +30,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import attrs
@@ -273,7 +273,8 @@ class PrefillLink:
                         keep=ctl)
             works, ctl, nbytes = [], [], 0
 
-    def _post_all(self, works: list[dist.Work], tensors: list[torch.Tensor], post: Any, timeout: float) -> None:
+    def _post_all(self, works: list[dist.Work], tensors: list[torch.Tensor],
+                  post: Callable[[torch.Tensor], dist.Work], timeout: float) -> None:
         """Post a send of each tensor into `works`; if one fails (the pair is closed), the ones posted are
         drained before it raises, so nothing reads their memory afterwards."""
         try:
