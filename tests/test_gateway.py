@@ -187,7 +187,9 @@ class TestKilledInstance:
         assert len(outcomes) == len(requests)  # every request ended (each within the bound)
         assert len(cut - streams) >= 2
         for request_id in cut - streams:  # the gateway's retry ran them again on the survivor
-            assert outcomes[request_id] == "ok" and request_id in survivor.summaries(), request_id
+            assert outcomes[request_id] == "ok" and request_id in survivor.summaries(), (
+                f"{request_id}: {outcomes[request_id]}; survivor saw it: {request_id in survivor.submitted()}; "
+                f"gateway log: {fleet.gateway.lines()[-12:]}")
         for request_id in cut & streams:  # a stream cut mid-way ends, as a result or an error, never empty
             assert outcomes[request_id] != "empty", request_id
         async with fleet.client() as client:
