@@ -233,6 +233,7 @@ class Engine:
         if params is not None and isinstance(params, SamplingParams) and params.n != 1:
             raise InvalidRequest("SamplingParams.n", "1 for complete() (iterate generate() for n > 1)", params.n)
         stream = self.generate(prompt, params, **kwargs)
+        stream._final_only()  # NOTE: no wake-up per token for chunks this call discards
         final = None
         async with stream:
             async for output in stream:

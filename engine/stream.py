@@ -13,7 +13,10 @@ raises `InvalidRequest` before any output.
 NOTE: `OutputChannel` is a deque and a wake-up event instead of an anyio
 memory object stream: both ends live on the event loop's thread (the loop
 writes, one client reads), and a send is then an append, which matters at
-one send per token of every running request.
+one send per token of every running request. For the same reason a channel
+makes its wake-up events from the running library's own event class (the
+class of the first `anyio.Event` it made), not through `anyio.Event`, which
+looks the library up on every call.
 """
 
 from __future__ import annotations
@@ -31,18 +34,25 @@ from engine.outputs import RequestOutput
 class OutputChannel:
     """Outputs from the loop (the only writer) to one RequestStream (the only reader)."""
 
-    __slots__ = ("_items", "_waiter", "closed", "reader_gone")
+    __slots__ = ("_items", "_waiter", "_event_type", "closed", "reader_gone", "final_only")
 
     def __init__(self) -> None:
         self._items: deque[Any] = deque()
         self._waiter: anyio.Event | None = None
+        #: the running async library's event class, from the first wait on (module docstring)
+        self._event_type: type[anyio.Event] | None = None
         self.closed = False  # the writer is done: the reader ends after the items left
         self.reader_gone = False  # the reader left: nothing is delivered any more
+        #: the reader wants final outputs only (`Engine.complete`): chunks are dropped, never queued,
+        #: so the reader is not woken once per token for outputs it would discard
+        self.final_only = False
 
     def send(self, item: Any) -> bool:
         """Queue `item`; False if the reader has left (or the channel is closed)."""
         if self.reader_gone or self.closed:
             return False
+        if self.final_only and isinstance(item, RequestOutput) and not item.finished:
+            return True
         self._items.append(item)
         self._wake()
         return True
@@ -62,13 +72,22 @@ class OutputChannel:
 
         NOTE: checked first, unconditionally: a consumer whose wake-up is always set
         before it is looked at (the loop sends, then yields) would otherwise never be
-        seen waiting, and anyio would never deliver its cancellation."""
+        seen waiting, and anyio would never deliver its cancellation. (Not only when an
+        item is ready: a consumer that cancelled itself and then waits could be woken by
+        the next output before anyio delivers the cancellation; tests/test_finish_paths.py
+        holds it.)"""
         await anyio.lowlevel.checkpoint_if_cancelled()
         while not self._items:
             if self.closed or self.reader_gone:
                 raise anyio.EndOfStream
-            self._waiter = anyio.Event()
-            await self._waiter.wait()
+            event_type = self._event_type
+            if event_type is None:
+                waiter = anyio.Event()
+                self._event_type = type(waiter)
+            else:
+                waiter = event_type()
+            self._waiter = waiter
+            await waiter.wait()
         return self._items.popleft()
 
     def _wake(self) -> None:
@@ -105,6 +124,11 @@ class RequestStream:
             await self._ready.wait()
         if self._refused is not None:
             raise self._refused
+
+    def _final_only(self) -> None:
+        """Deliver only the final outputs (and errors): for a caller that discards the chunks
+        (`Engine.complete`). Call before the first output can be sent (right after `generate`)."""
+        self._channel.final_only = True
 
     def __aiter__(self) -> RequestStream:
         return self

@@ -234,11 +234,28 @@ class PagedAttention:
         so the plan can be captured in a CUDA graph): one new token per
         sequence written at `out_locs` ``[B]``, contexts of `kv_lens` ``[B]``
         tokens in the pages `pages` ``[B, P]`` (page size `kv.page_size`)."""
+        context = ContextBatch(pages, kv.page_size, kv_lens, (kv_lens - 1)[:, None], q_len=1)
+        return cls._decoding(kv, out_locs, context, tuple(layer_windows))
+
+    @classmethod
+    def decode_rows(cls, kv: KVBuffers, out_locs: Tensor, context: ContextBatch, longest: int,
+                    layer_windows: tuple[int | None, ...] = ()) -> PagedAttention:
+        """A decode-only step planned by its caller (`engine.model.decode_inputs`): the same
+        plan as the constructor's for a step whose every row is one new token, from a
+        `ContextBatch` of those rows whose longest context is `longest` tokens."""
+        if layer_windows.count(None) == len(layer_windows):  # NOTE: no window (the common case): nothing to trim
+            return cls._decoding(kv, out_locs, context, layer_windows)
+        windows = tuple(None if w is not None and w >= longest else w for w in layer_windows)
+        return cls._decoding(kv, out_locs, context, windows)
+
+    @classmethod
+    def _decoding(cls, kv: KVBuffers, out_locs: Tensor, context: ContextBatch,
+                  windows: tuple[int | None, ...]) -> PagedAttention:
         self = cls.__new__(cls)
-        self._kv, self._out_locs, self._windows = kv, out_locs, tuple(layer_windows)
+        self._kv, self._out_locs, self._windows = kv, out_locs, windows
         self._decode_rows, self._prefill, self._prefill_queries, self._prefill_out = None, None, None, None
         self._fresh, self._fresh_masks = None, {}
-        self._decode = ContextBatch(pages, kv.page_size, kv_lens, (kv_lens - 1)[:, None], q_len=1)
+        self._decode = context
         return self
 
     @classmethod

@@ -25,6 +25,12 @@ under the engine's device (`resources.device_io.on_device`)::
     read back: tokens, MoE routing and logprobs in one copy and one wait
                (`resources.device_io.read_back`), the step's only host sync
 
+A plain decode step (every row one sampled token of a request with a slot,
+the paged attention backend) builds the same tensors on a short path
+(`engine.model.decode_inputs`): on the host, the new tokens' locations and
+the page table are read from the token table there; the general layout is
+for every other step.
+
 The model's weights are packed once, at construction (`LlamaModel.pack`).
 A decode-only step on CUDA replays the CUDA graph of its batch bucket
 (`engine.model.decode_graphs`), captured when the runner is built, whatever
@@ -44,7 +50,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from engine.model.attention import AttentionBackend, AttentionMetadata, PagedAttention, PagedFactory
-from engine.model.batch import MakesFences, ScheduledSeq, row_tokens
+from engine.model.batch import ScheduledSeq, row_tokens
+from engine.model.decode_inputs import decode_inputs
 from engine.model.llama import LlamaModel
 from engine.model.prompt_logprobs import PromptEntries, PromptLogprobPlan
 from engine.model.decode_graphs import FIELD_ROWS, DecodeGraphs
@@ -103,6 +110,13 @@ class ModelRunner:
         self.timings: list[StepTiming] | None = None
         #: the step's inputs: one pinned host buffer, one copy
         self.upload = StepUpload(device)
+        #: plain decode steps take `engine.model.decode_inputs`' short path (False: every step the
+        #: general one; tests compare the two)
+        self.short_decode = True
+        self._inference_mode = torch.inference_mode()
+        #: the token table as a host array when it lives on the host (the short path reads it there)
+        table = slots.req_to_token
+        self._host_table = table.numpy() if table.device.type == "cpu" else None
         pack = getattr(model, "pack", None)
         if pack is not None:
             with on_device(device):
@@ -212,11 +226,16 @@ class ModelRunner:
         sections = {name: layout.view(dev, name) for name, _ in extra}
         return StepInputs(ids_t, pos_t, meta, sample_rows, fields_t, sections)
 
-    @torch.inference_mode()
     def step(self, seqs: Sequence[ScheduledSeq]) -> StepOutput:
         self._inject_faults(seqs)
-        with on_device(self.device):
-            return self._step(seqs)
+        # NOTE: one inference_mode object, entered once per step (the runner runs one step at a
+        # time): building one per call, as the decorator does, costs tens of microseconds a step
+        # with the caches cold after the forward; on_device is a no-op off CUDA, and skipped
+        with self._inference_mode:
+            if self.device.type != "cuda":
+                return self._step(seqs)
+            with on_device(self.device):
+                return self._step(seqs)
 
     def _step(self, seqs: Sequence[ScheduledSeq]) -> StepOutput:
         if self.extension is not None:
@@ -241,17 +260,29 @@ class ModelRunner:
                 if timed:
                     self._record(seqs, t0, t0)
                 return out
-        inputs = self.prepare(seqs, batch)
-        embeds = self.embedder(seqs, inputs.ids) if self.embedder is not None else None
-        attention = self.attention_factory(seqs, inputs.meta)
+        factory = self.attention_factory
+        short = None
+        if self.short_decode and plan is None and batch is not None and isinstance(factory, PagedFactory):
+            short = decode_inputs(seqs, batch.fields, upload=self.upload, table=self.slots.req_to_token,
+                                  host_table=self._host_table, kv=self.kv, slot_of=self.slot_of,
+                                  layer_windows=factory.layer_windows)
+        attention: AttentionBackend
+        if short is not None:  # a plain decode step (engine.model.decode_inputs): every row sampled
+            ids, positions, attention, fields = short
+            sample_rows = None
+        else:
+            inputs = self.prepare(seqs, batch)
+            ids, positions, sample_rows, fields = inputs.ids, inputs.positions, inputs.sample_rows, inputs.fields
+            attention = factory(seqs, inputs.meta)
+        embeds = self.embedder(seqs, ids) if self.embedder is not None else None
         t1 = time.perf_counter() if timed else 0.0
         routing: list[torch.Tensor] = []
-        rows = inputs.sample_rows if plan is None else plan.output_rows(inputs.sample_rows, self.device)
+        rows = sample_rows if plan is None else plan.output_rows(sample_rows, self.device)
         # greedy rows only, no logprobs, no mask: the verified bfloat16 head (engine.model.greedy_head)
         head = getattr(self.model, "verified_head", None)
         verified = (head is not None and batch is not None and batch.greedy and not batch.wants_logprobs
                     and masks is None and plan is None)
-        logits = self.model(inputs.ids, inputs.positions, attention, embeds, output_rows=rows, routing=routing,
+        logits = self.model(ids, positions, attention, embeds, output_rows=rows, routing=routing,
                             apply_head=not verified)
         greedy = None
         if verified:
@@ -259,14 +290,16 @@ class ModelRunner:
             logits = self.model.logits(logits) if greedy is None else logits
         prompt_logprobs: list[PromptEntries] = []
         if plan is not None:  # issue 21: read back on their own (one more sync, in such steps only)
-            logits, prompt_logprobs = plan.split(logits, inputs.sample_rows, len(params))
-        out = self._finish(logits, batch, inputs.fields, torch.stack(routing) if routing else None, greedy,
+            logits, prompt_logprobs = plan.split(logits, sample_rows, len(params))
+        out = self._finish(logits, batch, fields, torch.stack(routing) if routing else None, greedy,
                            masks=masks() if masks is not None else None)
         out.prompt_logprobs = prompt_logprobs
-        if isinstance(attention, MakesFences):
-            out.fences = attention.fences
+        # NOTE: what `isinstance(attention, MakesFences)` checks, without a protocol check's cost every step
+        fences = getattr(attention, "fences", None)
+        if fences is not None:
+            out.fences = fences
         if timed:
-            self._record(seqs, t0, t1)
+            self._record(seqs, t0, t1, decode_only=True if short is not None else None)
         return out
 
     def _replay(self, seqs: Sequence[ScheduledSeq], batch: SamplingBatch) -> tuple[Any, Any, Any, Any] | None:
@@ -328,10 +361,11 @@ class ModelRunner:
             logprobs = format_logprobs(batch, token_ids, *host[1:4])
         return StepOutput(token_ids, list(host[-1].unbind(0)) if routing is not None else [], logprobs)
 
-    def _record(self, seqs: Sequence[ScheduledSeq], t0: float, t1: float) -> None:
+    def _record(self, seqs: Sequence[ScheduledSeq], t0: float, t1: float, decode_only: bool | None = None) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        decode_only = all(s.num_tokens == 1 for s in seqs)
+        if decode_only is None:
+            decode_only = all(s.num_tokens == 1 for s in seqs)
         assert self.timings is not None  # called only for timed steps
         self.timings.append(StepTiming(len(seqs), decode_only, t1 - t0, time.perf_counter() - t1))
 

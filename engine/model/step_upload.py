@@ -19,6 +19,7 @@ step's values; after a normal step the event is long done. On the host
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -55,6 +56,14 @@ class StepUpload:
         if words > self.capacity:
             self._host, self._np, self._dev = self._allocate(max(words, 2 * self.capacity))
         return self._np
+
+    def send_sections(self, sizes: list[int]) -> Sequence[torch.Tensor]:
+        """`send` of the first `sum(sizes)` words, as consecutive views of `sizes` words each,
+        made in one call (on the host: views of the host buffer itself)."""
+        words = sum(sizes)
+        if self.device.type == "cpu":
+            return self._host.split_with_sizes([*sizes, self.capacity - words])[: len(sizes)]
+        return self.send(words).split_with_sizes(sizes)
 
     def send(self, words: int, into: torch.Tensor | None = None) -> torch.Tensor:
         """The first `words` of the host buffer on the device (copied into `into[:words]` when given)."""

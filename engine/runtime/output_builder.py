@@ -156,6 +156,10 @@ class OutputBuilder:
     def output(self, new_ids: list[int], new_text: str, *, final: bool,
                logprobs: tuple[TokenLogprob, ...] | None = None) -> RequestOutput:
         request = self.request
+        if not final and self.prompt_logprobs is None:  # NOTE: the common chunk, built with no dict in between
+            return RequestOutput(request_id=self.request_id, new_token_ids=new_ids, all_ids=request.output_token_ids,
+                                 num_ids=len(request.output_token_ids), new_text=new_text, text_parts=self._parts,
+                                 num_parts=len(self._parts), index=self.index, logprobs=logprobs)
         common: dict[str, Any] = dict(request_id=self.request_id, new_token_ids=new_ids, all_ids=request.output_token_ids,
                       num_ids=len(request.output_token_ids), new_text=new_text, text_parts=self._parts,
                       num_parts=len(self._parts), index=self.index, logprobs=logprobs)

@@ -180,14 +180,16 @@ class Planner:
 
     # --------------------------------------------------------------- batch
     def batch(self) -> list[ScheduledSeq]:
-        skipped: set[Request] = set()
+        grown: list[Request] = []
         for request in self.table.in_state(S.DECODING):
             if request.state is not S.DECODING:  # retracted as a victim meanwhile
                 continue
             self.gateway.prune_fences(request)  # a long decode must not keep one completed backup fence per token
-            if not self._grow(request):
-                skipped.add(request)
-        decoding = [r for r in self.table.in_state(S.DECODING) if r not in skipped]
+            if self._grow(request):
+                grown.append(request)
+        # NOTE: nothing enters DECODING while requests grow, so the grown ones still decoding (not
+        # retracted as a victim after they grew) are the batch's decode rows, in table order
+        decoding = [r for r in grown if r.state is S.DECODING]
         batch = self.scheduler.select_batch(self.table.in_state(S.PREFILLING), decoding)
         if self.draft_tokens:
             for s in batch:
