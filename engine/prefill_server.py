@@ -30,12 +30,12 @@ from __future__ import annotations
 import datetime
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
-import anyio.from_thread
 import anyio.lowlevel
 import attrs
 from anyio.lowlevel import EventLoopToken
@@ -69,6 +69,19 @@ TICK = 0.02
 def _dial(host: str) -> str:
     """The address to reach a store bound to `host` from this machine."""
     return "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
+
+
+def soon_on_loop(token: EventLoopToken | None, fn: Callable[[], None]) -> None:
+    """Schedule `fn()` on the event loop of `token` from another thread, without waiting for it
+    (asyncio's `call_soon_threadsafe`, trio's `run_sync_soon`); RuntimeError once that loop is closed."""
+    native = getattr(token, "native_token", None)
+    schedule = getattr(native, "call_soon_threadsafe", None) or getattr(native, "run_sync_soon", None)
+    if schedule is None:
+        raise RuntimeError("no event loop to call")
+    try:
+        schedule(fn)
+    except Exception as exc:  # noqa: BLE001 - asyncio: RuntimeError; trio: RunFinishedError
+        raise RuntimeError(f"the event loop is closed: {exc!r}") from exc
 
 
 class _SignalledFence(ManualFence):
@@ -111,6 +124,10 @@ class PrefillServer(anyio.AsyncContextManagerMixin):
         self._token: EventLoopToken | None = None
         self._closing = threading.Event()
         self._loop_thread = 0
+        #: calls from other threads waiting for the event loop (`call`), and whether a drain is scheduled
+        self._calls: deque[tuple[Callable[..., None], tuple[object, ...]]] = deque()
+        self._calls_lock = threading.Lock()
+        self._calls_scheduled = False
 
     def _sender(self, ctx: BuildContext) -> LinkSender:
         mc = ctx.model_config
@@ -177,12 +194,39 @@ class PrefillServer(anyio.AsyncContextManagerMixin):
 
     # ------------------------------------------------- called on the loop
     def call(self, fn: Callable[..., None], *args: object) -> None:
-        """Run `fn(*args)` on this server's event loop (from any thread); dropped once it has closed."""
+        """Run `fn(*args)` on this server's event loop: at once on its thread, else soon, in the order of
+        the calls, without waiting (a link's thread goes back to its socket); dropped once it has closed."""
         if threading.get_ident() == self._loop_thread:
             fn(*args)
             return
+        with self._calls_lock:
+            self._calls.append((fn, args))
+            if self._calls_scheduled:
+                return  # the drain already scheduled runs it
+            self._calls_scheduled = True
         try:
-            anyio.from_thread.run_sync(fn, *args, token=self._token)
+            soon_on_loop(self._token, self._run_calls)
+        except RuntimeError:
+            pass  # the event loop has gone: the process is exiting
+
+    def _run_calls(self) -> None:
+        """On the loop: the calls queued so far, in order (one wake-up for a burst of jobs). Calls queued
+        meanwhile run in the next drain, after what these woke (the runtime starts on the first jobs while
+        the rest of a burst arrives)."""
+        with self._calls_lock:
+            calls = list(self._calls)
+            self._calls.clear()
+        for fn, args in calls:
+            try:
+                fn(*args)
+            except Exception as exc:  # noqa: BLE001 - one bad call must not stop the others
+                log.error("transfer.call_failed", call=getattr(fn, "__name__", repr(fn)), error=repr(exc))
+        with self._calls_lock:
+            if not self._calls:
+                self._calls_scheduled = False
+                return
+        try:
+            soon_on_loop(self._token, self._run_calls)
         except RuntimeError:
             pass  # the event loop has gone: the process is exiting
 

@@ -162,8 +162,9 @@ class DecodeLink:
                     budget = item.deadline - time.monotonic()
                     spec = attrs.evolve(item.spec, budget=max(budget - min(s.chunk_slack, budget / 4), 0.0))
                     frame = encode_job(spec)
-                    self.pair.send_ctl(header(JOB, item.tag, frame.numel()), s.chunk_slack)
-                    self.pair.send_ctl(frame, s.chunk_timeout(frame.numel()))
+                    hdr = header(JOB, item.tag, frame.numel())
+                    works = [self.pair.post_send_ctl(hdr), self.pair.post_send_ctl(frame)]
+                    self.pair.wait_all(works, s.chunk_timeout(frame.numel()), ctl=len(works))
                 elif kind == "cancel":
                     self.pair.send_ctl(header(CANCEL, item), s.chunk_slack)
                 elif kind == "ping":
@@ -187,12 +188,14 @@ class DecodeLink:
 
     def _receive(self, hdr: torch.Tensor) -> None:
         """Headers and chunks in FIFO order until the link fails (every exception ends it)."""
+        work = self.pair.post_recv_ctl(hdr)
         while True:
-            self.pair.recv_ctl(hdr, self.settings.liveness_timeout)
+            self.pair.wait_ctl(work, self.settings.liveness_timeout)
             if not self.up:
                 return
             op, tag, status, first_token, reason_len, logprob_len, runs_len, direct = hdr.tolist()
             if op == PING:
+                work = self.pair.post_recv_ctl(hdr)
                 continue
             if op == BYE:
                 self._farewell = True  # answer it, so the prefill's receiving thread returns
@@ -210,17 +213,21 @@ class DecodeLink:
                                lj.destination.num_tokens, "the prefill's") if direct else None
             lj.answered = time.monotonic()
             if status == OK:
-                self._recv_chunks(lj, first, cuts(src, lj.spec.runs))
-            elif lj.end(None, "prefill_failed", f"the prefill answered {STATUS_NAMES.get(status, status)}: "
-                                                f"{reason}"):
-                if status == CANCELLED:
-                    self.stats.job_cancelled()
-                else:
-                    self.stats.job_failed("prefill_failed")
-                    log.warning("transfer.failed", request_id=lj.job.request_id, peer=self.peer,
-                                epoch=self.epoch, cause="prefill_failed", reason=reason)
+                work = self._recv_chunks(lj, first, cuts(src, lj.spec.runs), lambda: self.pair.post_recv_ctl(hdr))
+            else:
+                work = self.pair.post_recv_ctl(hdr)
+                self._answered_failed(lj, status, reason)
             with self.lock:
                 self.inflight.popleft()
+
+    def _answered_failed(self, lj: LinkJob, status: int, reason: str) -> None:
+        if lj.end(None, "prefill_failed", f"the prefill answered {STATUS_NAMES.get(status, status)}: {reason}"):
+            if status == CANCELLED:
+                self.stats.job_cancelled()
+            else:
+                self.stats.job_failed("prefill_failed")
+                log.warning("transfer.failed", request_id=lj.job.request_id, peer=self.peer, epoch=self.epoch,
+                            cause="prefill_failed", reason=reason)
 
     def _recv_bytes(self, nbytes: int) -> bytes:
         if nbytes <= 0:
@@ -229,17 +236,25 @@ class DecodeLink:
         self.pair.recv_ctl(buf, self.settings.chunk_timeout(nbytes))
         return buf.numpy().tobytes()
 
-    def _recv_chunks(self, lj: LinkJob, first_token: FirstToken, cut: list[int] | None) -> None:
+    def _recv_chunks(self, lj: LinkJob, first_token: FirstToken, cut: list[int] | None,
+                     next_header: Callable[[], dist.Work]) -> dist.Work:
         """Receive every chunk's messages (the next chunk's posted before this one is waited for): into the
         job's pages when its destination takes them directly, else into staging for the writing thread,
-        which copies it in while the next one arrives. Every receive posted is waited for before this
-        returns; on a failure (a wait failed or timed out) the pair is aborted first, after which none
-        can land (`Pair.abort`), so no write of the job's memory outlives it."""
+        which copies it in while the next one arrives. Once the last chunk's receives are posted, the
+        next header's is (`next_header`, returned), so it lands as soon as the prefill sends it, without
+        a round trip between jobs. Every chunk receive posted is waited for before this returns; on a
+        failure (a wait failed or timed out) the pair is aborted first, after which none can land
+        (`Pair.abort`), so no write of the job's memory outlives it."""
         owner = f"{lj.job.request_id}@{self.peer}#{self.epoch}"
         outstanding: list[_Posted] = []
+        work = next_header() if not lj.plan else None
+        direct = True  # every chunk went straight into the pages: nothing of it is left for the writing thread
         try:
-            for chunk in lj.plan:
+            for index, chunk in enumerate(lj.plan):
                 outstanding.append(self._post(lj, chunk, chunk_pieces(self.layout, chunk, cut), owner))
+                direct = direct and outstanding[-1].writing
+                if index == len(lj.plan) - 1:
+                    work = next_header()
                 if len(outstanding) > 1:
                     self._finish(outstanding[0])
                     outstanding.pop(0)
@@ -252,7 +267,20 @@ class DecodeLink:
             for posted in outstanding:
                 self._drain(posted)
             raise
-        self._writes.put((lj, None, first_token, owner))
+        if direct:
+            self._landed(lj, first_token)  # NOTE: no hop through the writing thread
+        else:
+            self._writes.put((lj, None, first_token, owner))
+        assert work is not None
+        return work
+
+    def _landed(self, lj: LinkJob, first_token: FirstToken) -> None:
+        """Every chunk of the job is written: end it (unless it was given up or failed meanwhile)."""
+        now = time.monotonic()
+        if lj.end(first_token):
+            self.stats.job_ok(lj.nbytes, now - (lj.answered or now), now - lj.submitted)
+            log.debug("transfer.landed", request_id=lj.job.request_id, peer=self.peer, epoch=self.epoch,
+                      bytes=lj.nbytes, seconds=round(now - (lj.answered or now), 6))
 
     def _post(self, lj: LinkJob, chunk: Chunk, pieces: list[Piece], owner: str) -> _Posted:
         """Post a chunk's receives: straight into the job's pages if it takes them and is still writable
@@ -289,7 +317,8 @@ class DecodeLink:
             self.staging.give(posted.owner, posted.buf, reuse=False)
 
     def _write_loop(self) -> None:
-        """Copies staged chunks into the jobs' destinations and ends jobs in order. It is the last user of
+        """Copies staged chunks into the jobs' destinations and ends those jobs in order (a job received
+        straight into its pages is ended by the receiving thread). It is the last user of
         the pair's data group (the receiving thread has returned): it closes the pair as it leaves (an
         NCCL group is aborted, so a dropped link leaks no communicator)."""
         try:
@@ -301,11 +330,7 @@ class DecodeLink:
         while (item := self._writes.get()) is not None:
             lj, chunk, value, owner = item
             if chunk is None:  # every chunk of the job is written
-                now = time.monotonic()
-                if lj.end(value):  # False: it was given up or failed meanwhile
-                    self.stats.job_ok(lj.nbytes, now - (lj.answered or now), now - lj.submitted)
-                    log.debug("transfer.landed", request_id=lj.job.request_id, peer=self.peer, epoch=self.epoch,
-                              bytes=lj.nbytes, seconds=round(now - (lj.answered or now), 6))
+                self._landed(lj, value)
                 continue
             try:
                 if lj.begin_write():

@@ -181,6 +181,19 @@ class Pair:
     def recv_ctl(self, tensor: torch.Tensor, timeout: float) -> None:
         self._wait(self._post(self.ctl.recv, tensor, self._in_tag), timeout)
 
+    def post_send_ctl(self, tensor: torch.Tensor) -> dist.Work:
+        """Post a control message without waiting (`wait_ctl`): it travels in order with the others."""
+        return self._post(self.ctl.send, tensor, self._out_tag)
+
+    def post_recv_ctl(self, tensor: torch.Tensor) -> dist.Work:
+        """Post the receive of the next control message (`wait_ctl`), e.g. before waiting for a chunk, so
+        the peer's next header lands without a round trip."""
+        return self._post(self.ctl.recv, tensor, self._in_tag)
+
+    def wait_ctl(self, work: dist.Work, timeout: float) -> None:
+        """Wait for a control message posted by `post_send_ctl` / `post_recv_ctl` (gloo's own wait)."""
+        self._wait(work, timeout)
+
     # -------------------------------------------------------------- chunks
     def post_send_data(self, tensor: torch.Tensor) -> dist.Work:
         with self._on(self.send_stream, after_compute=True):
@@ -199,11 +212,19 @@ class Pair:
         else:
             self._wait(work, timeout)
 
-    def wait_all(self, works: list[dist.Work], timeout: float) -> None:
-        """Wait for the works of one chunk's messages, all within `timeout` from now."""
+    def wait_all(self, works: list[dist.Work], timeout: float, *, ctl: int = 0) -> None:
+        """Wait for the works of one chunk's messages, all within `timeout` from now; the first `ctl` of
+        them are control messages (gloo's wait even with NCCL chunks)."""
         deadline = time.monotonic() + timeout
-        for work in works:
-            self.wait(work, deadline - time.monotonic())
+        # NOTE: the last first: a pair's messages complete in the order they were posted, so the others are
+        # done by then and their waits return at once (one wake-up of this thread per chunk, not one per
+        # message). Each work is waited for once: a second wait on a gloo work waits for its timeout.
+        last = len(works) - 1
+        for i in [last, *range(last)] if works else []:
+            if i < ctl:
+                self._wait(works[i], deadline - time.monotonic())
+            else:
+                self.wait(works[i], deadline - time.monotonic())
 
     def drain(self, works: list[dist.Work], timeout: float) -> None:
         """After a failure: wait (within `timeout` from now) until none of `works` can touch its tensor any

@@ -30,6 +30,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import attrs
@@ -44,6 +45,19 @@ from engine.disagg.link.wire import (BYE, CANCEL, CANCELLED, FAILED, JOB, OK, PI
 from engine.disagg.prefill.send import SendRecord
 
 log = structlog.get_logger("kvlife.transfer")
+
+
+@attrs.define(eq=False)
+class _Unit:
+    """Messages posted together and waited for together: a RESULT (with its extras) and/or one chunk."""
+
+    works: list[dist.Work]
+    timeout: float
+    ctl: int = 0  # the first `ctl` works are control messages
+    chunk: int = 0  # 1 if it carries a chunk (at most two are in flight)
+    done: ServerJob | None = None  # the job it finishes once waited for
+    status: int = OK  # that job's answer
+    keep: list[torch.Tensor] = attrs.field(factory=list)  # the control tensors, alive until waited for
 
 
 @attrs.define(eq=False)
@@ -128,18 +142,18 @@ class PrefillLink:
         hdr = empty_header()
         s = self.settings
         try:
+            work = self.pair.post_recv_ctl(hdr)
             while True:
-                self.pair.recv_ctl(hdr, s.liveness_timeout)
+                self.pair.wait_ctl(work, s.liveness_timeout)
                 op, tag, size = hdr[:3].tolist()
                 if not self.up:
                     return
-                if op == PING:
-                    continue
                 if op == BYE:
                     raise LinkError("shutdown", "the decode left")
-                if op == CANCEL:
+                if op in (PING, CANCEL):
+                    work = self.pair.post_recv_ctl(hdr)
                     with self.cond:
-                        sj = self.jobs.get(tag)
+                        sj = self.jobs.get(tag) if op == CANCEL else None
                     if sj is not None:
                         self.server.call(self.server.cancel_job, sj, "cancelled")
                     continue
@@ -147,6 +161,7 @@ class PrefillLink:
                     raise ProtocolError(f"unexpected control message op {op} size {size}")
                 frame = torch.empty(size, dtype=torch.uint8)
                 self.pair.recv_ctl(frame, s.chunk_timeout(size))
+                work = self.pair.post_recv_ctl(hdr)  # NOTE: the next frame's header lands while this one is read
                 now = time.monotonic()
                 try:
                     spec = decode_job(frame)
@@ -166,93 +181,123 @@ class PrefillLink:
     def _send_loop(self) -> None:
         try:
             self._send_items()
+        except Exception as exc:  # noqa: BLE001 - every failure ends the link
+            self.down(classify(exc))
         finally:  # NOTE: the only user of the pair's data group: an NCCL group is aborted as it leaves
             self.pair.close()
 
     def _send_items(self) -> None:
+        """Answer the jobs in order, the next job's header and messages posted before the last chunk of
+        the one before is waited for (`_Unit`), so the wire never idles for a round trip between jobs."""
         s = self.settings
         last = time.monotonic()
+        posting: Iterator[_Unit] | None = None  # the units of the job being posted
+        pending: deque[_Unit] = deque()  # posted, not waited for yet, in posting order
+        open_jobs: list[ServerJob] = []  # popped and not finished: this thread's alone (`down` no longer sees them)
         try:
             while True:
-                with self.cond:
-                    if not self.up:
-                        if self._bye:
-                            self.pair.send_ctl(header(BYE), s.chunk_slack)
-                        return
-                    head = self.outbox.popleft() if self.outbox and self.outbox[0].ready else None
-                    if head is None:
-                        self.cond.wait(max(s.keepalive - (time.monotonic() - last), 0.001))
+                if posting is None:
+                    with self.cond:
+                        head = None
+                        if not self.up and not pending:
+                            if self._bye:
+                                self.pair.send_ctl(header(BYE), s.chunk_slack)
+                            return
+                        if self.up and self.outbox and self.outbox[0].ready:
+                            head = self.outbox.popleft()
+                            self.jobs.pop(head.tag, None)
+                        elif not pending:
+                            self.cond.wait(max(s.keepalive - (time.monotonic() - last), 0.001))
+                    if head is not None:
+                        open_jobs.append(head)
+                        posting = self._post_answer(head)
+                    elif not pending:
+                        if time.monotonic() - last >= s.keepalive and self.up:
+                            self.pair.send_ctl(header(PING), s.chunk_slack)
+                            last = time.monotonic()
+                        continue
+                if posting is not None and sum(u.chunk for u in pending) < 2:
+                    unit = next(posting, None)
+                    if unit is None:
+                        posting = None
                     else:
-                        self.jobs.pop(head.tag, None)
-                if head is None:
-                    if time.monotonic() - last >= s.keepalive and self.up:
-                        self.pair.send_ctl(header(PING), s.chunk_slack)
-                        last = time.monotonic()
+                        pending.append(unit)
                     continue
-                sent = False
-                try:
-                    self._answer(head)
-                    sent = True
-                finally:  # NOTE: the popped job is this thread's alone: `down` no longer sees it
-                    head.wire_done(reusable=sent)  # a send that failed: its buffers are never reused
-                    self.server.forget_job(head)  # NOTE: not through the loop: the next answer must not wait for it
+                unit = pending.popleft()
+                self.pair.wait_all(unit.works, unit.timeout, ctl=unit.ctl)
+                if unit.done is not None:
+                    self._finished(unit.done, unit.status)
+                    open_jobs.remove(unit.done)
                 last = time.monotonic()
-        except Exception as exc:  # noqa: BLE001
-            self.down(classify(exc))
+        except BaseException:
+            if pending:  # a wait failed or timed out: the link is over, and after the abort nothing is read
+                self.pair.abort()
+            for unit in pending:
+                self.pair.drain(unit.works, unit.timeout)
+            raise
+        finally:
+            for sj in open_jobs:
+                sj.wire_done(reusable=False)  # a send that failed: its buffers are never reused
+                self.server.forget_job(sj)
 
-    def _answer(self, sj: ServerJob) -> None:
-        s, stats = self.settings, self.server.stats
+    def _post_answer(self, sj: ServerJob) -> Iterator[_Unit]:
+        """Post a job's RESULT (with its reason, logprob and run starts), then each chunk's messages,
+        one `_Unit` at a time; the last unit finishes the job once waited for."""
+        s, points = self.settings, self.server.test_points
         status, first_token, reason, logprob = sj.answer()
         record = sj.send if status == OK else None
         runs = None if record is None else record.src_runs
         raw = reason.encode()
-        self.pair.send_ctl(header(RESULT, sj.tag, status, first_token, len(raw), len(logprob), len(runs or ()),
-                                  int(runs is not None)), s.chunk_slack)
-        extras = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in (raw, logprob) if b]
+        ctl = [header(RESULT, sj.tag, status, first_token, len(raw), len(logprob), len(runs or ()),
+                      int(runs is not None))]
+        ctl += [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in (raw, logprob) if b]
         if runs:
-            extras.append(torch.tensor(runs, dtype=torch.int64))
-        for extra in extras:
-            self.pair.send_ctl(extra, s.chunk_timeout(extra.numel() * extra.element_size()))
-        if record is None:
-            if status == FAILED:
-                stats.job_failed("prefill_failed")
+            ctl.append(torch.tensor(runs, dtype=torch.int64))
+        nbytes = sum(t.numel() * t.element_size() for t in ctl)
+        works: list[dist.Work] = []
+        self._post_all(works, ctl, self.pair.post_send_ctl, s.chunk_timeout(nbytes))
+        if record is None or not record.plan:
+            yield _Unit(works, s.chunk_timeout(nbytes), ctl=len(works), done=sj, status=status, keep=ctl)
             return
         spec = sj.spec
         assert spec is not None and record.views is not None  # an OK answer has both
-        self._send_chunks(spec.request_id, record, cuts(runs, spec.runs))
-        nbytes = sum(chunk.nbytes for chunk in record.plan)
-        stats.job_ok(nbytes, None, time.monotonic() - sj.received)
-        log.debug("transfer.sent", request_id=spec.request_id, peer=self.name, epoch=self.epoch, bytes=nbytes)
+        views, cut, plan = record.views, cuts(runs, spec.runs), record.plan
+        for index, chunk in enumerate(plan):
+            if points is not None:
+                points("sending", spec.request_id, index)
+            data = list(views(index, chunk, chunk_pieces(self.server.layout, chunk, cut)))
+            n = len(works)
+            timeout = s.chunk_timeout(chunk.nbytes + nbytes)
+            self._post_all(works, data, self.pair.post_send_data, timeout)
+            yield _Unit(works, timeout, ctl=n, chunk=1, done=sj if index == len(plan) - 1 else None, status=status,
+                        keep=ctl)
+            works, ctl, nbytes = [], [], 0
 
-    def _send_chunks(self, request_id: str, record: SendRecord, cut: list[int] | None) -> None:
-        """Post each chunk's messages, then wait for the chunk before; every send posted is waited for
-        before this returns, even on a failure (bounded by its timeout; a failed or timed-out send closes
-        the pair), so nothing reads the record's memory after it."""
-        layout, points = self.server.layout, self.server.test_points
-        views = record.views
-        assert views is not None
-        outstanding: list[tuple[Chunk, list[dist.Work]]] = []
+    def _post_all(self, works: list[dist.Work], tensors: list[torch.Tensor],
+                  post: Callable[[torch.Tensor], dist.Work], timeout: float) -> None:
+        """Post a send of each tensor into `works`; if one fails (the pair is closed), the ones posted are
+        drained before it raises, so nothing reads their memory afterwards."""
         try:
-            for index, chunk in enumerate(record.plan):
-                if points is not None:
-                    points("sending", request_id, index)
-                pieces = chunk_pieces(layout, chunk, cut)
-                works: list[dist.Work] = []
-                outstanding.append((chunk, works))
-                for view in views(index, chunk, pieces):
-                    works.append(self.pair.post_send_data(view))
-                if len(outstanding) > 1:
-                    self.pair.wait_all(outstanding[0][1], self.settings.chunk_timeout(outstanding[0][0].nbytes))
-                    outstanding.pop(0)
-            while outstanding:
-                self.pair.wait_all(outstanding[0][1], self.settings.chunk_timeout(outstanding[0][0].nbytes))
-                outstanding.pop(0)
+            for tensor in tensors:
+                works.append(post(tensor))
         except BaseException:
-            if outstanding:  # a wait failed or timed out: the link is over, and after the abort nothing is read
+            if works:
                 self.pair.abort()
-            for chunk, works in outstanding:
-                self.pair.drain(works, self.settings.chunk_timeout(chunk.nbytes))
+                self.pair.drain(works, timeout)
             raise
+
+    def _finished(self, sj: ServerJob, status: int) -> None:
+        """Every message of an answered job has left: count it, and let its release reuse what was sent."""
+        stats, record = self.server.stats, sj.send
+        if status == OK and record is not None:
+            assert sj.spec is not None
+            nbytes = sum(chunk.nbytes for chunk in record.plan)
+            stats.job_ok(nbytes, None, time.monotonic() - sj.received)
+            log.debug("transfer.sent", request_id=sj.spec.request_id, peer=self.name, epoch=self.epoch, bytes=nbytes)
+        elif status == FAILED:
+            stats.job_failed("prefill_failed")
+        sj.wire_done(reusable=True)
+        self.server.forget_job(sj)
 
     # ------------------------------------------------------------- down
     def down(self, error: LinkError) -> None:

@@ -1,0 +1,258 @@
+"""A link keeps the wire busy between jobs, and a prefill server's link threads never wait on
+its event loop (docs/disaggregation.md, "Wire"): the decode posts the next header's receive
+before waiting for a job's last chunk, the prefill posts the next job's RESULT and first chunk
+before waiting for the last chunk of the job before, and `PrefillServer.call` queues calls
+from other threads in order without blocking them. A real gloo pair (the scripted prefill of
+test_disagg_link), and a real prefill server with a real decode engine, in one process."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import threading
+import time
+
+import anyio
+import anyio.lowlevel
+import pytest
+import torch
+import torch.distributed as dist
+
+from disagg_helpers import client, remote_config
+from engine import Engine, SamplingParams
+from engine.disagg import PrefillServer, PrefillServerConfig
+from engine.disagg.link.transport import Pair
+from engine.disagg.link.wire import OK, chunk_plan
+from engine.prefill_server import soon_on_loop
+from helpers import small_config
+from test_disagg_link import TOKENS, _kv, _submit, _wait, link_pair  # noqa: F401 - the fixture
+
+pytestmark = pytest.mark.anyio
+
+
+class _Recorded:
+    """The posts and waits of the decode's receiving thread on its pair, in order (the real pair does them)."""
+
+    def __init__(self, pair) -> None:
+        self.events: list[str] = []
+        for name in ("post_recv_ctl", "post_recv_data", "wait_ctl", "wait_all"):
+            setattr(self, name, self._recording(name, getattr(pair, name)))
+        self._pair = pair
+
+    def _recording(self, name, fn):
+        def recorded(*args, **kwargs):
+            if threading.current_thread().name.startswith("kvlife-recv"):
+                self.events.append(name)
+            return fn(*args, **kwargs)
+        return recorded
+
+    def __getattr__(self, name):
+        return getattr(self._pair, name)
+
+
+def test_the_decode_posts_the_next_header_before_waiting_for_the_last_chunk(link_pair):
+    """Two jobs of two chunks each land bit-exact; between them the decode's receiving thread posted the next
+    header's receive right after the last chunk's receives, before any wait for that chunk."""
+    link, prefill, buffers, _, staging = link_pair
+    recorded = _Recorded(link.pair)
+    link.pair = recorded
+    jobs = [_submit(link, buffers, f"r{i}", start=4 + 4 * i) for i in range(2)]
+    assert all(len(lj.plan) == 2 for lj in jobs)
+    for lj in jobs:
+        _, tag, _ = prefill.recv_frame()
+        assert tag == lj.tag
+    for lj in jobs:
+        chunks = _kv(lj.plan)
+        prefill.answer(lj.tag, OK, 5)
+        for index, kv in enumerate(chunks):
+            prefill.chunk(lj, index, kv)
+        _wait(lj.job.fence.done)
+        assert lj.job.outcome[0] == "ok"
+    events = [e for e in recorded.events if e != "wait_ctl"]
+    if events[:1] == ["post_recv_ctl"]:  # the thread's first header receive, when it started after the swap
+        events = events[1:]
+    # per job: chunk 0's receive posted, chunk 1's, the next header's, then the waits for chunks 0 and 1
+    assert events == ["post_recv_data", "post_recv_data", "post_recv_ctl", "wait_all", "wait_all"] * 2, events
+    assert staging.held == 0
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_job_received_into_its_pages_ends_on_the_receiving_thread(link_pair, direct):
+    """Received straight into its pages, a job is ended by the receiving thread (no hop through the writing
+    thread); staged, by the writing thread once its chunks are copied in. Either way it lands bit-exact."""
+    link, prefill, buffers, _, staging = link_pair
+    lj = _submit(link, buffers, "r", direct=direct)
+    ended_by: list[str] = []
+    complete = lj.job.fence.complete
+
+    def recorded() -> None:
+        ended_by.append(threading.current_thread().name)
+        complete()
+
+    lj.job.fence.complete = recorded
+    prefill.recv_frame()
+    chunks = _kv(lj.plan)
+    runs = [] if direct else None
+    prefill.answer(lj.tag, OK, 5, runs=runs)
+    for index, kv in enumerate(chunks):
+        prefill.chunk(lj, index, kv, runs=runs)
+    _wait(lj.job.fence.done)
+    assert lj.job.outcome[0] == "ok"
+    assert ended_by and ended_by[0].startswith("kvlife-recv" if direct else "kvlife-write"), ended_by
+    locs = torch.arange(16, 16 + TOKENS)
+    for chunk, kv in zip(lj.plan, chunks):
+        for i in range(chunk.num_layers):
+            assert torch.equal(buffers.k[chunk.first_layer + i][locs], kv[i, 0])
+            assert torch.equal(buffers.v[chunk.first_layer + i][locs], kv[i, 1])
+    assert staging.held == 0
+
+
+async def test_the_prefill_posts_the_next_job_before_the_last_chunk_is_waited_for():
+    """A prefill server in this process, its test points on the answering thread: the second job's first chunk
+    is posted while the first job is not finished yet (its last chunk not waited for), and both land."""
+    config = small_config(model="null")
+    seen: dict[str, int] = {}
+    server_box: list[PrefillServer] = []
+
+    def points(point: str, rid: str, index: int) -> None:
+        server = server_box[0]
+        if point == "sending" and rid == "a" and index == 1:  # job b is ready before a's last chunk is posted
+            deadline = time.monotonic() + 10
+            while not any(sj.ready for sj in list(server.by_worker_id.values()) if sj.worker_id.startswith("b@")):
+                assert time.monotonic() < deadline, "job b never got ready"
+                time.sleep(0.001)
+        if point == "sending" and index == 0:
+            seen[rid] = server.stats.snapshot()["jobs"].get("ok", 0)  # jobs finished when this one starts
+
+    async with PrefillServer(config, PrefillServerConfig(bootstrap_port=0), test_points=points) as server:
+        server_box.append(server)
+        decode = remote_config(f"127.0.0.1:{server.bootstrap_port}", max_chunk_bytes=32 << 10,
+                               direct_min_run_bytes=1, fence_timeout=60.0, model="null")
+        async with Engine(decode) as engine:
+            await client(engine).wait_links()
+            plan = chunk_plan(client(engine).layout, 40, 32 << 10)
+            assert len(plan) >= 2
+            params = SamplingParams(max_new_tokens=1, ignore_eos=True)
+            outs: dict[str, object] = {}
+
+            async def one(rid: str) -> None:
+                outs[rid] = await engine.complete(list(range(1, 41)), params, request_id=rid)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(one, "a")
+                await anyio.sleep(0.05)
+                tg.start_soon(one, "b")
+            assert {rid: out.finish_reason.name for rid, out in outs.items()} == {"a": "LENGTH", "b": "LENGTH"}
+        with anyio.fail_after(10):
+            while not server.idle:
+                await anyio.sleep(0.01)
+        server.check_memory()
+    assert seen == {"a": 0, "b": 0}, seen
+
+
+async def test_calls_from_a_link_thread_never_wait_for_the_loop():
+    """`PrefillServer.call` from another thread returns while the event loop is blocked; the calls then run on
+    the loop, in order; on the loop's own thread a call runs at once."""
+    async with PrefillServer(small_config(model="null"), PrefillServerConfig(bootstrap_port=0)) as server:
+        ran: list[tuple[int, int]] = []
+        returned = threading.Event()
+
+        def link_thread() -> None:
+            for i in range(50):
+                server.call(lambda i=i: ran.append((i, threading.get_ident())))
+            returned.set()
+
+        thread = threading.Thread(target=link_thread)
+        thread.start()
+        assert returned.wait(10), "call() waited for the event loop"  # NOTE: the loop's thread is blocked here
+        assert ran == []
+        with anyio.fail_after(10):
+            while len(ran) < 50:
+                await anyio.sleep(0.001)
+        thread.join()
+        assert [i for i, _ in ran] == list(range(50))
+        assert {t for _, t in ran} == {threading.get_ident()}
+        server.call(lambda: ran.append((-1, 0)))
+        assert ran[-1] == (-1, 0)
+
+        # a call queued while a drain runs waits for the next one: what the drain woke runs first
+        order: list[str] = []
+        loop = asyncio.get_running_loop()
+
+        def first() -> None:
+            order.append("first")
+            loop.call_soon(order.append, "woken")  # e.g. the runtime's task, woken by a submitted job
+            late = threading.Thread(target=server.call, args=(order.append, "late"))
+            late.start()
+            late.join()
+
+        queued = threading.Thread(target=lambda: [server.call(first), server.call(order.append, "second")])
+        queued.start()
+        queued.join()
+        with anyio.fail_after(10):
+            while len(order) < 4:
+                await anyio.sleep(0.001)
+        assert order == ["first", "second", "woken", "late"], order
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_soon_on_loop_under_each_async_library(backend):
+    """The non-blocking schedule works under asyncio and trio, and refuses once the loop has ended."""
+    ran: list[int] = []
+    loop_thread: list[int] = []
+
+    async def main():
+        loop_thread.append(threading.get_ident())
+        token = anyio.lowlevel.current_token()
+        thread = threading.Thread(target=soon_on_loop, args=(token, lambda: ran.append(threading.get_ident())))
+        thread.start()
+        thread.join()
+        with anyio.fail_after(5):
+            while not ran:
+                await anyio.sleep(0.001)
+        return token
+
+    token = anyio.run(main, backend=backend)
+    assert ran == loop_thread
+    with pytest.raises(RuntimeError):
+        soon_on_loop(token, lambda: None)
+    with pytest.raises(RuntimeError):
+        soon_on_loop(None, lambda: None)
+
+
+class _Waits:
+    """A posted work whose waits are recorded (the real work does them)."""
+
+    def __init__(self, work, index: int, log: list[int]) -> None:
+        self.work, self.index, self.log = work, index, log
+
+    def wait(self, timeout):
+        self.log.append(self.index)
+        return self.work.wait(timeout)
+
+
+def test_a_chunk_is_waited_for_from_its_last_message_once_each():
+    """`Pair.wait_all` waits for the last message first (the others are done by then: one wake-up per chunk),
+    then each other once (a second wait on a gloo work would run to its timeout); every message lands."""
+    store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10), wait_for_workers=False)
+    pairs: dict[int, Pair] = {}
+
+    def build(rank: int) -> None:
+        client_store = dist.TCPStore("127.0.0.1", store.port, None, False, datetime.timedelta(seconds=10))
+        pairs[rank] = Pair(client_store, "w/", rank=rank, host="127.0.0.1", backend="gloo",
+                           device=torch.device("cpu"), timeout=10.0)
+
+    threads = [threading.Thread(target=build, args=(rank,)) for rank in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    sent = [torch.full((1000,), float(i + 1)) for i in range(3)]
+    got = [torch.zeros(1000) for _ in range(3)]
+    order: list[int] = []
+    receives = [_Waits(pairs[1].post_recv_data(t), i, order) for i, t in enumerate(got)]
+    sends = [pairs[0].post_send_data(t) for t in sent]
+    pairs[1].wait_all(receives, 5.0)  # NOTE: a second wait on one of them would raise its timeout
+    pairs[0].wait_all(sends, 5.0)
+    assert order == [2, 0, 1]
+    assert all(torch.equal(a, b) for a, b in zip(sent, got))
