@@ -27,7 +27,7 @@ class OutputSender:
         if submission is None:
             return
         send = submission.send
-        if send is None or getattr(send, "final_only", False):  # NOTE: nobody reads chunks: none is built
+        if send is None or send.final_only:  # NOTE: nobody reads chunks: none is built
             return
         builder = submission.builders[request]
         self._send(submission, builder.output(list(tokens), text, final=False, logprobs=logprobs))

@@ -31,6 +31,9 @@ RUNNING_STATES = frozenset({S.TRANSFERRING, S.PREFILLING, S.PREBUILT, S.STAGING,
 class OutputSink(Protocol):
     """Where a submission's outputs go (`engine.stream.OutputChannel`)."""
 
+    #: the reader wants final outputs only: the loop builds no chunk for it
+    final_only: bool
+
     def send(self, item: RequestOutput | BaseException) -> bool:
         """False once the receiver has left."""
         ...
