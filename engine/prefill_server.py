@@ -57,6 +57,7 @@ from engine.model.loading import load_model
 from engine.runtime.assembly import assemble, resolve_device
 from engine.runtime.features.base import BuildContext
 from engine.runtime.features.roles import PrefillRole
+from engine.runtime.loop_waker import soon_on_loop
 from engine.runtime.prefill_runtime import PrefillRuntime
 from engine.testing import FaultInjector
 from resources import ManualFence
@@ -69,19 +70,6 @@ TICK = 0.02
 def _dial(host: str) -> str:
     """The address to reach a store bound to `host` from this machine."""
     return "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
-
-
-def soon_on_loop(token: EventLoopToken | None, fn: Callable[[], None]) -> None:
-    """Schedule `fn()` on the event loop of `token` from another thread, without waiting for it
-    (asyncio's `call_soon_threadsafe`, trio's `run_sync_soon`); RuntimeError once that loop is closed."""
-    native = getattr(token, "native_token", None)
-    schedule = getattr(native, "call_soon_threadsafe", None) or getattr(native, "run_sync_soon", None)
-    if schedule is None:
-        raise RuntimeError("no event loop to call")
-    try:
-        schedule(fn)
-    except Exception as exc:  # noqa: BLE001 - asyncio: RuntimeError; trio: RunFinishedError
-        raise RuntimeError(f"the event loop is closed: {exc!r}") from exc
 
 
 class _SignalledFence(ManualFence):

@@ -6,14 +6,24 @@ once (`completed`). `ManualFence` is completed by whoever holds it (a
 transfer's receiving side, tests and fault injection); its deadline can be
 armed when the operation actually starts, so time spent waiting for a
 worker never counts against the copy.
+
+A fence that signals (`ManualFence`) calls the waiters given to `subscribe`
+when it completes, from the completing thread, so a loop waiting on it can
+sleep until then instead of polling; a polled fence (`CopyFence`: a CUDA
+event) does not, and is polled.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
+
+import structlog
+
+log = structlog.get_logger("kvlife.fences")
 
 
 class CopyFence:
@@ -41,6 +51,11 @@ class CopyFence:
             self._done = bool(self._poll())
         return self._done
 
+    def subscribe(self, waiter: Callable[[], None]) -> bool:
+        """Have `waiter()` called when the fence completes; False if it cannot signal (it is
+        polled) or has completed already: either way, look at `done()`."""
+        return False
+
     def arm(self, timeout: float | None = None) -> None:
         """Start the deadline now (`timeout`, else the one given at construction)."""
         timeout = self.timeout if timeout is None else timeout
@@ -61,15 +76,34 @@ class CopyFence:
 class ManualFence(CopyFence):
     """A fence that is done only once `complete()` is called.
 
-    `timeout=None` leaves it unarmed (no deadline) until `arm()`.
+    `timeout=None` leaves it unarmed (no deadline) until `arm()`. It signals:
+    `complete()` calls each waiter `subscribe` took (once, from the thread
+    that completes it; a waiter that raises does not stop the others).
     """
 
     def __init__(self, name: str, protects: Iterable[str], *, timeout: float | None = 30.0,
                  armed: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
         self._completed = False
+        self._waiters: list[Callable[[], None]] = []
+        self._lock = threading.Lock()
         super().__init__(name, protects, poll=lambda: self._completed, timeout=timeout, clock=clock)
         if not armed:
             self.deadline = math.inf
 
+    def subscribe(self, waiter: Callable[[], None]) -> bool:
+        with self._lock:
+            if self._completed:
+                return False
+            if waiter not in self._waiters:  # NOTE: a loop subscribes again each time it sleeps
+                self._waiters.append(waiter)
+            return True
+
     def complete(self) -> None:
-        self._completed = True
+        with self._lock:
+            self._completed = True
+            waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            try:
+                waiter()
+            except Exception as exc:  # noqa: BLE001 - the fence is complete whatever a waiter does
+                log.error("fence.waiter_failed", fence=self.name, error=repr(exc))

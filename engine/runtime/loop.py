@@ -10,7 +10,9 @@ Its interface is narrow: `submit` (requests in, a stream out), `abort`,
     -> release (gateway): finished requests whose fences are done, and
        quarantined handles whose fences completed late
     -> plan (planner): landed transfers, retried moves, admission,
-       growth/retraction, the batch
+       growth/retraction, the batch; with none, it sleeps until a fence
+       it waits on completes (the completing thread wakes it:
+       `engine.runtime.loop_waker`), polling only what cannot signal
     -> run the model step (in a worker thread unless it is small)
     -> apply (step applier): progress, tokens, outputs, finishes
     -> the leak check when idle, and every second while busy
@@ -45,6 +47,7 @@ import structlog
 from engine.errors import EngineClosed, EngineDead, EngineOverloaded
 from engine.runtime.deadlines import DeadlineTimer
 from engine.runtime.gateway import RequestGateway
+from engine.runtime.loop_waker import LoopWaker, fence_wait
 from engine.runtime.output_builder import OutputBuilder
 from engine.runtime.output_sender import OutputSender
 from engine.runtime.planner import Planner
@@ -111,6 +114,8 @@ class RuntimeLoop:
         self.step_running = False
         self.closing = False
         self._wake = anyio.Event()
+        #: wakes the loop from the threads that complete fences (`engine.runtime.loop_waker`)
+        self.waker = LoopWaker(self.wake)
         self._idle_event = anyio.Event()
         self._idle_event.set()
         self._thread: int | None = None
@@ -261,6 +266,7 @@ class RuntimeLoop:
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         self._thread = threading.get_ident()
+        self.waker.bind(anyio.lowlevel.current_token())
         task_status.started()
         while True:
             try:
@@ -288,8 +294,8 @@ class RuntimeLoop:
         self.leak_watch.on_busy()
         self.planner.prepare()
         batch = self.planner.batch()
-        if not batch:
-            await self._wait(0.005)  # fences or memory: poll again shortly
+        if not batch:  # fences (each one that signals wakes the loop) or memory (polled)
+            await self._wait(fence_wait(self.table.requests(), self.waker, self.machine.clock()))
             return
         self.step_running = True
         finished = self.stats.finished_total

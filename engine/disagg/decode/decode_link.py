@@ -221,13 +221,16 @@ class DecodeLink:
                 self.inflight.popleft()
 
     def _answered_failed(self, lj: LinkJob, status: int, reason: str) -> None:
-        if lj.end(None, "prefill_failed", f"the prefill answered {STATUS_NAMES.get(status, status)}: {reason}"):
+        def count() -> None:  # NOTE: before the fence completes (it wakes the engine)
             if status == CANCELLED:
                 self.stats.job_cancelled()
             else:
                 self.stats.job_failed("prefill_failed")
                 log.warning("transfer.failed", request_id=lj.job.request_id, peer=self.peer, epoch=self.epoch,
                             cause="prefill_failed", reason=reason)
+
+        lj.end(None, "prefill_failed", f"the prefill answered {STATUS_NAMES.get(status, status)}: {reason}",
+               decided=count)
 
     def _recv_bytes(self, nbytes: int) -> bytes:
         if nbytes <= 0:
@@ -277,10 +280,13 @@ class DecodeLink:
     def _landed(self, lj: LinkJob, first_token: FirstToken) -> None:
         """Every chunk of the job is written: end it (unless it was given up or failed meanwhile)."""
         now = time.monotonic()
-        if lj.end(first_token):
+
+        def count() -> None:  # NOTE: before the fence completes: the engine may report the job at once
             self.stats.job_ok(lj.nbytes, now - (lj.answered or now), now - lj.submitted)
             log.debug("transfer.landed", request_id=lj.job.request_id, peer=self.peer, epoch=self.epoch,
                       bytes=lj.nbytes, seconds=round(now - (lj.answered or now), 6))
+
+        lj.end(first_token, decided=count)
 
     def _post(self, lj: LinkJob, chunk: Chunk, pieces: list[Piece], owner: str) -> _Posted:
         """Post a chunk's receives: straight into the job's pages if it takes them and is still writable
@@ -339,8 +345,8 @@ class DecodeLink:
                     finally:
                         lj.end_write()
             except Exception as exc:  # noqa: BLE001 - a bug must not leave the fence open
-                if lj.end(None, "transport", f"writing a chunk failed: {exc!r}"):
-                    self.stats.job_failed("transport")
+                lj.end(None, "transport", f"writing a chunk failed: {exc!r}",
+                       decided=lambda: self.stats.job_failed("transport"))
             finally:
                 self.staging.give(owner, value)
 
@@ -355,19 +361,22 @@ class DecodeLink:
             self._farewell = self._farewell or error.cause in ("budget", "protocol")
             jobs = list(self.inflight)
             self.inflight.clear()
+        self.stats.link_down(self.peer, error.cause)  # NOTE: counted before a job's fence wakes the engine
         failed = moved = 0
         for lj in jobs:
             if error.cause != "shutdown" and self.failover is not None and lj.detach():
                 moved += 1
                 self.failover(lj, error)
                 continue
-            if lj.end(None, error.cause, str(error), block=block):
-                failed += 1
+
+            def count(lj: LinkJob = lj) -> None:
                 self.stats.job_failed(error.cause)
                 log.warning("transfer.failed", request_id=lj.job.request_id, peer=self.peer, epoch=self.epoch,
                             cause=error.cause, error=str(error))
+
+            if lj.end(None, error.cause, str(error), block=block, decided=count):
+                failed += 1
         self._out.put(("stop", None))
-        self.stats.link_down(self.peer, error.cause)
         level = log.info if error.cause == "shutdown" else log.warning
         level("transfer.link_down", peer=self.peer, epoch=self.epoch, cause=error.cause, error=str(error),
               jobs_failed=failed, jobs_moved=moved)

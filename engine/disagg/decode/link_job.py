@@ -16,6 +16,7 @@ that write). A moved job is resolved by its successor on the next link.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -81,10 +82,11 @@ class LinkJob:
             self._resolve()
 
     def end(self, first_token: FirstToken | int | None, cause: str | None = None, message: str = "", *,
-            block: bool = True) -> bool:
+            block: bool = True, decided: Callable[[], None] | None = None) -> bool:
         """Decide how the job ends (once; True for the call that decided) and resolve it: outcome
         first, then the fence. Cause "cancelled" (the decode gave it up) resolves it with
-        TransferCancelled.
+        TransferCancelled. `decided()` runs for the call that decided, before the resolution (the
+        fence wakes the event loop, which may report the job at once: count it first).
 
         With writes in progress the resolution waits for them (`block`), or, with `block=False`
         (the event loop), is left to the last of them to end: a write that wedges leaves the
@@ -92,15 +94,17 @@ class LinkJob:
         loop.
         """
         with self._cond:
-            decided = self.decision is None
-            if decided:
+            deciding = self.decision is None
+            if deciding:
                 self.decision = (first_token, cause, message)
             while block and self._writes:
                 self._cond.wait()
             idle = self._writes == 0
+        if deciding and decided is not None:
+            decided()
         if idle:
             self._resolve()
-        return decided
+        return deciding
 
     def detach(self) -> bool:
         """Decide that this job leaves its link for another one (True if this call decided): nothing
