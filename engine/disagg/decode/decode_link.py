@@ -46,7 +46,7 @@ from engine.disagg.decode.link_job import LinkJob, RemoteTransferFailed
 from engine.disagg.link.messages import Piece, check_starts, chunk_pieces, cuts, staged_views
 from engine.disagg.link.transport import LinkError, Pair, classify
 from engine.disagg.link.wire import (BYE, CANCEL, CANCELLED, JOB, OK, PING, RESULT, STATUS_NAMES, Chunk, KVLayout,
-                                     ProtocolError, decode_logprob, empty_header, encode_job, header)
+                                     ProtocolError, decode_logprob, empty_header, encode_job, header, inline_runs)
 
 log = structlog.get_logger("kvlife.transfer")
 __all__ = ["DecodeLink", "LinkJob", "RemoteTransferFailed"]
@@ -193,7 +193,8 @@ class DecodeLink:
             self.pair.wait_ctl(work, self.settings.liveness_timeout)
             if not self.up:
                 return
-            op, tag, status, first_token, reason_len, logprob_len, runs_len, direct = hdr.tolist()
+            values = hdr.tolist()
+            op, tag, status, first_token, reason_len, logprob_len, runs_len, direct = values[:8]
             if op == PING:
                 work = self.pair.post_recv_ctl(hdr)
                 continue
@@ -208,9 +209,11 @@ class DecodeLink:
                 raise ProtocolError(f"result for job {tag}, expected {lj.tag if lj else 'none'}")
             reason = self._recv_bytes(reason_len).decode(errors="replace")
             first = FirstToken(first_token, decode_logprob(self._recv_bytes(logprob_len)))
-            runs = self._recv_bytes(8 * runs_len)
-            src = check_starts(torch.frombuffer(bytearray(runs), dtype=torch.int64).tolist() if runs else [],
-                               lj.destination.num_tokens, "the prefill's") if direct else None
+            starts = inline_runs(values)
+            if starts is None:  # too many to ride in the header
+                raw = self._recv_bytes(8 * runs_len)
+                starts = torch.frombuffer(bytearray(raw), dtype=torch.int64).tolist() if raw else []
+            src = check_starts(starts, lj.destination.num_tokens, "the prefill's") if direct else None
             lj.answered = time.monotonic()
             if status == OK:
                 work = self._recv_chunks(lj, first, cuts(src, lj.spec.runs), lambda: self.pair.post_recv_ctl(hdr))

@@ -47,9 +47,12 @@ import torch
 from states import TokenLogprob
 
 #: 2: the RESULT frame carries the first token's logprob; 3: chunks travel as messages per layer, K/V and
-#: page run, sent from and received into the KV buffers (the run starts in JOB and RESULT)
-PROTOCOL_VERSION = 3
-HEADER_LEN = 8
+#: page run, sent from and received into the KV buffers (the run starts in JOB and RESULT); 4: a RESULT's
+#: run starts ride in its header when they fit (`INLINE_RUNS`): no round trip for a message of their own
+PROTOCOL_VERSION = 4
+HEADER_LEN = 32
+#: run starts a RESULT header carries itself (after its 8 fields); more travel in a message after it
+INLINE_RUNS = HEADER_LEN - 8
 CTL, DATA = 0, 1  # tags: decode -> prefill, prefill -> decode
 
 JOB, CANCEL, PING, BYE, RESULT = 1, 2, 3, 4, 5
@@ -68,6 +71,25 @@ def header(op: int, tag: int = 0, *fields: int) -> torch.Tensor:
 
 def empty_header() -> torch.Tensor:
     return torch.zeros(HEADER_LEN, dtype=torch.int64)
+
+
+def result_frames(tag: int, status: int, first_token: int, reason: bytes, logprob: bytes,
+                  runs: list[int] | None) -> list[torch.Tensor]:
+    """A RESULT's messages, in order: its header (with the run starts when they fit), the reason and
+    the logprob if any, the run starts if they did not fit (`INLINE_RUNS`)."""
+    inline = runs if runs is not None and len(runs) <= INLINE_RUNS else []
+    frames = [header(RESULT, tag, status, first_token, len(reason), len(logprob), len(runs or ()),
+                     int(runs is not None), *inline)]
+    frames += [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in (reason, logprob) if b]
+    if runs and not inline:
+        frames.append(torch.tensor(runs, dtype=torch.int64))
+    return frames
+
+
+def inline_runs(values: list[int]) -> list[int] | None:
+    """The run starts a RESULT header's values carry, None if they travel in a message of their own."""
+    runs_len = values[6]
+    return values[8: 8 + runs_len] if runs_len <= INLINE_RUNS else None
 
 
 # ---------------------------------------------------------------- job frames

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from engine.disagg.link.messages import chunk_pieces, cuts
 from engine.disagg.link.transport import LinkError, Pair, classify
 from engine.disagg.link.wire import (BYE, CANCEL, CANCELLED, FAILED, JOB, OK, PING, RESULT, Chunk, JobSpec,
-                                     ProtocolError, decode_job, empty_header, encode_logprob, header)
+                                     ProtocolError, decode_job, empty_header, encode_logprob, header, result_frames)
 from engine.disagg.prefill.send import SendRecord
 
 log = structlog.get_logger("kvlife.transfer")
@@ -247,12 +247,7 @@ class PrefillLink:
         status, first_token, reason, logprob = sj.answer()
         record = sj.send if status == OK else None
         runs = None if record is None else record.src_runs
-        raw = reason.encode()
-        ctl = [header(RESULT, sj.tag, status, first_token, len(raw), len(logprob), len(runs or ()),
-                      int(runs is not None))]
-        ctl += [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in (raw, logprob) if b]
-        if runs:
-            ctl.append(torch.tensor(runs, dtype=torch.int64))
+        ctl = result_frames(sj.tag, status, first_token, reason.encode(), logprob, runs)
         nbytes = sum(t.numel() * t.element_size() for t in ctl)
         works: list[dist.Work] = []
         self._post_all(works, ctl, self.pair.post_send_ctl, s.chunk_timeout(nbytes))
