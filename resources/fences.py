@@ -78,7 +78,8 @@ class ManualFence(CopyFence):
 
     `timeout=None` leaves it unarmed (no deadline) until `arm()`. It signals:
     `complete()` calls each waiter `subscribe` took (once, from the thread
-    that completes it; a waiter that raises does not stop the others).
+    that completes it; a waiter that raises does not stop the others), and
+    so does `arm()`, as the deadline a waiter sleeps until has changed.
     """
 
     def __init__(self, name: str, protects: Iterable[str], *, timeout: float | None = 30.0,
@@ -98,9 +99,19 @@ class ManualFence(CopyFence):
                 self._waiters.append(waiter)
             return True
 
+    def arm(self, timeout: float | None = None) -> None:
+        """Start the deadline now; the waiters are called too (the deadline they sleep until changed),
+        and subscribe again when they look next."""
+        super().arm(timeout)
+        self._signal()
+
     def complete(self) -> None:
         with self._lock:
             self._completed = True
+        self._signal()
+
+    def _signal(self) -> None:
+        with self._lock:
             waiters, self._waiters = self._waiters, []
         for waiter in waiters:
             try:
