@@ -177,14 +177,14 @@ class TestGivingUpMidReceive:
 
 
 class TestProtocolVersion:
-    def test_a_protocol_2_peer_is_refused_by_name(self):
-        """The run starts changed the JOB and RESULT frames (protocol 3): a peer on protocol 2 is refused at
-        the handshake, the field named, and never gets a job."""
+    def test_a_protocol_3_peer_is_refused_by_name(self):
+        """The run starts in the RESULT header changed every header (protocol 4): a peer on protocol 3 is
+        refused at the handshake, the field named, and never gets a job."""
         record = compatibility_record(model_identity="tiny:x", layout=LAYOUT, page_size=4, backend="gloo")
-        assert record["protocol"] == PROTOCOL_VERSION == 3
+        assert record["protocol"] == PROTOCOL_VERSION == 4
         result, accepted, server = link_tests.TestBootstrap()._handshake(_settings(), _settings(),
-                                                                         {**record, "protocol": 2}, record)
-        assert result["error"].cause == "incompatible" and "protocol 2 here, 3 there" in str(result["error"])
+                                                                         {**record, "protocol": 3}, record)
+        assert result["error"].cause == "incompatible" and "protocol 3 here, 4 there" in str(result["error"])
         assert not accepted and server.refused == {"incompatible": 1}
 
 

@@ -25,7 +25,7 @@ from engine.disagg.link.staging import StagingPool
 from engine.disagg.link.transport import LinkError, Pair
 from engine.disagg.link.messages import chunk_pieces, cuts, staged_views
 from engine.disagg.link.wire import (BYE, CANCEL, FAILED, HEADER_LEN, JOB, OK, PING, RESULT, JobSpec, KVLayout, chunk_plan,
-                                decode_job, empty_header, header)
+                                decode_job, empty_header, header, result_frames)
 from resources import ManualFence
 from resources.kv_buffers import KVBuffers
 from structlog.testing import capture_logs
@@ -72,10 +72,8 @@ class ScriptedPrefill:
 
     def answer(self, tag: int, status: int = OK, first_token: int = 42, runs: list[int] | None = None) -> None:
         """RESULT; `runs`: the prefill's run starts (it sends from its pages), None: from staging."""
-        self.pair.send_ctl(header(RESULT, tag, status, first_token, 0, 0, len(runs or ()), int(runs is not None)),
-                           5.0)
-        if runs:
-            self.pair.send_ctl(torch.tensor(runs, dtype=torch.int64), 5.0)
+        for frame in result_frames(tag, status, first_token, b"", b"", runs):
+            self.pair.send_ctl(frame, 5.0)
 
     def chunk(self, lj: LinkJob, index: int, kv: torch.Tensor, runs: list[int] | None = None) -> None:
         """Chunk `index` of `lj` holding `kv`, in the messages both sides plan (`runs` as in `answer`)."""

@@ -1,7 +1,7 @@
 """A runtime loop waiting on a transfer sleeps until the fence completes: the completing thread wakes it
 (`engine.runtime.loop_waker`), nothing polls every 5 ms, and no wakeup is lost: with the safety poll
 pushed past the test's deadline, a transfer landing, failing or missing its deadline still ends the
-request, and every pool is whole after."""
+request, and every pool is whole after. Also the RESULT header carrying its run starts (protocol 4)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from engine import Engine, SamplingParams
+from engine.disagg.link.wire import FAILED, HEADER_LEN, INLINE_RUNS, OK, inline_runs, result_frames
 from engine.runtime import loop_waker
 from engine.runtime.loop_waker import POLL, SAFETY_POLL, LoopWaker, fence_wait
 from engine.testing import FaultInjector
@@ -190,3 +191,23 @@ class TestEngineWakes:
                     await anyio.sleep(0.01)
             pools = engine.check_memory().pools
         assert pools["kv_pages"].held == 0 and pools["prefill.kv_pages"].held == 0
+
+
+class TestResultRuns:
+    """Protocol 4: a RESULT's run starts ride in its header when they fit (no message of their own)."""
+
+    @pytest.mark.parametrize("runs", [None, [], [0], list(range(0, 4 * INLINE_RUNS, 4))],
+                             ids=["staged", "none", "one", "all-inline"])
+    def test_run_starts_that_fit_ride_in_the_header(self, runs):
+        """Up to INLINE_RUNS starts: one message, and the decode reads them back from the header."""
+        frames = result_frames(7, OK, 42, b"", b"", runs)
+        assert len(frames) == 1 and frames[0].shape == (HEADER_LEN,)
+        assert inline_runs(frames[0].tolist()) == (runs or [])
+
+    def test_more_run_starts_travel_after_the_header(self):
+        """One start more than fits: the header says how many, and they follow in a message of their own,
+        after the reason."""
+        runs = list(range(0, 4 * (INLINE_RUNS + 1), 4))
+        frames = result_frames(7, FAILED, 0, b"why", b"", runs)
+        assert len(frames) == 3 and inline_runs(frames[0].tolist()) is None
+        assert frames[0].tolist()[6] == len(runs) and frames[2].tolist() == runs
