@@ -1,6 +1,6 @@
 """A link keeps the wire busy between jobs, and a prefill server's link threads never wait on
 its event loop (docs/disaggregation.md, "Wire"): the decode posts the next header's receive
-before waiting for a job's last chunk, the prefill posts the next job's RESULT and first chunk
+before a job's last chunk is waited for (by its writing thread), the prefill posts the next job's RESULT and first chunk
 before waiting for the last chunk of the job before, and `PrefillServer.call` queues calls
 from other threads in order without blocking them. A real gloo pair (the scripted prefill of
 test_disagg_link), and a real prefill server with a real decode engine, in one process."""
@@ -31,18 +31,23 @@ pytestmark = pytest.mark.anyio
 
 
 class _Recorded:
-    """The posts and waits of the decode's receiving thread on its pair, in order (the real pair does them)."""
+    """The posts and waits of the decode's receiving thread (`events`) and of its writing thread (`writes`) on
+    its pair, each in order (the real pair does them)."""
 
     def __init__(self, pair) -> None:
         self.events: list[str] = []
+        self.writes: list[str] = []
         for name in ("post_recv_ctl", "post_recv_data", "wait_ctl", "wait_all"):
             setattr(self, name, self._recording(name, getattr(pair, name)))
         self._pair = pair
 
     def _recording(self, name, fn):
         def recorded(*args, **kwargs):
-            if threading.current_thread().name.startswith("kvlife-recv"):
+            thread = threading.current_thread().name
+            if thread.startswith("kvlife-recv"):
                 self.events.append(name)
+            elif thread.startswith("kvlife-write"):
+                self.writes.append(name)
             return fn(*args, **kwargs)
         return recorded
 
@@ -52,7 +57,8 @@ class _Recorded:
 
 def test_the_decode_posts_the_next_header_before_waiting_for_the_last_chunk(link_pair):
     """Two jobs of two chunks each land bit-exact; between them the decode's receiving thread posted the next
-    header's receive right after the last chunk's receives, before any wait for that chunk."""
+    header's receive right after the last chunk's receives, and left the wait for that chunk to the writing
+    thread (so it takes the next header, and posts the next job's receives, while the last chunk arrives)."""
     link, prefill, buffers, _, staging = link_pair
     recorded = _Recorded(link.pair)
     link.pair = recorded
@@ -71,15 +77,18 @@ def test_the_decode_posts_the_next_header_before_waiting_for_the_last_chunk(link
     events = [e for e in recorded.events if e != "wait_ctl"]
     if events[:1] == ["post_recv_ctl"]:  # the thread's first header receive, when it started after the swap
         events = events[1:]
-    # per job: chunk 0's receive posted, chunk 1's, the next header's, then the waits for chunks 0 and 1
-    assert events == ["post_recv_data", "post_recv_data", "post_recv_ctl", "wait_all", "wait_all"] * 2, events
+    # per job: chunk 0's receive posted, chunk 1's, the next header's, then the wait for chunk 0; chunk 1's
+    # wait is the writing thread's
+    assert events == ["post_recv_data", "post_recv_data", "post_recv_ctl", "wait_all"] * 2, events
+    assert recorded.writes == ["wait_all"] * 2, recorded.writes
     assert staging.held == 0
 
 
 @pytest.mark.parametrize("direct", [True, False])
-def test_a_job_received_into_its_pages_ends_on_the_receiving_thread(link_pair, direct):
-    """Received straight into its pages, a job is ended by the receiving thread (no hop through the writing
-    thread); staged, by the writing thread once its chunks are copied in. Either way it lands bit-exact."""
+def test_a_job_lands_on_the_writing_thread(link_pair, direct):
+    """Received straight into its pages or staged, a job is ended by the writing thread (once its last chunk
+    has arrived, and staged chunks are copied in), never by the receiving thread. Either way it lands
+    bit-exact."""
     link, prefill, buffers, _, staging = link_pair
     lj = _submit(link, buffers, "r", direct=direct)
     ended_by: list[str] = []
@@ -98,7 +107,7 @@ def test_a_job_received_into_its_pages_ends_on_the_receiving_thread(link_pair, d
         prefill.chunk(lj, index, kv, runs=runs)
     _wait(lj.job.fence.done)
     assert lj.job.outcome[0] == "ok"
-    assert ended_by and ended_by[0].startswith("kvlife-recv" if direct else "kvlife-write"), ended_by
+    assert ended_by and ended_by[0].startswith("kvlife-write"), ended_by
     locs = torch.arange(16, 16 + TOKENS)
     for chunk, kv in zip(lj.plan, chunks):
         for i in range(chunk.num_layers):

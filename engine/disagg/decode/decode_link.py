@@ -1,16 +1,21 @@
 """The decode side of one link: a sending thread, a receiving thread, a writing thread, a FIFO of jobs.
 
-The receiving thread is the only writer of a job's pages: it posts the
-receives of each chunk's messages (`engine.disagg.link.messages`) straight
-into them when the job's destination takes them directly (its pages, in
-memory the data group reaches), with the next chunk's posted before this
-one is waited for. Otherwise (HiSparse's host rows, CUDA pages over gloo,
-short page runs) it receives the chunk into staging and hands it to the
-writing thread, which copies it in. Each write is bracketed by the job's
+The receiving thread posts every write of a job's pages: the receives of
+each chunk's messages (`engine.disagg.link.messages`) straight into them
+when the job's destination takes them directly (its pages, in memory the
+data group reaches), with the next chunk's posted before this one is waited
+for. Otherwise (HiSparse's host rows, CUDA pages over gloo, short page
+runs) it receives the chunk into staging and hands it to the writing
+thread, which copies it in. Once a job's last chunk is posted, the writing
+thread waits for it and lands the job (`engine.disagg.decode.link_writing`)
+while the receiving thread takes the next header and posts the next job's
+receives: with control and chunks on sockets of their own
+(`engine.disagg.link.transport`), the next job's data never waits for a
+round trip between the two sides. Each write is bracketed by the job's
 `begin_write` / `end_write`, and a job ends exactly once
 (`LinkJob.end`: outcome first, then the fence, once no write of it is in
-progress). Whoever ends it, the receiving thread (landed, reported
-failure), the link going down, or the client (a cancel, a missed
+progress). Whoever ends it, the writing thread (landed), the receiving
+thread (reported failure), the link going down, or the client (a cancel, a missed
 first-answer deadline), nothing writes the pages after that: a later chunk
 for an ended job is received into staging and dropped. A receive posted
 into the pages is over only when its wait has returned or failed (a
@@ -43,6 +48,7 @@ import torch.distributed as dist
 
 from engine.disagg.decode.kv_transfer_hook import FirstToken
 from engine.disagg.decode.link_job import LinkJob, RemoteTransferFailed
+from engine.disagg.decode.link_writing import Landing, LinkWriting, Posted
 from engine.disagg.link.messages import Piece, check_starts, chunk_pieces, cuts, staged_views
 from engine.disagg.link.transport import LinkError, Pair, classify
 from engine.disagg.link.wire import (BYE, CANCEL, CANCELLED, JOB, OK, PING, RESULT, STATUS_NAMES, Chunk, KVLayout,
@@ -52,7 +58,7 @@ log = structlog.get_logger("kvlife.transfer")
 __all__ = ["DecodeLink", "LinkJob", "RemoteTransferFailed"]
 
 
-class DecodeLink:
+class DecodeLink(LinkWriting):
     """One epoch of the link to one prefill (see the module docstring)."""
 
     def __init__(self, *, peer: str, epoch: int, boot: str, pair: Pair, settings: Any, layout: KVLayout,
@@ -117,7 +123,7 @@ class DecodeLink:
         with self.lock:
             overdue = [lj for lj in self.inflight if lj.answered is None and lj.decision is None
                        and lj.deadline <= now]
-            head = self.inflight[0] if self.inflight else None
+            head = next((lj for lj in self.inflight if lj.answered is None), None)  # the next to be answered
         if head is not None and head in overdue:
             self.down(LinkError("budget", f"no answer within the prefill's compute budget "
                                           f"({self.settings.first_timeout:g} s)"), block=False)
@@ -203,8 +209,8 @@ class DecodeLink:
                 raise LinkError("peer_closed", "the prefill left")
             if op != RESULT:
                 raise ProtocolError(f"unexpected message op {op}")
-            with self.lock:
-                lj = self.inflight[0] if self.inflight else None
+            with self.lock:  # NOTE: the jobs before it may still be landing (the writing thread ends them)
+                lj = next((j for j in self.inflight if j.answered is None), None)
             if lj is None or lj.tag != tag:
                 raise ProtocolError(f"result for job {tag}, expected {lj.tag if lj else 'none'}")
             reason = self._recv_bytes(reason_len).decode(errors="replace")
@@ -220,8 +226,7 @@ class DecodeLink:
             else:
                 work = self.pair.post_recv_ctl(hdr)
                 self._answered_failed(lj, status, reason)
-            with self.lock:
-                self.inflight.popleft()
+                self._forget(lj)
 
     def _answered_failed(self, lj: LinkJob, status: int, reason: str) -> None:
         def count() -> None:  # NOTE: before the fence completes (it wakes the engine)
@@ -252,7 +257,7 @@ class DecodeLink:
         failure (a wait failed or timed out) the pair is aborted first, after which none can land
         (`Pair.abort`), so no write of the job's memory outlives it."""
         owner = f"{lj.job.request_id}@{self.peer}#{self.epoch}"
-        outstanding: list[_Posted] = []
+        outstanding: list[Posted] = []
         work = next_header() if not lj.plan else None
         direct = True  # every chunk went straight into the pages: nothing of it is left for the writing thread
         try:
@@ -264,40 +269,25 @@ class DecodeLink:
                 if len(outstanding) > 1:
                     self._finish(outstanding[0])
                     outstanding.pop(0)
-            while outstanding:
-                self._finish(outstanding[0])
-                outstanding.pop(0)
         except BaseException:
             if outstanding:  # a wait failed or timed out: the link is over, and after the abort nothing lands
                 self.pair.abort()
             for posted in outstanding:
                 self._drain(posted)
             raise
-        if direct:
-            self._landed(lj, first_token)  # NOTE: no hop through the writing thread
-        else:
-            self._writes.put((lj, None, first_token, owner))
+        # NOTE: the writing thread waits for the last chunks and lands the job, while this thread takes
+        # the next header and posts the next job's receives: the data never waits for a round trip
+        self._writes.put(Landing(lj, outstanding, first_token))
         assert work is not None
         return work
 
-    def _landed(self, lj: LinkJob, first_token: FirstToken) -> None:
-        """Every chunk of the job is written: end it (unless it was given up or failed meanwhile)."""
-        now = time.monotonic()
-
-        def count() -> None:  # NOTE: before the fence completes: the engine may report the job at once
-            self.stats.job_ok(lj.nbytes, now - (lj.answered or now), now - lj.submitted)
-            log.debug("transfer.landed", request_id=lj.job.request_id, peer=self.peer, epoch=self.epoch,
-                      bytes=lj.nbytes, seconds=round(now - (lj.answered or now), 6))
-
-        lj.end(first_token, decided=count)
-
-    def _post(self, lj: LinkJob, chunk: Chunk, pieces: list[Piece], owner: str) -> _Posted:
+    def _post(self, lj: LinkJob, chunk: Chunk, pieces: list[Piece], owner: str) -> Posted:
         """Post a chunk's receives: straight into the job's pages if it takes them and is still writable
         (the receives are then a write of it), else into a staging buffer."""
         writing = lj.spec.runs is not None and lj.begin_write()
         buf = None if writing else self.staging.take(owner, chunk.nbytes, timeout=self.settings.chunk_slack,
                                                      device=self.pair.data_device)
-        posted = _Posted(lj, chunk, pieces, [], buf, owner, writing)
+        posted = Posted(lj, chunk, pieces, [], buf, owner, writing)
         try:
             views = lj.destination.views(pieces) if buf is None else staged_views(self.layout, chunk, buf, pieces)
             for view in views:
@@ -307,7 +297,7 @@ class DecodeLink:
             raise
         return posted
 
-    def _finish(self, posted: _Posted) -> None:
+    def _finish(self, posted: Posted) -> None:
         """Wait for a chunk's receives; hand a staged one to the writing thread (which writes it into a job
         still writable, and gives the buffer back). If a wait raises, the caller drains it."""
         self.pair.wait_all(posted.works, self.settings.chunk_timeout(posted.chunk.nbytes))
@@ -315,43 +305,6 @@ class DecodeLink:
             posted.lj.end_write()
         else:
             self._writes.put((posted.lj, posted.chunk, posted.buf, posted.owner))
-
-    def _drain(self, posted: _Posted) -> None:
-        """After a failure: wait (bounded) until no receive of `posted` can write any more, then end its
-        write or give its buffer back, never to be reused."""
-        self.pair.drain(posted.works, self.settings.chunk_timeout(posted.chunk.nbytes))
-        if posted.writing:
-            posted.lj.end_write()
-        elif posted.buf is not None:
-            self.staging.give(posted.owner, posted.buf, reuse=False)
-
-    def _write_loop(self) -> None:
-        """Copies staged chunks into the jobs' destinations and ends those jobs in order (a job received
-        straight into its pages is ended by the receiving thread). It is the last user of
-        the pair's data group (the receiving thread has returned): it closes the pair as it leaves (an
-        NCCL group is aborted, so a dropped link leaks no communicator)."""
-        try:
-            self._write_items()
-        finally:
-            self.pair.close()
-
-    def _write_items(self) -> None:
-        while (item := self._writes.get()) is not None:
-            lj, chunk, value, owner = item
-            if chunk is None:  # every chunk of the job is written
-                self._landed(lj, value)
-                continue
-            try:
-                if lj.begin_write():
-                    try:
-                        lj.destination.write(chunk, value.view(self.layout.dtype).view(self.layout.chunk_shape(chunk)))
-                    finally:
-                        lj.end_write()
-            except Exception as exc:  # noqa: BLE001 - a bug must not leave the fence open
-                lj.end(None, "transport", f"writing a chunk failed: {exc!r}",
-                       decided=lambda: self.stats.job_failed("transport"))
-            finally:
-                self.staging.give(owner, value)
 
     # ------------------------------------------------------------- down
     def down(self, error: LinkError, *, block: bool = True) -> None:
@@ -385,16 +338,3 @@ class DecodeLink:
               jobs_failed=failed, jobs_moved=moved)
         if self.on_down is not None:
             self.on_down(self, error)
-
-
-@attrs.define(eq=False)
-class _Posted:
-    """The receives posted for one chunk: into the job's pages (`writing`) or into a staging buffer."""
-
-    lj: LinkJob
-    chunk: Chunk
-    pieces: list[Piece]
-    works: list[dist.Work]
-    buf: torch.Tensor | None
-    owner: str
-    writing: bool

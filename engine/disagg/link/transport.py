@@ -2,8 +2,11 @@
 
 Rank 0 is the prefill, rank 1 the decode. Control messages (headers, job
 frames, keepalives) always go over gloo with CPU tensors; KV chunks go over
-the same gloo group (in host memory: on CUDA through pinned staging) or,
-with backend "nccl", over a second, NCCL group with device tensors.
+a second group: gloo with a socket of its own (in host memory: on CUDA
+through pinned staging), or, with backend "nccl", NCCL with device tensors.
+Gloo sends a message only once the peer has posted its receive, and the
+notices that say so travel in order with the data on their socket: on one
+socket a job frame or a header waited behind the chunks before it.
 
 Every wait has an explicit timeout. What gloo does on failure (measured in
 SCALEOUT.md): a peer that dies with nothing in flight is seen at once
@@ -151,9 +154,11 @@ class Pair:
         try:
             self.ctl = cast(_PeerGroup, dist.ProcessGroupGloo(dist.PrefixStore(prefix + "gloo/", store), rank, 2,
                                                               options))
-            self.data = self.ctl
             if self.nccl:
                 self.data = cast(_PeerGroup, nccl_group(dist.PrefixStore(prefix + "nccl/", store), rank, timeout))
+            else:  # NOTE: a socket of its own (same gloo device): control never queues behind a chunk
+                self.data = cast(_PeerGroup, dist.ProcessGroupGloo(dist.PrefixStore(prefix + "gloo-data/", store),
+                                                                   rank, 2, options))
         except Exception as exc:  # noqa: BLE001 - rendezvous failures are link failures
             raise classify(exc) from exc
         #: chunks travel in host memory (gloo) or device memory (nccl)
@@ -248,13 +253,14 @@ class Pair:
             self.close()
             self._aborted = True
             return
-        end = getattr(self.ctl, "abort", None)
-        if end is None:
-            return
-        try:
-            end()
-        except Exception:  # noqa: BLE001 - a group that failed may refuse: its posted works are still waited for
-            return
+        for group in (self.ctl, self.data):
+            end = getattr(group, "abort", None)
+            if end is None:
+                return
+            try:
+                end()
+            except Exception:  # noqa: BLE001 - a group that failed may refuse: its posted works are still waited for
+                return
         self._aborted = True
 
     def close(self) -> None:

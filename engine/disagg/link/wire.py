@@ -48,7 +48,8 @@ from states import TokenLogprob
 
 #: 2: the RESULT frame carries the first token's logprob; 3: chunks travel as messages per layer, K/V and
 #: page run, sent from and received into the KV buffers (the run starts in JOB and RESULT); 4: a RESULT's
-#: run starts ride in its header when they fit (`INLINE_RUNS`): no round trip for a message of their own
+#: run starts ride in its header when they fit (`INLINE_RUNS`): no round trip for a message of their own,
+#: and gloo chunks travel in a group (a socket) of their own, apart from the control messages
 PROTOCOL_VERSION = 4
 HEADER_LEN = 32
 #: run starts a RESULT header carries itself (after its 8 fields); more travel in a message after it
