@@ -25,7 +25,7 @@ from engine.disagg.link.staging import StagingPool
 from engine.disagg.link.transport import LinkError, Pair
 from engine.disagg.link.messages import chunk_pieces, cuts, staged_views
 from engine.disagg.link.wire import (BYE, CANCEL, FAILED, HEADER_LEN, JOB, OK, PING, RESULT, JobSpec, KVLayout, chunk_plan,
-                                decode_job, empty_header, header, result_frames)
+                                decode_job, empty_header, header, job_index, result_frames)
 from resources import ManualFence
 from resources.kv_buffers import KVBuffers
 from structlog.testing import capture_logs
@@ -59,16 +59,28 @@ class ScriptedPrefill:
 
     def __init__(self, pair: Pair) -> None:
         self.pair = pair
+        self.batches: list[int] = []  # how many jobs each JOB message carried
+        self._jobs: list[tuple[int, int, JobSpec | None]] = []  # received in a batch, not returned yet
 
     def recv_frame(self) -> tuple[int, int, JobSpec | None]:
+        """The next message: (JOB, its tag, its spec) for each job of a JOB message in turn, else (op, tag,
+        None)."""
+        if self._jobs:
+            return self._jobs.pop(0)
         hdr = empty_header()
         self.pair.recv_ctl(hdr, 5.0)
-        op, tag, size = hdr[:3].tolist()
+        op, tag = hdr[:2].tolist()
         if op != JOB:
             return op, tag, None
-        frame = torch.empty(size, dtype=torch.uint8)
+        index = job_index(hdr.tolist(), 1 << 30)
+        frame = torch.empty(sum(n for _, n in index), dtype=torch.uint8)
         self.pair.recv_ctl(frame, 5.0)
-        return op, tag, decode_job(frame)
+        offset = 0
+        for tag, n in index:
+            self._jobs.append((JOB, tag, decode_job(frame[offset: offset + n])))
+            offset += n
+        self.batches.append(len(index))
+        return self._jobs.pop(0)
 
     def answer(self, tag: int, status: int = OK, first_token: int = 42, runs: list[int] | None = None) -> None:
         """RESULT; `runs`: the prefill's run starts (it sends from its pages), None: from staging."""

@@ -51,8 +51,9 @@ from engine.disagg.decode.link_job import LinkJob, RemoteTransferFailed
 from engine.disagg.decode.link_writing import Landing, LinkWriting, Posted
 from engine.disagg.link.messages import Piece, check_starts, chunk_pieces, cuts, staged_views
 from engine.disagg.link.transport import LinkError, Pair, classify
-from engine.disagg.link.wire import (BYE, CANCEL, CANCELLED, JOB, OK, PING, RESULT, STATUS_NAMES, Chunk, KVLayout,
-                                     ProtocolError, decode_logprob, empty_header, encode_job, header, inline_runs)
+from engine.disagg.link.wire import (BYE, CANCEL, CANCELLED, OK, PING, RESULT, STATUS_NAMES, Chunk, KVLayout,
+                                     MAX_JOBS, JOB_BATCH_BYTES, ProtocolError, decode_logprob, empty_header, encode_job,
+                                     header, inline_runs, jobs_header)
 
 log = structlog.get_logger("kvlife.transfer")
 __all__ = ["DecodeLink", "LinkJob", "RemoteTransferFailed"]
@@ -154,23 +155,22 @@ class DecodeLink(LinkWriting):
     # -------------------------------------------------------- sending
     def _send_loop(self) -> None:
         s = self.settings
+        carried: tuple[str, Any] | None = None  # what ended a batch of jobs, sent next
         try:
             while True:
-                try:
-                    kind, item = self._out.get(timeout=s.keepalive)
-                except queue.Empty:
-                    kind, item = "ping", None
+                if carried is not None:
+                    (kind, item), carried = carried, None
+                else:
+                    try:
+                        kind, item = self._out.get(timeout=s.keepalive)
+                    except queue.Empty:
+                        kind, item = "ping", None
                 if not self.up:
                     if self._farewell:  # so the prefill cancels at once and its threads return
                         self.pair.send_ctl(header(BYE), s.chunk_slack)
                     return
                 if kind == "job":
-                    budget = item.deadline - time.monotonic()
-                    spec = attrs.evolve(item.spec, budget=max(budget - min(s.chunk_slack, budget / 4), 0.0))
-                    frame = encode_job(spec)
-                    hdr = header(JOB, item.tag, frame.numel())
-                    works = [self.pair.post_send_ctl(hdr), self.pair.post_send_ctl(frame)]
-                    self.pair.wait_all(works, s.chunk_timeout(frame.numel()), ctl=len(works))
+                    carried = self._send_jobs(item)
                 elif kind == "cancel":
                     self.pair.send_ctl(header(CANCEL, item), s.chunk_slack)
                 elif kind == "ping":
@@ -181,6 +181,33 @@ class DecodeLink(LinkWriting):
                     return
         except Exception as exc:  # noqa: BLE001 - every failure ends the link
             self.down(classify(exc))
+
+    def _send_jobs(self, first: LinkJob) -> tuple[str, Any] | None:
+        """Send `first` and the jobs queued right behind it in one JOB message (up to `MAX_JOBS`, about
+        `JOB_BATCH_BYTES` of frames): one round trip between the two sides for a burst of jobs. Returns
+        the queued item that ended the batch (a cancel, a ping, ...), to send next."""
+        s = self.settings
+        frames: list[tuple[int, torch.Tensor]] = []
+        carried: tuple[str, Any] | None = None
+        lj: LinkJob | None = first
+        while lj is not None:
+            budget = lj.deadline - time.monotonic()
+            frames.append((lj.tag, encode_job(attrs.evolve(lj.spec, budget=max(budget - min(s.chunk_slack,
+                                                                                              budget / 4), 0.0)))))
+            lj = None
+            if len(frames) < MAX_JOBS and sum(f.numel() for _, f in frames) < JOB_BATCH_BYTES:
+                try:
+                    kind, item = self._out.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "job":
+                    lj = item
+                else:
+                    carried = (kind, item)
+        frame = torch.cat([f for _, f in frames])
+        works = [self.pair.post_send_ctl(jobs_header(frames)), self.pair.post_send_ctl(frame)]
+        self.pair.wait_all(works, s.chunk_timeout(frame.numel()), ctl=len(works))
+        return carried
 
     # ------------------------------------------------------ receiving
     def _recv_loop(self) -> None:

@@ -49,11 +49,15 @@ from states import TokenLogprob
 #: 2: the RESULT frame carries the first token's logprob; 3: chunks travel as messages per layer, K/V and
 #: page run, sent from and received into the KV buffers (the run starts in JOB and RESULT); 4: a RESULT's
 #: run starts ride in its header when they fit (`INLINE_RUNS`): no round trip for a message of their own,
-#: and gloo chunks travel in a group (a socket) of their own, apart from the control messages
+#: gloo chunks travel in a group (a socket) of their own, apart from the control messages, and one JOB
+#: message carries up to `MAX_JOBS` jobs (a round trip per batch of jobs, not per job)
 PROTOCOL_VERSION = 4
 HEADER_LEN = 32
 #: run starts a RESULT header carries itself (after its 8 fields); more travel in a message after it
 INLINE_RUNS = HEADER_LEN - 8
+#: jobs one JOB message carries at most (each one's tag and frame size ride in its header), and the bytes
+#: of job frames the decode batches into one (a bigger frame travels alone)
+MAX_JOBS, JOB_BATCH_BYTES = (HEADER_LEN - 4) // 2, 1 << 20
 CTL, DATA = 0, 1  # tags: decode -> prefill, prefill -> decode
 
 JOB, CANCEL, PING, BYE, RESULT = 1, 2, 3, 4, 5
@@ -72,6 +76,27 @@ def header(op: int, tag: int = 0, *fields: int) -> torch.Tensor:
 
 def empty_header() -> torch.Tensor:
     return torch.zeros(HEADER_LEN, dtype=torch.int64)
+
+
+def jobs_header(frames: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+    """The header of a JOB message carrying these (tag, frame) jobs, their frames concatenated after it."""
+    if not 1 <= len(frames) <= MAX_JOBS:
+        raise ValueError(f"1 to {MAX_JOBS} jobs per JOB message, not {len(frames)}")
+    index = [x for tag, frame in frames for x in (tag, frame.numel())]
+    return header(JOB, 0, sum(frame.numel() for _, frame in frames), len(frames), *index)
+
+
+def job_index(values: list[int], max_bytes: int) -> list[tuple[int, int]]:
+    """(tag, frame size) of each job a JOB header's values announce, in order; ProtocolError if they are
+    malformed or their frames exceed `max_bytes` together."""
+    size, count = values[2], values[3]
+    if not 1 <= count <= MAX_JOBS:
+        raise ProtocolError(f"a JOB message announces {count} jobs (1 to {MAX_JOBS})")
+    index = [(values[4 + 2 * i], values[5 + 2 * i]) for i in range(count)]
+    if any(n <= 0 for _, n in index) or sum(n for _, n in index) != size or not 0 < size <= max_bytes:
+        raise ProtocolError(f"a JOB message's frame sizes {[n for _, n in index]} do not make its {size} bytes "
+                            f"(at most {max_bytes})")
+    return index
 
 
 def result_frames(tag: int, status: int, first_token: int, reason: bytes, logprob: bytes,

@@ -41,7 +41,8 @@ import torch.distributed as dist
 from engine.disagg.link.messages import chunk_pieces, cuts
 from engine.disagg.link.transport import LinkError, Pair, classify
 from engine.disagg.link.wire import (BYE, CANCEL, CANCELLED, FAILED, JOB, OK, PING, RESULT, Chunk, JobSpec,
-                                     ProtocolError, decode_job, empty_header, encode_logprob, header, result_frames)
+                                     ProtocolError, decode_job, empty_header, encode_logprob, header, job_index,
+                                     result_frames)
 from engine.disagg.prefill.send import SendRecord
 
 log = structlog.get_logger("kvlife.transfer")
@@ -157,25 +158,34 @@ class PrefillLink:
                     if sj is not None:
                         self.server.call(self.server.cancel_job, sj, "cancelled")
                     continue
-                if op != JOB or not 0 < size <= s.staging_bytes:
-                    raise ProtocolError(f"unexpected control message op {op} size {size}")
+                if op != JOB:
+                    raise ProtocolError(f"unexpected control message op {op}")
+                index = job_index(hdr.tolist(), s.staging_bytes)  # one message carries a batch of jobs
                 frame = torch.empty(size, dtype=torch.uint8)
                 self.pair.recv_ctl(frame, s.chunk_timeout(size))
                 work = self.pair.post_recv_ctl(hdr)  # NOTE: the next frame's header lands while this one is read
-                now = time.monotonic()
-                try:
-                    spec = decode_job(frame)
-                    sj = ServerJob(self, tag, spec, now, now + spec.budget)
-                except ProtocolError as exc:
-                    sj = ServerJob(self, tag, None, now, now, error=f"malformed job: {exc}", ready=True)
-                with self.cond:
-                    self.outbox.append(sj)
-                    self.jobs[tag] = sj
-                    self.cond.notify_all()
-                if sj.error is None:
-                    self.server.call(self.server.submit_job, sj)
+                self._take_jobs(index, frame)
         except Exception as exc:  # noqa: BLE001 - every failure ends the link
             self.down(classify(exc))
+
+    def _take_jobs(self, index: list[tuple[int, int]], frame: torch.Tensor) -> None:
+        """Queue each job of a JOB message for its answer, in order, and hand the server those that parsed."""
+        now, offset, jobs = time.monotonic(), 0, []
+        for tag, nbytes in index:
+            try:
+                spec = decode_job(frame[offset: offset + nbytes])
+                jobs.append(ServerJob(self, tag, spec, now, now + spec.budget))
+            except ProtocolError as exc:
+                jobs.append(ServerJob(self, tag, None, now, now, error=f"malformed job: {exc}", ready=True))
+            offset += nbytes
+        with self.cond:
+            for sj in jobs:
+                self.outbox.append(sj)
+                self.jobs[sj.tag] = sj
+            self.cond.notify_all()
+        for sj in jobs:
+            if sj.error is None:
+                self.server.call(self.server.submit_job, sj)
 
     # -------------------------------------------------------- sending
     def _send_loop(self) -> None:
