@@ -1,7 +1,7 @@
 """Engine benchmark: kvlife against transformers `generate()` and the floor, one checkpoint, one process.
 
     python benchmarks/bench_engine.py [--batches 1 8 32 128] [--repeat 3] [--threads 1]
-        [--new-tokens 64] [--prompt-len 128] [--attention-kernel auto] [--out bench-results/engine.json] [--quick]
+        [--new-tokens 64] [--prompt-len 128] [--native-kernels auto] [--out bench-results/engine.json] [--quick]
 
 1. One checkpoint, written by transformers' `save_pretrained`: the anchor tiny
    Llama (hidden 256, 4 layers, 4 heads / 4 KV heads, MLP 1024, vocab
@@ -25,8 +25,8 @@
    queries over contiguous K and V of the mean decode context (prompt +
    new / 2), the faster of SDPA and matmul-softmax-matmul, and the time to read
    those K/V bytes once at the run's sum bandwidth (1 GiB): what no attention
-   can beat (`engine_floor.py`). `--attention-kernel` sets kvlife's
-   `EngineConfig.attention_kernel` (default "auto": its native decode kernel).
+   can beat (`engine_floor.py`). `--native-kernels` sets kvlife's
+   `EngineConfig.native_kernels` (default "auto": its CPU kernels on).
 5. Memory bandwidth, in the same run: a copy and a sum of a 64 MiB tensor
    (in the last-level cache here) and of a 1 GiB one.
 
@@ -101,12 +101,12 @@ class HFGenerate:
 
 # ------------------------------------------------------------------ kvlife
 def engine_config(directory: Path, batch: int, prompt_len: int, new_tokens: int, device: str = "cpu",
-                  attention_kernel: str = "auto") -> EngineConfig:
+                  native_kernels: str = "auto") -> EngineConfig:
     per_request = -(-(prompt_len + new_tokens) // PAGE) + 1
     return EngineConfig(model=str(directory), device=device, max_running=batch, num_kv_pages=batch * per_request + 2,
                         max_context=prompt_len + new_tokens + PAGE, max_prefill_tokens=4096,
                         prefix_cache=False, leak_check="raise", use_entry_points=False,
-                        attention_kernel=attention_kernel)
+                        native_kernels=native_kernels)
 
 
 async def kvlife_run(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dict:
@@ -146,7 +146,7 @@ async def bench_batch(args, directory: Path, hf: HFGenerate, floor: Floor, batch
     n = args.new_tokens
     runs = []
     async with Engine(engine_config(directory, batch, args.prompt_len, n, args.device,
-                                    args.attention_kernel)) as engine:
+                                    args.native_kernels)) as engine:
         await kvlife_run(engine, prompts[:1], 2)  # warm-up, both
         hf.run(prompts[:1], 2)
         for rep in range(args.repeat):
@@ -263,8 +263,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--out", default="bench-results/engine.json")
-    parser.add_argument("--attention-kernel", default="auto", choices=["auto", "native", "torch"],
-                        help="EngineConfig.attention_kernel for kvlife (docs/models.md)")
+    parser.add_argument("--native-kernels", default="auto", choices=["auto", "on", "off"],
+                        help="EngineConfig.native_kernels for kvlife (docs/models.md)")
     parser.add_argument("--quick", action="store_true", help="batches 1 and 8, 2 repeats, 16 new tokens (smoke run)")
     add_device_option(parser)
     args = parser.parse_args(argv)
@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> dict:
     results = {"machine": info, "bandwidth_start": bw, "bandwidth_end": bw_end,
                "workload": {"model": ANCHOR, "dtype": "float32", "prompt_len": args.prompt_len,
                             "new_tokens": args.new_tokens, "repeat": args.repeat, "threads": args.threads,
-                            "attention_kernel": args.attention_kernel,
+                            "native_kernels": args.native_kernels,
                             "floor_weight_bytes": floor.nbytes},
                "rows": rows}
     return write_results(args.out, results)

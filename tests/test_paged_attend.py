@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from engine.model import paged_attend
 from engine.model.attention import AttentionMetadata, PagedAttention
-from engine.model.native_attention import kernel_problem, load_decode_kernel
+from engine.model.native_kernels import kernel_problem, load_kernels
 from naive_attention import naive_attention as _naive
 from resources.kv_buffers import KVBuffers
 
@@ -50,7 +50,7 @@ def _kernel(form: str):
     """kvlife's native decode kernel for the "native" form (it must build here: CI has a compiler), else None."""
     if form != "native":
         return None
-    kernel = load_decode_kernel()
+    kernel = load_kernels()
     assert kernel is not None, kernel_problem()
     return kernel
 

@@ -43,7 +43,7 @@ from torch import Tensor
 from engine.model.paged_attend import ContextBatch, attend, attend_fresh
 
 if TYPE_CHECKING:
-    from engine.model.native_attention import DecodeKernel
+    from engine.model.native_kernels import NativeKernels
     from resources.kv_buffers import KVBuffers
 
 
@@ -161,9 +161,9 @@ class PagedAttention:
     """
 
     def __init__(self, kv: KVBuffers, meta: AttentionMetadata, layer_windows: Sequence[int | None] = (),
-                 kernel: DecodeKernel | None = None) -> None:
+                 kernel: NativeKernels | None = None) -> None:
         self._kv = kv
-        #: kvlife's native decode attention (`engine.model.native_attention`); None: torch's forms only
+        #: kvlife's native decode attention (`engine.model.native_kernels`); None: torch's forms only
         self._kernel = kernel
         self._out_locs = meta.out_locs
         longest = max(meta.kv_lens)
@@ -233,7 +233,7 @@ class PagedAttention:
 
     @classmethod
     def decode(cls, kv: KVBuffers, out_locs: Tensor, pages: Tensor, kv_lens: Tensor,
-               layer_windows: Sequence[int | None] = (), kernel: DecodeKernel | None = None) -> PagedAttention:
+               layer_windows: Sequence[int | None] = (), kernel: NativeKernels | None = None) -> PagedAttention:
         """A decode-only step given by device tensors alone (no host lengths,
         so the plan can be captured in a CUDA graph): one new token per
         sequence written at `out_locs` ``[B]``, contexts of `kv_lens` ``[B]``
@@ -243,7 +243,7 @@ class PagedAttention:
 
     @classmethod
     def decode_rows(cls, kv: KVBuffers, out_locs: Tensor, context: ContextBatch, longest: int,
-                    layer_windows: tuple[int | None, ...] = (), kernel: DecodeKernel | None = None) -> PagedAttention:
+                    layer_windows: tuple[int | None, ...] = (), kernel: NativeKernels | None = None) -> PagedAttention:
         """A decode-only step planned by its caller (`engine.model.decode_inputs`): the same
         plan as the constructor's for a step whose every row is one new token, from a
         `ContextBatch` of those rows whose longest context is `longest` tokens."""
@@ -254,7 +254,7 @@ class PagedAttention:
 
     @classmethod
     def _decoding(cls, kv: KVBuffers, out_locs: Tensor, context: ContextBatch,
-                  windows: tuple[int | None, ...], kernel: DecodeKernel | None) -> PagedAttention:
+                  windows: tuple[int | None, ...], kernel: NativeKernels | None) -> PagedAttention:
         self = cls.__new__(cls)
         self._kv, self._out_locs, self._windows, self._kernel = kv, out_locs, windows, kernel
         self._decode_rows, self._prefill, self._prefill_queries, self._prefill_out = None, None, None, None
@@ -264,7 +264,7 @@ class PagedAttention:
 
     @classmethod
     def factory(cls, kv: KVBuffers, layer_windows: Sequence[int | None] = (),
-                decode_kernel: DecodeKernel | None = None) -> PagedFactory:
+                decode_kernel: NativeKernels | None = None) -> PagedFactory:
         """The runner's attention factory: one `PagedAttention` per step over
         `kv`, with each layer's sliding window (`ModelConfig.layer_windows`) and
         the native decode kernel where the engine has one."""
@@ -312,8 +312,8 @@ class PagedFactory:
 
     kv: KVBuffers
     layer_windows: tuple[int | None, ...] = ()
-    #: decode rows through kvlife's native kernel (`engine.model.native_attention`); None: torch's forms
-    decode_kernel: DecodeKernel | None = None
+    #: decode rows through kvlife's native kernel (`engine.model.native_kernels`); None: torch's forms
+    decode_kernel: NativeKernels | None = None
 
     def __call__(self, seqs: Sequence[object], meta: AttentionMetadata) -> PagedAttention:
         return PagedAttention(self.kv, meta, self.layer_windows, self.decode_kernel)

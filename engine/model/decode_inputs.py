@@ -32,7 +32,7 @@ from torch import Tensor
 
 from engine.model.attention import PagedAttention
 from engine.model.batch import ScheduledSeq
-from engine.model.native_attention import DecodeKernel
+from engine.model.native_kernels import NativeKernels
 from engine.model.paged_attend import ContextBatch
 from engine.model.step_upload import StepUpload
 from resources.kv_buffers import KVBuffers
@@ -45,7 +45,7 @@ DecodeInputs = tuple[Tensor, Tensor, PagedAttention, "Tensor | None"]
 
 def decode_inputs(seqs: Sequence[ScheduledSeq], fields: np.ndarray | None, *, upload: StepUpload, table: Tensor,
                   host_table: np.ndarray | None, kv: KVBuffers, slot_of: Callable[[Request], int | None],
-                  layer_windows: tuple[int | None, ...], kernel: DecodeKernel | None = None) -> DecodeInputs | None:
+                  layer_windows: tuple[int | None, ...], kernel: NativeKernels | None = None) -> DecodeInputs | None:
     """The inputs of a plain decode step (module docstring), or None when `seqs` is not one.
     `fields`: the sampler's host fields (`SamplingBatch.fields`), uploaded with the rest;
     `host_table`: the token table `table` itself as a host array, when it lives on the host (the

@@ -20,6 +20,8 @@ and an in-process prefill worker) never see each other's routing.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -32,6 +34,9 @@ from engine.model.moe import MoEFeedForward
 from engine.model.projection import Projection, pack_linears, resolve_layout
 from engine.model.rope import RotaryEmbedding, apply_rope, apply_rope_
 from engine.model.vision import VisionProjector
+
+if TYPE_CHECKING:
+    from engine.model.native_kernels import NativeKernels
 
 __all__ = ["LlamaModel", "apply_rope"]
 
@@ -46,6 +51,8 @@ class SelfAttention(nn.Module):
     #: set by `LlamaModel.pack`: the fused q/k/v projection and o_proj
     qkv: Projection | None = None
     o: Projection | None = None
+    #: RoPE by kvlife's native kernel in the fused path (`engine.model.loading.install_native_kernels`)
+    native: NativeKernels | None = None
 
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
@@ -81,11 +88,13 @@ class SelfAttention(nn.Module):
         qkv_proj, o_proj = self.qkv, self.o
         assert qkv_proj is not None and o_proj is not None  # `LlamaModel.pack` sets both
         qkv = qkv_proj(x).view(tokens, heads + 2 * kv_heads, self.head_dim)
+        native = self.native
+        rotate = native.rope_ if native is not None and native.takes_rope(qkv, rope) else apply_rope_
         if self.q_norm is not None and self.k_norm is not None:
-            q = apply_rope_(self.q_norm(qkv[:, :heads]), rope)
-            k = apply_rope_(self.k_norm(qkv[:, heads : heads + kv_heads]), rope)
+            q = rotate(self.q_norm(qkv[:, :heads]), rope)
+            k = rotate(self.k_norm(qkv[:, heads : heads + kv_heads]), rope)
         else:
-            apply_rope_(qkv[:, : heads + kv_heads], rope)
+            rotate(qkv[:, : heads + kv_heads], rope)
             q, k = qkv[:, :heads], qkv[:, heads : heads + kv_heads]
         out = attention.attend(self.layer_id, q, k, qkv[:, heads + kv_heads :])
         return o_proj(out.reshape(tokens, heads * self.head_dim))
@@ -191,14 +200,8 @@ class LlamaModel(nn.Module):
         self.register_load_state_dict_post_hook(_refresh_blocked)
 
     @classmethod
-    def from_seed(
-        cls,
-        config: ModelConfig,
-        seed: int = 0,
-        *,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> LlamaModel:
+    def from_seed(cls, config: ModelConfig, seed: int = 0, *, device: torch.device | str | None = None,
+                  dtype: torch.dtype | None = None) -> LlamaModel:
         """Random weights that depend only on `config` and `seed`: drawn on
         the CPU in float32 from a seeded generator, then moved to `device`
         (default CPU) and cast to `dtype` (default `config.dtype`).

@@ -6,7 +6,7 @@ A `ContextBatch` is planned once per step and reused by every layer: where
 each sequence's context lives (whole pages, or token locations), its length,
 where its queries sit, and the masks, built once per window. `attend` picks
 one of four forms per call, or hands decode rows to kvlife's native CPU kernel
-(`engine.model.native_attention`, which reads K/V in place) when it has one::
+(`engine.model.native_kernels`, which reads K/V in place) when it has one::
 
     form        when                                    K/V gathered         mask
     sdpa        the gathered K/V fit `GATHER_BUDGET`    K and V, once        none when a causal or
@@ -54,7 +54,7 @@ from torch.nn.attention.bias import causal_lower_right
 from resources.paging import pages_for, round_up
 
 if TYPE_CHECKING:
-    from engine.model.native_attention import DecodeKernel
+    from engine.model.native_kernels import NativeKernels
 
 #: most bytes of K and V one attention call may gather at once (the blocks form past it)
 GATHER_BUDGET = 128 << 20
@@ -177,13 +177,13 @@ class ContextBatch:
 
 
 def attend(q: Tensor, k_buf: Tensor, v_buf: Tensor, batch: ContextBatch, window: int | None,
-           kernel: DecodeKernel | None = None) -> Tensor:
+           kernel: NativeKernels | None = None) -> Tensor:
     """`q` ``[B, Q, H, D]`` (query i of sequence b at ``batch.query_pos[b, i]``)
     over the batch's contexts in `k_buf` and `v_buf`; returns ``[B, Q, H, D]``.
     Decode rows (Q == 1, query at ``kv_lens - 1``) go to `kernel` where it takes them."""
     rows, q_len, heads, head_dim = q.shape
-    if kernel is not None and q_len == 1 and kernel.takes(q, k_buf):
-        return kernel(q[:, 0], k_buf, v_buf, batch.columns, batch.unit, batch.kv_lens, window)[:, None]
+    if kernel is not None and q_len == 1 and kernel.takes_attention(q, k_buf):
+        return kernel.decode_attention(q[:, 0], k_buf, v_buf, batch.columns, batch.unit, batch.kv_lens, window)[:, None]
     kv_heads = k_buf.shape[1]
     per_column = rows * kv_heads * head_dim * k_buf.element_size() * 2
     if batch.width * per_column > GATHER_BUDGET:

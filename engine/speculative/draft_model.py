@@ -34,7 +34,7 @@ import torch
 from engine.config import EngineConfig
 from engine.errors import InvalidConfig
 from engine.model.attention import PagedAttention
-from engine.model.native_attention import decode_kernel_for
+from engine.model.native_kernels import kernels_for
 from engine.model.llama import LlamaModel
 from engine.model.model_config import ModelConfig
 from engine.model.runner import ModelRunner
@@ -228,6 +228,6 @@ def build_draft(config: EngineConfig, *, model_config: ModelConfig, device: torc
     runner = ModelRunner(model, buffers, pool.slots, device, slot_of=RequestSlotHook.slot,
                          attention_factory=PagedAttention.factory(
                              buffers, draft_config.layer_windows,
-                             decode_kernel_for(config.attention_kernel, device, draft_config.torch_dtype)),
+                             kernels_for(config.native_kernels, device, draft_config.torch_dtype)),
                          cuda_graphs=False)
     return Draft(DraftModelProposer(runner, model_config.vocab_size), DraftKVHook(pool), pool)
