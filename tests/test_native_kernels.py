@@ -131,7 +131,8 @@ def test_rope_is_torch_s_bit_for_bit():
     multiply-add), on a strided view of q and k inside a fused q/k/v tensor."""
     gen = torch.Generator().manual_seed(7)
     qkv = torch.randn(5, 8, 64, generator=gen) * 10
-    cos_sin = torch.cat([torch.cos(torch.rand(5, 32, generator=gen) * 6), torch.sin(torch.rand(5, 32, generator=gen) * 6)], -1)
+    angles = torch.rand(5, 32, generator=gen) * 6
+    cos_sin = torch.cat([torch.cos(angles), torch.sin(angles)], -1)
     expected = qkv.clone()
     apply_rope_(expected[:, :6], cos_sin)
     got = qkv.clone()

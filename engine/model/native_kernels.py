@@ -155,7 +155,8 @@ def kernels_for(mode: str, device: torch.device, dtype: torch.dtype) -> NativeKe
         return None
     if not applies:
         raise InvalidConfig("EngineConfig.native_kernels",
-                            f"'auto' or 'off' for a {dtype} model on {device} (the kernels take float32 on a CPU)", mode)
+                            f"'auto' or 'off' for a {dtype} model on {device} (the kernels take float32 on a CPU)",
+                            mode)
     kernels = load_kernels()
     if kernels is None and mode == "on":
         raise InvalidConfig("EngineConfig.native_kernels",
