@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.model.attention import AttentionBackend
-from engine.model.greedy_head import GREEDY_HEADS, VerifiedGreedyHead, verified_head_applies
+from engine.model.greedy_head import AUTO_MIN_BYTES, GREEDY_HEADS, VerifiedGreedyHead, verified_head_applies
 from engine.model.layers import GatedMLP, RMSNorm
 from engine.model.model_config import ModelConfig
 from engine.model.moe import MoEFeedForward
@@ -375,8 +375,8 @@ class LlamaModel(nn.Module):
 
     def use_verified_head(self, mode: str = "auto") -> None:
         """After `pack`: take greedy steps' tokens from a verified bfloat16 copy of the LM
-        head (`engine.model.greedy_head`): "auto" where it applies, "verified" (ValueError
-        where it does not), "full" never."""
+        head (`engine.model.greedy_head`): "auto" where it applies to a head of at least
+        `AUTO_MIN_BYTES`, "verified" (ValueError where it does not apply), "full" never."""
         if mode not in GREEDY_HEADS:
             raise ValueError(f"greedy head must be one of {GREEDY_HEADS}, got {mode!r}")
         head = self._head
@@ -384,7 +384,8 @@ class LlamaModel(nn.Module):
         if mode == "verified" and not applies:
             raise ValueError("the verified greedy head needs a CPU float32 model in the onednn weight layout "
                              "and oneDNN with native bfloat16 matmuls")
-        use = head is not None and applies and mode != "full"
+        large = head is not None and head.weight_t.numel() * head.weight_t.element_size() >= AUTO_MIN_BYTES
+        use = head is not None and applies and (mode == "verified" or (mode == "auto" and large))
         self.verified_head = VerifiedGreedyHead(head.weight_t) if use and head is not None else None
 
 
