@@ -1,7 +1,7 @@
 """Engine benchmark: kvlife against transformers `generate()` and the floor, one checkpoint, one process.
 
     python benchmarks/bench_engine.py [--batches 1 8 32 128] [--repeat 3] [--threads 1]
-        [--new-tokens 64] [--prompt-len 128] [--out bench-results/engine.json] [--quick]
+        [--new-tokens 64] [--prompt-len 128] [--native-kernels auto] [--out bench-results/engine.json] [--quick]
 
 1. One checkpoint, written by transformers' `save_pretrained`: the anchor tiny
    Llama (hidden 256, 4 layers, 4 heads / 4 KV heads, MLP 1024, vocab
@@ -23,7 +23,10 @@
    what kvlife's default `weight_layout` uses on CPU), the fastest quoted.
    Beside it, the attention a decode step cannot avoid: per layer the
    queries over contiguous K and V of the mean decode context (prompt +
-   new / 2), the faster of SDPA and matmul-softmax-matmul.
+   new / 2), the faster of SDPA and matmul-softmax-matmul, and the time to read
+   those K/V bytes once at the run's sum bandwidth (1 GiB): what no attention
+   can beat (`engine_floor.py`). `--native-kernels` sets kvlife's
+   `EngineConfig.native_kernels` (default "auto": its CPU kernels on).
 5. Memory bandwidth, in the same run: a copy and a sum of a 64 MiB tensor
    (in the last-level cache here) and of a 1 GiB one.
 
@@ -47,7 +50,6 @@ from pathlib import Path
 
 import anyio
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -55,13 +57,9 @@ from benchmarks.machine import (add_device_option, bandwidth, fmt, header, loada
                                 median_range, write_results)
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from engine.logging import configure_logging  # noqa: E402
-from engine.model.projection import Projection, onednn_applies  # noqa: E402
+from benchmarks.engine_floor import ANCHOR, Floor  # noqa: E402
 
 PAGE = 16
-ANCHOR = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
-              intermediate_size=1024, vocab_size=32000, tie_word_embeddings=False, max_position_embeddings=4096,
-              # kvlife's byte tokenizer wants its special ids at 256..; the prompts are ids, never text
-              bos_token_id=256, eos_token_id=257, pad_token_id=258)
 
 
 def write_checkpoint(directory: Path) -> Path:
@@ -102,11 +100,13 @@ class HFGenerate:
 
 
 # ------------------------------------------------------------------ kvlife
-def engine_config(directory: Path, batch: int, prompt_len: int, new_tokens: int, device: str = "cpu") -> EngineConfig:
+def engine_config(directory: Path, batch: int, prompt_len: int, new_tokens: int, device: str = "cpu",
+                  native_kernels: str = "auto") -> EngineConfig:
     per_request = -(-(prompt_len + new_tokens) // PAGE) + 1
     return EngineConfig(model=str(directory), device=device, max_running=batch, num_kv_pages=batch * per_request + 2,
                         max_context=prompt_len + new_tokens + PAGE, max_prefill_tokens=4096,
-                        prefix_cache=False, leak_check="raise", use_entry_points=False)
+                        prefix_cache=False, leak_check="raise", use_entry_points=False,
+                        native_kernels=native_kernels)
 
 
 async def kvlife_run(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dict:
@@ -140,119 +140,13 @@ async def kvlife_run(engine: Engine, prompts: list[list[int]], new_tokens: int) 
 
 
 # ------------------------------------------------------------------- floor
-class Floor:
-    """The decode step's matmuls alone, on the checkpoint's weights."""
-
-    def __init__(self, directory: Path, device: str = "cpu") -> None:
-        from safetensors.torch import load_file
-
-        self.device = torch.device(device)
-        w = load_file(str(Path(directory) / "model.safetensors"), device=str(self.device))
-        self.linear: list[list[torch.Tensor]] = []  # checkpoint layout [out, in], one per projection
-        self.packed: list[list[torch.Tensor]] = []  # q/k/v and gate/up stacked, stored [in, out]
-        for i in range(ANCHOR["num_hidden_layers"]):
-            p = f"model.layers.{i}."
-            attn = [w[p + f"self_attn.{n}_proj.weight"] for n in "qkvo"]
-            mlp = [w[p + f"mlp.{n}_proj.weight"] for n in ("gate", "up", "down")]
-            self.linear.append(attn + mlp)
-            self.packed.append([torch.cat(attn[:3]).t().contiguous(), attn[3].t().contiguous(),
-                                torch.cat(mlp[:2]).t().contiguous(), mlp[2].t().contiguous()])
-        self.head = w["lm_head.weight"]
-        self.head_t = self.head.t().contiguous()
-        #: oneDNN's blocked copies of the packed matrices (None where oneDNN does not apply)
-        self.blocked: list[Projection] | None = None
-        if onednn_applies(self.head.device, self.head.dtype):
-            self.blocked = [Projection(t, None, "onednn") for layer in self.packed for t in layer]
-            self.blocked.append(Projection(self.head_t, None, "onednn"))
-        weights = [t for name, t in w.items() if t.dim() == 2 and name != "model.embed_tokens.weight"]
-        self.nbytes = sum(t.numel() * t.element_size() for t in weights)
-        self.hidden, self.q, self.mlp = ANCHOR["hidden_size"], ANCHOR["hidden_size"], ANCHOR["intermediate_size"]
-
-    def step_linear(self, x: torch.Tensor) -> torch.Tensor:
-        for q, k, v, o, gate, up, down in self.linear:
-            a = F.linear(x, q)
-            F.linear(x, k)
-            F.linear(x, v)
-            x = F.linear(a, o)
-            g = F.linear(x, gate)
-            F.linear(x, up)
-            x = F.linear(g, down)
-        return F.linear(x, self.head)
-
-    def step_packed(self, x: torch.Tensor) -> torch.Tensor:
-        for qkv, o, gate_up, down in self.packed:
-            a = torch.mm(x, qkv)[:, : self.q]
-            x = torch.mm(a, o)
-            g = torch.mm(x, gate_up)[:, : self.mlp]
-            x = torch.mm(g, down)
-        return torch.mm(x, self.head_t)
-
-    def step_onednn(self, x: torch.Tensor) -> torch.Tensor:
-        """`step_packed` through kvlife's projections in the oneDNN layout (torch.mm where kvlife takes it)."""
-        assert self.blocked is not None
-        for i in range(0, len(self.blocked) - 1, 4):
-            qkv, o, gate_up, down = self.blocked[i : i + 4]
-            x = o(qkv(x)[:, : self.q])
-            x = down(gate_up(x)[:, : self.mlp])
-        return self.blocked[-1](x)
-
-    def attention(self, batch: int, context: int, steps: int) -> float:
-        """ms of a decode step's attention at its least: per layer, [B, heads, 1, head_dim] queries over
-        contiguous K and V of `context` tokens (no paging), the faster of SDPA and matmul-softmax-matmul."""
-        heads, dim = ANCHOR["num_attention_heads"], self.hidden // ANCHOR["num_attention_heads"]
-        q = torch.randn(batch, heads, 1, dim, device=self.device)
-        kv = torch.randn(ANCHOR["num_hidden_layers"], 2, batch, heads, context, dim, device=self.device)
-
-        def sdpa(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return F.scaled_dot_product_attention(q, k, v)
-
-        def matmuls(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return torch.softmax(torch.matmul(q, k.transpose(-1, -2)) * dim**-0.5, -1) @ v
-
-        best = []
-        for form in (sdpa, matmuls):
-            times = []
-            for i in range(steps + 3):
-                t0 = time.perf_counter()
-                for layer in kv:
-                    form(layer[0], layer[1])
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize()
-                times.append(time.perf_counter() - t0)
-            best.append(statistics.median(times[3:]))
-        return 1e3 * min(best)
-
-    def run(self, batch: int, context: int, steps: int = 30) -> dict:
-        x = torch.randn(batch, self.hidden, device=self.device)
-        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
-        out = {}
-        variants = [("linear", self.step_linear), ("packed", self.step_packed)]
-        if self.blocked is not None:
-            variants.append(("onednn", self.step_onednn))
-        with torch.inference_mode():
-            for name, step in variants:
-                for _ in range(3):
-                    step(x)
-                times = []
-                for _ in range(steps):
-                    sync()
-                    t0 = time.perf_counter()
-                    step(x)
-                    sync()
-                    times.append(time.perf_counter() - t0)
-                out[f"{name}_ms"] = 1e3 * statistics.median(times)
-        out["step_ms"] = min(out[f"{name}_ms"] for name, _ in variants)
-        with torch.inference_mode():
-            out["attention_ms"] = self.attention(batch, context, steps)
-        return out
-
-
 # ------------------------------------------------------------------- main
 async def bench_batch(args, directory: Path, hf: HFGenerate, floor: Floor, batch: int) -> dict:
     prompts = make_prompts(batch, args.prompt_len)
     n = args.new_tokens
     runs = []
-    async with Engine(engine_config(directory, batch, args.prompt_len, n, args.device)) as engine:
+    async with Engine(engine_config(directory, batch, args.prompt_len, n, args.device,
+                                    args.native_kernels)) as engine:
         await kvlife_run(engine, prompts[:1], 2)  # warm-up, both
         hf.run(prompts[:1], 2)
         for rep in range(args.repeat):
@@ -350,13 +244,15 @@ def print_tables(rows: list[dict], info: dict, bw: dict, floor_mib: float) -> No
     for r in rows:
         layouts = [r["floor_linear_ms"], r["floor_packed_ms"], r["floor_onednn_ms"]]
         print(f"{r['batch']:>5} | " + " / ".join("-" if v is None else f"{v['median']:.2f}" for v in layouts))
-    print("\nthe floor with attention: + attention over contiguous K/V of the mean decode context; "
-          "best reachable x floor = floor / (floor + attention)")
-    print(f"{'batch':>5} | {'attention ms':>18} | {'x (floor + attention)':>22} | {'best reachable x floor':>22}")
+    print("\nthe floor with attention: + torch's attention over contiguous K/V of the mean decode context, or + "
+          "reading that K/V once at the sum bandwidth (1 GiB); best reachable x floor = floor / (floor + either)")
+    print(f"{'batch':>5} | {'attention ms':>18} | {'x (floor + attention)':>22} | {'best, attention':>15} | "
+          f"{'K/V read ms':>11} | {'x (floor + K/V read)':>20} | {'best, K/V read':>14}")
     for r in rows:
-        fl, at = r["floor_step_ms"]["median"], r["floor_attention_ms"]["median"]
+        fl, at, step = r["floor_step_ms"]["median"], r["floor_attention_ms"]["median"], r["kvlife_step_ms"]["median"]
+        read = r["runs"][0]["floor"]["kv_bytes"] / (bw["sum_1GiB_GBps"] * 1e6)
         print(f"{r['batch']:>5} | {fmt(r['floor_attention_ms'], 2):>18} | {fmt(r['x_floor_attention'], 2):>22} | "
-              f"{fl / (fl + at):>22.2f}")
+              f"{fl / (fl + at):>15.2f} | {read:>11.2f} | {(fl + read) / step:>20.2f} | {fl / (fl + read):>14.2f}")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -367,6 +263,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--out", default="bench-results/engine.json")
+    parser.add_argument("--native-kernels", default="auto", choices=["auto", "on", "off"],
+                        help="EngineConfig.native_kernels for kvlife (docs/models.md)")
     parser.add_argument("--quick", action="store_true", help="batches 1 and 8, 2 repeats, 16 new tokens (smoke run)")
     add_device_option(parser)
     args = parser.parse_args(argv)
@@ -387,6 +285,7 @@ def main(argv: list[str] | None = None) -> dict:
     results = {"machine": info, "bandwidth_start": bw, "bandwidth_end": bw_end,
                "workload": {"model": ANCHOR, "dtype": "float32", "prompt_len": args.prompt_len,
                             "new_tokens": args.new_tokens, "repeat": args.repeat, "threads": args.threads,
+                            "native_kernels": args.native_kernels,
                             "floor_weight_bytes": floor.nbytes},
                "rows": rows}
     return write_results(args.out, results)

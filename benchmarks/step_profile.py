@@ -2,7 +2,7 @@
 small ops around them, and attention, replayed in one process.
 
     python benchmarks/step_profile.py [--batches 1 8 32 128] [--context 160] [--steps 60]
-        [--weight-layout auto] [--threads 1] [--device cpu] [--out bench-results/step_profile.json] [--ops]
+        [--weight-layout auto] [--native-kernels auto] [--threads 1] [--device cpu] [--out bench-results/step_profile.json] [--ops]
 
 The anchor model of `bench_engine.py` (the same config and seed, built by
 kvlife with random weights, no transformers needed), packed as the engine
@@ -38,6 +38,8 @@ from benchmarks.machine import add_device_option, header, loadavg, machine_info,
 from engine.model.attention import AttentionMetadata, PagedAttention  # noqa: E402
 from engine.model.llama import LlamaModel  # noqa: E402
 from engine.model.model_config import ModelConfig  # noqa: E402
+from engine.model.loading import install_native_kernels as install  # noqa: E402
+from engine.model.native_kernels import NativeKernels, kernels_for  # noqa: E402
 from engine.model.sampling import argmax_rows  # noqa: E402
 from resources.kv_buffers import KVBuffers  # noqa: E402
 
@@ -53,7 +55,7 @@ class _Queries:
         return q
 
 
-def _decode_step(model: LlamaModel, batch: int, context: int):
+def _decode_step(model: LlamaModel, batch: int, context: int, kernel: NativeKernels | None):
     """The step's inputs and a function running it (the forward and the argmax)."""
     gen = torch.Generator().manual_seed(batch)
     device = model.device
@@ -70,8 +72,8 @@ def _decode_step(model: LlamaModel, batch: int, context: int):
     meta = AttentionMetadata(out_locs=out_locs, q_lens=[1] * batch, kv_lens=[context] * batch, kv_pages=pages,
                              page_size=PAGE)
 
-    def step() -> None:
-        argmax_rows(model(ids, positions, PagedAttention(kv, meta)))
+    def step() -> torch.Tensor:
+        return argmax_rows(model(ids, positions, PagedAttention(kv, meta, kernel=kernel)))
 
     def without_attention() -> None:
         argmax_rows(model(ids, positions, _Queries()))
@@ -113,8 +115,9 @@ def _ms(fn, steps: int, device: torch.device) -> float:
     return 1e3 * statistics.median(times)
 
 
-def profile_batch(model: LlamaModel, batch: int, context: int, steps: int, ops: bool) -> dict:
-    step, without_attention = _decode_step(model, batch, context)
+def profile_batch(model: LlamaModel, batch: int, context: int, steps: int, ops: bool,
+                  kernel: NativeKernels | None = None) -> dict:
+    step, without_attention = _decode_step(model, batch, context, kernel)
     floor = _floor(model, batch)
     replays = []
     for _ in range(3):
@@ -145,6 +148,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--weight-layout", default="auto")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--ops", action="store_true", help="also print torch.profiler's top ops of one step")
+    parser.add_argument("--native-kernels", default="auto", choices=["auto", "on", "off"],
+                        help="EngineConfig.native_kernels: kvlife's CPU kernels for attention, norms and RoPE")
     add_device_option(parser)
     parser.add_argument("--out", default="bench-results/step_profile.json")
     args = parser.parse_args(argv)
@@ -153,17 +158,20 @@ def main(argv: list[str] | None = None) -> dict:
     print(header(info), flush=True)
     model = LlamaModel.from_seed(ANCHOR, 0, device=args.device)
     model.pack(args.weight_layout)
+    kernel = kernels_for(args.native_kernels, model.device, torch.float32)
+    install(model, kernel)
     rows = []
     with torch.inference_mode():
         for batch in args.batches:
-            rows.append(profile_batch(model, batch, args.context, args.steps, args.ops))
-    print(f"\nweight layout {model.weight_layout}, context {args.context}; ms per step, median of 3 replays; "
+            rows.append(profile_batch(model, batch, args.context, args.steps, args.ops, kernel))
+    print(f"\nweight layout {model.weight_layout}, native kernels {'on' if kernel else 'off'}, context {args.context}; ms per step, median of 3 replays; "
           f"load at end {loadavg()}")
     print(f"{'batch':>5} | {'step':>8} | {'floor':>8} | {'small ops':>9} | {'attention':>9} | x floor")
     for r in rows:
         print(f"{r['batch']:>5} | {r['step_ms']:>8.2f} | {r['floor_ms']:>8.2f} | {r['small_ops_ms']:>9.2f} | "
               f"{r['attention_ms']:>9.2f} | {r['floor_ms'] / r['step_ms']:.2f}")
-    results = {"machine": info, "weight_layout": model.weight_layout, "context": args.context, "rows": rows}
+    results = {"machine": info, "weight_layout": model.weight_layout, "native_kernels": kernel is not None,
+               "context": args.context, "rows": rows}
     return write_results(args.out, results)
 
 

@@ -158,6 +158,11 @@ class EngineConfig:
     "auto" (a verified bfloat16 copy of the LM head where it applies: CPU, a float32
     model in the onednn layout, native bfloat16 matmuls; the float32 head elsewhere),
     "verified" (refused where it does not apply) or "full" (always the float32 head).
+    `native_kernels`: kvlife's own CPU kernels for the decode step (`engine.model.native_kernels`:
+    decode attention that reads paged K/V in place, the residual add with RMSNorm, RoPE):
+    "auto" (where they apply: a CPU device, a float32 model and a C++ compiler to build them on
+    first use; torch's ops elsewhere), "on" (refused where they do not apply or cannot be built)
+    or "off" (torch's ops alone).
     """
 
     model: str = attrs.field(default="tiny")
@@ -202,6 +207,7 @@ class EngineConfig:
     session_max_pages: int | None = attrs.field(default=None, validator=optional_int_at_least(0))
     weight_layout: str = attrs.field(default="auto", validator=one_of("auto", "packed", "onednn"))
     greedy_head: str = attrs.field(default="auto", validator=one_of("auto", "verified", "full"))
+    native_kernels: str = attrs.field(default="auto", validator=one_of("auto", "on", "off"))
 
     def __attrs_post_init__(self) -> None:
         p = "EngineConfig"
@@ -216,6 +222,8 @@ class EngineConfig:
                 InvalidConfig, f"{p}.priority_aging", "None or a finite number of seconds > 0", self.priority_aging)
         require(self.weight_layout != "onednn" or self.device.split(":")[0] == "cpu", InvalidConfig, f"{p}.weight_layout",
                 "'auto' or 'packed' on a device other than 'cpu'", self.weight_layout)
+        require(self.native_kernels != "on" or self.device.split(":")[0] == "cpu", InvalidConfig,
+                f"{p}.native_kernels", "'auto' or 'off' on a device other than 'cpu'", self.native_kernels)
         # NOTE: the window holds every running request back: a long one would stall them all
         require(self.admission_window <= 0.1, InvalidConfig, f"{p}.admission_window",
                 "a finite number in [0, 0.1] (seconds)", self.admission_window)

@@ -114,6 +114,21 @@ def test_the_mode_is_checked():
     assert model.verified_head is None
 
 
+def test_auto_leaves_a_small_head_to_float32():
+    """"auto" takes the verified head for a head of at least AUTO_MIN_BYTES only (below it the float32
+    head stays in cache and is faster); "verified" takes it for any head it applies to."""
+    small = LlamaModel.from_seed(ModelConfig.tiny(), seed=1)  # a 264 x 256 head
+    small.pack("onednn")
+    small.use_verified_head("auto")
+    assert small.verified_head is None
+    small.use_verified_head("verified")
+    assert small.verified_head is not None
+    large = LlamaModel.from_seed(ModelConfig.tiny(vocab_size=greedy_head.AUTO_MIN_BYTES // (4 * 256)), seed=1)
+    large.pack("onednn")
+    large.use_verified_head("auto")
+    assert large.verified_head is not None
+
+
 @pytest.mark.anyio
 async def test_engine_ids_equal_with_and_without_it():
     """Greedy rows, a row that asks for logprobs and a sampled row, with the verified head and with "full":

@@ -1,5 +1,6 @@
 """Batched paged attention (`engine.model.paged_attend` through `PagedAttention`):
-every form (SDPA, the CPU's embedding bags, bounded blocks) equals a per-row
+every form (SDPA, the CPU's embedding bags, bounded blocks, kvlife's native
+decode kernel) equals a per-row
 float64 softmax, for dense and paged contexts, sliding windows, grouped heads
 and mixed prefill + decode steps; one call per layer for the decode rows and
 one for the prefill chunks; no mask where the shape says it all; no call
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 
 from engine.model import paged_attend
 from engine.model.attention import AttentionMetadata, PagedAttention
+from engine.model.native_kernels import kernel_problem, load_kernels
 from naive_attention import naive_attention as _naive
 from resources.kv_buffers import KVBuffers
 
@@ -26,20 +28,31 @@ KV_HEADS, HEAD_DIM = 2, 8
 
 @contextlib.contextmanager
 def _form(form: str):
-    """Force every call through one form: "sdpa", "bags" (decode rows; "bags-rows": one row's keys at a time)
-    or "blocks" (one page per block)."""
+    """Force every call through one form: "sdpa", "bags" (decode rows; "bags-rows": one row's keys at a time),
+    "blocks" (one page per block) or "native" (decode rows through kvlife's kernel, given as `_kernel(form)`)."""
     saved = paged_attend.BAG_MIN_TOKENS, paged_attend.GATHER_BUDGET, paged_attend.BAG_CHUNK_BYTES
     if form.startswith("bags"):
         paged_attend.BAG_MIN_TOKENS = 0
         paged_attend.BAG_CHUNK_BYTES = 1 if form == "bags-rows" else saved[2]
     elif form == "sdpa":
         paged_attend.BAG_MIN_TOKENS = 1 << 40
+    elif form == "native":  # decode rows through the kernel, prefill chunks as torch would take them
+        pass
     else:
         paged_attend.GATHER_BUDGET = 1
     try:
         yield
     finally:
         paged_attend.BAG_MIN_TOKENS, paged_attend.GATHER_BUDGET, paged_attend.BAG_CHUNK_BYTES = saved
+
+
+def _kernel(form: str):
+    """kvlife's native decode kernel for the "native" form (it must build here: CI has a compiler), else None."""
+    if form != "native":
+        return None
+    kernel = load_kernels()
+    assert kernel is not None, kernel_problem()
+    return kernel
 
 
 def _step(shapes, group: int, seed: int, dtype=torch.float32, scattered: bool = True):
@@ -77,24 +90,26 @@ class TestForms:
         by_pages=st.booleans(),
         seed=st.integers(0, 2**16),
     )
-    @pytest.mark.parametrize("form", ["sdpa", "bags", "bags-rows", "blocks"])
+    @pytest.mark.parametrize("form", ["sdpa", "bags", "bags-rows", "blocks", "native"])
     def test_every_form_equals_the_naive_softmax(self, form, shapes, group, window, by_pages, seed):
         """Any mix of decode rows and prefill chunks, by pages or by token locations, with or without a
         window: each form's output equals a per-row float64 softmax, and the new K/V are stored."""
         kv, by_locs, paged, q, k, v = _step(shapes, group, seed)
         with _form(form):
-            out = PagedAttention(kv, paged if by_pages else by_locs, layer_windows=[window]).attend(0, q, k, v)
+            out = PagedAttention(kv, paged if by_pages else by_locs, layer_windows=[window],
+                                 kernel=_kernel(form)).attend(0, q, k, v)
         assert torch.equal(kv.k[0][by_locs.out_locs], k) and torch.equal(kv.v[0][by_locs.out_locs], v)
         expected = _naive(q, kv.k[0], kv.v[0], by_locs, window)
         torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
 
-    @pytest.mark.parametrize("form", ["sdpa", "bags", "bags-rows", "blocks"])
+    @pytest.mark.parametrize("form", ["sdpa", "bags", "bags-rows", "blocks", "native"])
     def test_bfloat16_softmax_runs_in_float32(self, form):
-        """In bfloat16 every form stays within bfloat16's rounding of the float64 softmax."""
+        """In bfloat16 every form stays within bfloat16's rounding of the float64 softmax (the native
+        kernel takes float32 only: bfloat16 rows fall back to torch's forms)."""
         shapes = [(1, 30), (1, 7), (5, 9), (1, 22)]
         kv, by_locs, paged, q, k, v = _step(shapes, 2, seed=4, dtype=torch.bfloat16)
         with _form(form):
-            out = PagedAttention(kv, paged, layer_windows=[None]).attend(0, q, k, v)
+            out = PagedAttention(kv, paged, layer_windows=[None], kernel=_kernel(form)).attend(0, q, k, v)
         assert out.dtype == torch.bfloat16
         torch.testing.assert_close(out.double(), _naive(q, kv.k[0], kv.v[0], by_locs, None), atol=2e-2, rtol=2e-2)
 

@@ -43,6 +43,7 @@ from torch import Tensor
 from engine.model.paged_attend import ContextBatch, attend, attend_fresh
 
 if TYPE_CHECKING:
+    from engine.model.native_kernels import NativeKernels
     from resources.kv_buffers import KVBuffers
 
 
@@ -159,8 +160,11 @@ class PagedAttention:
     that layer's sliding window (None or absent: full causal attention).
     """
 
-    def __init__(self, kv: KVBuffers, meta: AttentionMetadata, layer_windows: Sequence[int | None] = ()) -> None:
+    def __init__(self, kv: KVBuffers, meta: AttentionMetadata, layer_windows: Sequence[int | None] = (),
+                 kernel: NativeKernels | None = None) -> None:
         self._kv = kv
+        #: kvlife's native decode attention (`engine.model.native_kernels`); None: torch's forms only
+        self._kernel = kernel
         self._out_locs = meta.out_locs
         longest = max(meta.kv_lens)
         # NOTE: a window at least as long as every context is no window
@@ -229,40 +233,42 @@ class PagedAttention:
 
     @classmethod
     def decode(cls, kv: KVBuffers, out_locs: Tensor, pages: Tensor, kv_lens: Tensor,
-               layer_windows: Sequence[int | None] = ()) -> PagedAttention:
+               layer_windows: Sequence[int | None] = (), kernel: NativeKernels | None = None) -> PagedAttention:
         """A decode-only step given by device tensors alone (no host lengths,
         so the plan can be captured in a CUDA graph): one new token per
         sequence written at `out_locs` ``[B]``, contexts of `kv_lens` ``[B]``
         tokens in the pages `pages` ``[B, P]`` (page size `kv.page_size`)."""
         context = ContextBatch(pages, kv.page_size, kv_lens, (kv_lens - 1)[:, None], q_len=1)
-        return cls._decoding(kv, out_locs, context, tuple(layer_windows))
+        return cls._decoding(kv, out_locs, context, tuple(layer_windows), kernel)
 
     @classmethod
     def decode_rows(cls, kv: KVBuffers, out_locs: Tensor, context: ContextBatch, longest: int,
-                    layer_windows: tuple[int | None, ...] = ()) -> PagedAttention:
+                    layer_windows: tuple[int | None, ...] = (), kernel: NativeKernels | None = None) -> PagedAttention:
         """A decode-only step planned by its caller (`engine.model.decode_inputs`): the same
         plan as the constructor's for a step whose every row is one new token, from a
         `ContextBatch` of those rows whose longest context is `longest` tokens."""
         if layer_windows.count(None) == len(layer_windows):  # NOTE: no window (the common case): nothing to trim
-            return cls._decoding(kv, out_locs, context, layer_windows)
+            return cls._decoding(kv, out_locs, context, layer_windows, kernel)
         windows = tuple(None if w is not None and w >= longest else w for w in layer_windows)
-        return cls._decoding(kv, out_locs, context, windows)
+        return cls._decoding(kv, out_locs, context, windows, kernel)
 
     @classmethod
     def _decoding(cls, kv: KVBuffers, out_locs: Tensor, context: ContextBatch,
-                  windows: tuple[int | None, ...]) -> PagedAttention:
+                  windows: tuple[int | None, ...], kernel: NativeKernels | None) -> PagedAttention:
         self = cls.__new__(cls)
-        self._kv, self._out_locs, self._windows = kv, out_locs, windows
+        self._kv, self._out_locs, self._windows, self._kernel = kv, out_locs, windows, kernel
         self._decode_rows, self._prefill, self._prefill_queries, self._prefill_out = None, None, None, None
         self._fresh, self._fresh_masks = None, {}
         self._decode = context
         return self
 
     @classmethod
-    def factory(cls, kv: KVBuffers, layer_windows: Sequence[int | None] = ()) -> PagedFactory:
+    def factory(cls, kv: KVBuffers, layer_windows: Sequence[int | None] = (),
+                decode_kernel: NativeKernels | None = None) -> PagedFactory:
         """The runner's attention factory: one `PagedAttention` per step over
-        `kv`, with each layer's sliding window (`ModelConfig.layer_windows`)."""
-        return PagedFactory(kv, tuple(layer_windows))
+        `kv`, with each layer's sliding window (`ModelConfig.layer_windows`) and
+        the native decode kernel where the engine has one."""
+        return PagedFactory(kv, tuple(layer_windows), decode_kernel)
 
     def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         k_buf, v_buf = self._kv.k[layer_id], self._kv.v[layer_id]
@@ -279,7 +285,7 @@ class PagedAttention:
         decode, prefill, rows = self._decode, self._prefill, self._decode_rows
         if prefill is None:  # NOTE: the common case, every row decodes: no scatter into `out`
             assert decode is not None
-            return attend(q[:, None], k_buf, v_buf, decode, window)[:, 0]
+            return attend(q[:, None], k_buf, v_buf, decode, window, self._kernel)[:, 0]
         tokens, heads, head_dim = q.shape
         chunks, width = prefill.query_pos.shape
         queries = q if self._prefill_queries is None else q.index_select(0, self._prefill_queries)
@@ -293,7 +299,7 @@ class PagedAttention:
         out = torch.empty_like(q)
         out[target] = chunked
         if decode is not None:
-            out[rows] = attend(q[rows][:, None], k_buf, v_buf, decode, window)[:, 0]
+            out[rows] = attend(q[rows][:, None], k_buf, v_buf, decode, window, self._kernel)[:, 0]
         return out
 
 
@@ -306,6 +312,8 @@ class PagedFactory:
 
     kv: KVBuffers
     layer_windows: tuple[int | None, ...] = ()
+    #: decode rows through kvlife's native kernel (`engine.model.native_kernels`); None: torch's forms
+    decode_kernel: NativeKernels | None = None
 
     def __call__(self, seqs: Sequence[object], meta: AttentionMetadata) -> PagedAttention:
-        return PagedAttention(self.kv, meta, self.layer_windows)
+        return PagedAttention(self.kv, meta, self.layer_windows, self.decode_kernel)

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from engine.model.attention import PagedAttention
 from engine.model.batch import ScheduledSeq
+from engine.model.native_kernels import NativeKernels
 from engine.model.paged_attend import ContextBatch
 from engine.model.step_upload import StepUpload
 from resources.kv_buffers import KVBuffers
@@ -44,7 +45,7 @@ DecodeInputs = tuple[Tensor, Tensor, PagedAttention, "Tensor | None"]
 
 def decode_inputs(seqs: Sequence[ScheduledSeq], fields: np.ndarray | None, *, upload: StepUpload, table: Tensor,
                   host_table: np.ndarray | None, kv: KVBuffers, slot_of: Callable[[Request], int | None],
-                  layer_windows: tuple[int | None, ...]) -> DecodeInputs | None:
+                  layer_windows: tuple[int | None, ...], kernel: NativeKernels | None = None) -> DecodeInputs | None:
     """The inputs of a plain decode step (module docstring), or None when `seqs` is not one.
     `fields`: the sampler's host fields (`SamplingBatch.fields`), uploaded with the rest;
     `host_table`: the token table `table` itself as a host array, when it lives on the host (the
@@ -114,5 +115,5 @@ def decode_inputs(seqs: Sequence[ScheduledSeq], fields: np.ndarray | None, *, up
     # NOTE: a row's context is its position + 1 tokens and its one query sits at its position
     context = ContextBatch(pages, ps, lens_t, pos_t.view(n, 1), longest if min(positions) + 1 == longest else None,
                            q_len=1)
-    attention = PagedAttention.decode_rows(kv, out_locs, context, longest, layer_windows)
+    attention = PagedAttention.decode_rows(kv, out_locs, context, longest, layer_windows, kernel)
     return ids_t, pos_t, attention, None if fields is None else parts[-1].view(fields.shape)

@@ -5,14 +5,21 @@ tanh-GELU GeGLU).
 Both follow transformers' arithmetic order, so a float16/bfloat16 model rounds
 where transformers rounds. The norm is torch's own `F.rms_norm` (one fused
 kernel on CUDA; on CPU the same float32 arithmetic as transformers', bit for
-bit), and `RMSNorm.add_norm` adds the residual in place before normalising.
+bit), and `RMSNorm.add_norm` adds the residual in place before normalising;
+with kvlife's native kernels installed (`engine.model.native_kernels`), a
+float32 norm and its residual add are one native call.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from engine.model.native_kernels import NativeKernels
 
 _ACTIVATIONS = {
     "silu": F.silu,
@@ -27,6 +34,10 @@ class RMSNorm(nn.Module):
     Gemma (`gemma=True`): scale by ``1 + weight`` in float32, then cast back.
     """
 
+    #: kvlife's native kernels (`engine.model.loading.install_native_kernels`): float32 rows in one call,
+    #: the residual add included, when no gradient is recorded
+    native: NativeKernels | None = None
+
     def __init__(self, size: int, eps: float, *, gemma: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(size) if gemma else torch.ones(size))
@@ -34,6 +45,9 @@ class RMSNorm(nn.Module):
         self.gemma = gemma
 
     def forward(self, x: Tensor) -> Tensor:
+        native = self.native
+        if native is not None and native.takes_norm(x) and not torch.is_grad_enabled():
+            return native.rms_norm(x, self.weight, self.eps)
         shape = (x.shape[-1],)
         if self.gemma:
             return (F.rms_norm(x.float(), shape, None, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
@@ -45,6 +59,9 @@ class RMSNorm(nn.Module):
     def add_norm(self, residual: Tensor, update: Tensor) -> Tensor:
         """``residual += update`` in place, then the norm of the sum (the
         residual stream's step between two sublayers)."""
+        native = self.native
+        if native is not None and native.takes_norm(residual, update) and not torch.is_grad_enabled():
+            return native.rms_norm(residual, self.weight, self.eps, update)
         return self(residual.add_(update))
 
     def reference(self, x: Tensor) -> Tensor:

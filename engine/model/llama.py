@@ -20,18 +20,23 @@ and an in-process prefill worker) never see each other's routing.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.model.attention import AttentionBackend
-from engine.model.greedy_head import GREEDY_HEADS, VerifiedGreedyHead, verified_head_applies
+from engine.model.greedy_head import AUTO_MIN_BYTES, GREEDY_HEADS, VerifiedGreedyHead, verified_head_applies
 from engine.model.layers import GatedMLP, RMSNorm
 from engine.model.model_config import ModelConfig
 from engine.model.moe import MoEFeedForward
 from engine.model.projection import Projection, pack_linears, resolve_layout
 from engine.model.rope import RotaryEmbedding, apply_rope, apply_rope_
 from engine.model.vision import VisionProjector
+
+if TYPE_CHECKING:
+    from engine.model.native_kernels import NativeKernels
 
 __all__ = ["LlamaModel", "apply_rope"]
 
@@ -46,6 +51,8 @@ class SelfAttention(nn.Module):
     #: set by `LlamaModel.pack`: the fused q/k/v projection and o_proj
     qkv: Projection | None = None
     o: Projection | None = None
+    #: RoPE by kvlife's native kernel in the fused path (`engine.model.loading.install_native_kernels`)
+    native: NativeKernels | None = None
 
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
@@ -81,11 +88,13 @@ class SelfAttention(nn.Module):
         qkv_proj, o_proj = self.qkv, self.o
         assert qkv_proj is not None and o_proj is not None  # `LlamaModel.pack` sets both
         qkv = qkv_proj(x).view(tokens, heads + 2 * kv_heads, self.head_dim)
+        native = self.native
+        rotate = native.rope_ if native is not None and native.takes_rope(qkv, rope) else apply_rope_
         if self.q_norm is not None and self.k_norm is not None:
-            q = apply_rope_(self.q_norm(qkv[:, :heads]), rope)
-            k = apply_rope_(self.k_norm(qkv[:, heads : heads + kv_heads]), rope)
+            q = rotate(self.q_norm(qkv[:, :heads]), rope)
+            k = rotate(self.k_norm(qkv[:, heads : heads + kv_heads]), rope)
         else:
-            apply_rope_(qkv[:, : heads + kv_heads], rope)
+            rotate(qkv[:, : heads + kv_heads], rope)
             q, k = qkv[:, :heads], qkv[:, heads : heads + kv_heads]
         out = attention.attend(self.layer_id, q, k, qkv[:, heads + kv_heads :])
         return o_proj(out.reshape(tokens, heads * self.head_dim))
@@ -191,14 +200,8 @@ class LlamaModel(nn.Module):
         self.register_load_state_dict_post_hook(_refresh_blocked)
 
     @classmethod
-    def from_seed(
-        cls,
-        config: ModelConfig,
-        seed: int = 0,
-        *,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> LlamaModel:
+    def from_seed(cls, config: ModelConfig, seed: int = 0, *, device: torch.device | str | None = None,
+                  dtype: torch.dtype | None = None) -> LlamaModel:
         """Random weights that depend only on `config` and `seed`: drawn on
         the CPU in float32 from a seeded generator, then moved to `device`
         (default CPU) and cast to `dtype` (default `config.dtype`).
@@ -372,8 +375,8 @@ class LlamaModel(nn.Module):
 
     def use_verified_head(self, mode: str = "auto") -> None:
         """After `pack`: take greedy steps' tokens from a verified bfloat16 copy of the LM
-        head (`engine.model.greedy_head`): "auto" where it applies, "verified" (ValueError
-        where it does not), "full" never."""
+        head (`engine.model.greedy_head`): "auto" where it applies to a head of at least
+        `AUTO_MIN_BYTES`, "verified" (ValueError where it does not apply), "full" never."""
         if mode not in GREEDY_HEADS:
             raise ValueError(f"greedy head must be one of {GREEDY_HEADS}, got {mode!r}")
         head = self._head
@@ -381,7 +384,8 @@ class LlamaModel(nn.Module):
         if mode == "verified" and not applies:
             raise ValueError("the verified greedy head needs a CPU float32 model in the onednn weight layout "
                              "and oneDNN with native bfloat16 matmuls")
-        use = head is not None and applies and mode != "full"
+        large = head is not None and head.weight_t.numel() * head.weight_t.element_size() >= AUTO_MIN_BYTES
+        use = head is not None and applies and (mode == "verified" or (mode == "auto" and large))
         self.verified_head = VerifiedGreedyHead(head.weight_t) if use and head is not None else None
 
 

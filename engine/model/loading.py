@@ -16,8 +16,10 @@ import torch
 
 from engine.config import EngineConfig
 from engine.errors import InvalidConfig
-from engine.model.llama import LlamaModel
+from engine.model.layers import RMSNorm
+from engine.model.llama import LlamaModel, SelfAttention
 from engine.model.model_config import ModelConfig
+from engine.model.native_kernels import NativeKernels, kernels_for
 from engine.model.tokenizer import ByteTokenizer, Tokenizer
 
 BUILTIN_MODELS = {"tiny": ModelConfig.tiny, "tiny-moe": ModelConfig.tiny_moe, "null": ModelConfig.tiny}
@@ -49,7 +51,21 @@ def load_model(config: EngineConfig, device: torch.device) -> tuple[ModelConfig,
     except ValueError as exc:  # "verified" where it does not apply
         raise InvalidConfig("EngineConfig.greedy_head", f"'auto' or 'full' for this model ({exc})",
                             config.greedy_head) from exc
+    install_native_kernels(model, kernels_for(config.native_kernels, device, model_config.torch_dtype))
     if config.hisparse is not None and model_config.has_sliding_window:
         raise InvalidConfig("EngineConfig.hisparse", "None for a model with sliding-window attention "
                             f"(sliding_window={model_config.sliding_window})", config.hisparse)
     return bundle
+
+
+def install_native_kernels(model: LlamaModel, kernels: NativeKernels | None) -> None:
+    """Hand kvlife's native kernels (`engine.model.native_kernels`) to `model`'s fused path: its
+    RMSNorms (Llama's; Gemma's keep torch's ops) and its attention layers' RoPE. None takes them
+    back. ValueError for a model that is not float32 on a CPU (the calls check layouts only)."""
+    if kernels is not None and (model.dtype != torch.float32 or model.device.type != "cpu"):
+        raise ValueError(f"the native kernels take a float32 model on a CPU, not {model.dtype} on {model.device}")
+    for module in model.modules():
+        if isinstance(module, RMSNorm) and not module.gemma:
+            module.native = kernels
+        elif isinstance(module, SelfAttention):
+            module.native = kernels

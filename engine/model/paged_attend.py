@@ -5,7 +5,8 @@ the paged KV buffers.
 A `ContextBatch` is planned once per step and reused by every layer: where
 each sequence's context lives (whole pages, or token locations), its length,
 where its queries sit, and the masks, built once per window. `attend` picks
-one of four forms per call::
+one of four forms per call, or hands decode rows to kvlife's native CPU kernel
+(`engine.model.native_kernels`, which reads K/V in place) when it has one::
 
     form        when                                    K/V gathered         mask
     sdpa        the gathered K/V fit `GATHER_BUDGET`    K and V, once        none when a causal or
@@ -43,6 +44,7 @@ masks in every form.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +52,9 @@ from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
 from resources.paging import pages_for, round_up
+
+if TYPE_CHECKING:
+    from engine.model.native_kernels import NativeKernels
 
 #: most bytes of K and V one attention call may gather at once (the blocks form past it)
 GATHER_BUDGET = 128 << 20
@@ -171,10 +176,14 @@ class ContextBatch:
         return self._bags
 
 
-def attend(q: Tensor, k_buf: Tensor, v_buf: Tensor, batch: ContextBatch, window: int | None) -> Tensor:
+def attend(q: Tensor, k_buf: Tensor, v_buf: Tensor, batch: ContextBatch, window: int | None,
+           kernel: NativeKernels | None = None) -> Tensor:
     """`q` ``[B, Q, H, D]`` (query i of sequence b at ``batch.query_pos[b, i]``)
-    over the batch's contexts in `k_buf` and `v_buf`; returns ``[B, Q, H, D]``."""
+    over the batch's contexts in `k_buf` and `v_buf`; returns ``[B, Q, H, D]``.
+    Decode rows (Q == 1, query at ``kv_lens - 1``) go to `kernel` where it takes them."""
     rows, q_len, heads, head_dim = q.shape
+    if kernel is not None and q_len == 1 and kernel.takes_attention(q, k_buf):
+        return kernel.decode_attention(q[:, 0], k_buf, v_buf, batch.columns, batch.unit, batch.kv_lens, window)[:, None]
     kv_heads = k_buf.shape[1]
     per_column = rows * kv_heads * head_dim * k_buf.element_size() * 2
     if batch.width * per_column > GATHER_BUDGET:

@@ -265,7 +265,7 @@ class ModelRunner:
         if self.short_decode and plan is None and batch is not None and isinstance(factory, PagedFactory):
             short = decode_inputs(seqs, batch.fields, upload=self.upload, table=self.slots.req_to_token,
                                   host_table=self._host_table, kv=self.kv, slot_of=self.slot_of,
-                                  layer_windows=factory.layer_windows)
+                                  layer_windows=factory.layer_windows, kernel=factory.decode_kernel)
         attention: AttentionBackend
         if short is not None:  # a plain decode step (engine.model.decode_inputs): every row sampled
             ids, positions, attention, fields = short

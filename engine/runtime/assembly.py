@@ -28,6 +28,7 @@ from engine.disagg.decode.kv_transfer_hook import PrefillClient
 from engine.disagg.prefill.loopback_sender import LoopbackSender
 from engine.errors import InvalidConfig
 from engine.model.attention import PagedAttention
+from engine.model.native_kernels import kernels_for
 from engine.model.llama import LlamaModel
 from engine.model.loading import load_model
 from engine.model.model_config import ModelConfig
@@ -111,6 +112,7 @@ def assemble(config: EngineConfig, *, device: torch.device, bundle: ModelBundle,
     """One runtime's parts: the core, then the fold over `installs` (default `features(role)`)."""
     model_config, model, tokenizer = bundle
     max_context = effective_max_context(config, model_config)
+    decode_kernel = kernels_for(config.native_kernels, device, model_config.torch_dtype)
     kv_buffers = KVBuffers(num_layers=model_config.num_layers, num_pages=config.num_kv_pages,
                            page_size=config.page_size, num_kv_heads=model_config.num_kv_heads,
                            head_dim=model_config.head_dim, dtype=model_config.torch_dtype, device=device)
@@ -133,7 +135,7 @@ def assemble(config: EngineConfig, *, device: torch.device, bundle: ModelBundle,
     machine.transition_observers.extend(installed.transition_observers)
 
     slot_of: SlotLookup = RequestSlotHook.slot
-    attention: AttentionFactory = PagedAttention.factory(kv_buffers, model_config.layer_windows)
+    attention: AttentionFactory = PagedAttention.factory(kv_buffers, model_config.layer_windows, decode_kernel)
     for wrap_slot in installed.slot_of:
         slot_of = wrap_slot(slot_of)
     for wrap_attention in installed.attention:

@@ -34,6 +34,7 @@ import torch
 from engine.config import EngineConfig
 from engine.errors import InvalidConfig
 from engine.model.attention import PagedAttention
+from engine.model.native_kernels import kernels_for
 from engine.model.llama import LlamaModel
 from engine.model.model_config import ModelConfig
 from engine.model.runner import ModelRunner
@@ -225,6 +226,8 @@ def build_draft(config: EngineConfig, *, model_config: ModelConfig, device: torc
                         page_size=config.page_size, num_kv_heads=draft_config.num_kv_heads,
                         head_dim=draft_config.head_dim, dtype=draft_config.torch_dtype, device=device)
     runner = ModelRunner(model, buffers, pool.slots, device, slot_of=RequestSlotHook.slot,
-                         attention_factory=PagedAttention.factory(buffers, draft_config.layer_windows),
+                         attention_factory=PagedAttention.factory(
+                             buffers, draft_config.layer_windows,
+                             kernels_for(config.native_kernels, device, draft_config.torch_dtype)),
                          cuda_graphs=False)
     return Draft(DraftModelProposer(runner, model_config.vocab_size), DraftKVHook(pool), pool)

@@ -1,0 +1,164 @@
+"""kvlife's native CPU kernels for the decode step, and which engines use them.
+
+torch has no paged attention on CPU: its forms (`engine.model.paged_attend`)
+gather a step's K (and V, or value bags) out of the pages before attending, a
+dozen ops a layer, and from batch 8 up that attention is as large as every
+matmul of the step. Around the matmuls, each RMSNorm is several torch ops
+(about 20 us at batch 1, where its arithmetic is 256 multiply-adds) and RoPE
+six. Three kernels (`native/*.cpp`, built by `engine.model.native_build`):
+
+- `NativeKernels.decode_attention`: every decode row (one new token) over its
+  paged K/V, read once in place, page by page, with an online softmax in
+  float32 and the next reads prefetched (`native/decode_attention.cpp`);
+- `NativeKernels.rms_norm`: the residual add and the norm in one pass;
+- `NativeKernels.rope_`: RoPE in place, rounded as transformers' ops round.
+
+They take float32 tensors on the CPU (`kernels_for` hands them only to such
+models); `takes_*` say whether a call's layout qualifies, and the caller uses
+torch otherwise. Outputs equal torch's up to float32 rounding (the tests
+hold them against float64 references and torch). `kernels_for` resolves
+`EngineConfig.native_kernels`; `engine.model.loading.install_native_kernels`
+hands them to a model's fused path (the reference path never uses them).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import torch
+from torch import Tensor
+
+from engine.errors import InvalidConfig
+from engine.model.native_build import KernelBuild
+
+#: `EngineConfig.native_kernels`' values
+NATIVE_KERNELS = ("auto", "on", "off")
+
+#: from this many context tokens in an attention call (rows x longest context) on, the kernel
+#: splits the rows over torch's intra-op thread count (a thread start costs tens of microseconds)
+PARALLEL_MIN_TOKENS = 4096
+
+_I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+
+
+class NativeKernels:
+    """The loaded library's kernels (module docstring)."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._attention = library.kvlife_decode_attention_f32
+        self._attention.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64,
+                                    _I64, _F32, _PTR, _I64]
+        self._norm = library.kvlife_rms_norm_f32
+        self._norm.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _F32, _PTR, _I64]
+        self._rope = library.kvlife_rope_f32
+        self._rope.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64]
+        for fn in (self._attention, self._norm, self._rope):
+            fn.restype = ctypes.c_int
+
+    # NOTE: `kernels_for` hands them only to float32 models on a CPU, so the checks below are of
+    # layout alone: a few attribute reads per call (each costs about as much as the arithmetic of
+    # a norm at batch 1)
+
+    # ----------------------------------------------------------- attention
+    @staticmethod
+    def takes_attention(q: Tensor, k_buf: Tensor) -> bool:
+        """Whether queries `q` over the buffer `k_buf` qualify (the caller checked the rest of
+        the plan: decode rows, page or token columns)."""
+        return q.dtype == torch.float32 and k_buf.dtype == torch.float32 and q.stride(-1) == 1 \
+            and k_buf.is_contiguous() and q.device.type == "cpu"
+
+    def decode_attention(self, q: Tensor, k_buf: Tensor, v_buf: Tensor, columns: Tensor, unit: int,
+                         kv_lens: Tensor, window: int | None) -> Tensor:
+        """`q` ``[B, H, D]`` (one query per row, at position ``kv_lens[b] - 1``) over the
+        contexts in `k_buf` and `v_buf` ``[locations, KVH, D]`` (contiguous): row b's token j
+        at ``columns[b, j // unit] * unit + j % unit``; the last `window` tokens only when
+        given; returns ``[B, H, D]``."""
+        rows, heads, head_dim = q.shape
+        if columns.dtype != torch.int64 or columns.stride(-1) != 1:
+            columns = columns.to(torch.int64).contiguous()
+        if kv_lens.dtype != torch.int64 or not kv_lens.is_contiguous():
+            kv_lens = kv_lens.to(torch.int64).contiguous()
+        out = torch.empty((rows, heads, head_dim), dtype=torch.float32)
+        width = columns.shape[1] * unit
+        threads = torch.get_num_threads() if rows * width >= PARALLEL_MIN_TOKENS else 1
+        q_row, q_head, _ = q.stride()
+        _check(self._attention(q.data_ptr(), q_row, q_head, k_buf.data_ptr(), v_buf.data_ptr(),
+                               columns.data_ptr(), columns.stride(0), unit, kv_lens.data_ptr(), rows, heads,
+                               k_buf.shape[1], head_dim, window or 0, head_dim**-0.5, out.data_ptr(), threads),
+               "decode attention", q)
+        return out
+
+    # ---------------------------------------------------------------- norm
+    @staticmethod
+    def takes_norm(x: Tensor, update: Tensor | None = None) -> bool:
+        """Whether `rms_norm` takes rows `x` (and `update`): 2-d and contiguous."""
+        return x.dim() == 2 and x.is_contiguous() and (update is None or update.is_contiguous())
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float, update: Tensor | None = None) -> Tensor:
+        """``x / sqrt(mean(x^2) + eps) * weight`` over the last dimension of `x` ``[rows, hidden]``,
+        after ``x += update`` in place when `update` is given (also ``[rows, hidden]``)."""
+        rows, hidden = x.shape
+        out = torch.empty((rows, hidden), dtype=torch.float32)
+        _check(self._norm(x.data_ptr(), hidden, None if update is None else update.data_ptr(), hidden,
+                          weight.data_ptr(), rows, hidden, eps, out.data_ptr(), hidden), "rms norm", x)
+        return out
+
+    # ---------------------------------------------------------------- rope
+    @staticmethod
+    def takes_rope(x: Tensor, cos_sin: Tensor) -> bool:
+        """Whether `rope_` takes `x` ``[T, heads, head_dim]`` (last dimension contiguous) and rows
+        `cos_sin` (contiguous)."""
+        return x.stride(-1) == 1 and cos_sin.is_contiguous()
+
+    def rope_(self, x: Tensor, cos_sin: Tensor) -> Tensor:
+        """`engine.model.rope.apply_rope_` in one call: `x` ``[T, heads, head_dim]`` rotated in
+        place from the rows `cos_sin` ``[T, head_dim]``; returns `x`."""
+        tokens, heads, dim = x.shape
+        x_token, x_head, _ = x.stride()
+        _check(self._rope(x.data_ptr(), x_token, x_head, cos_sin.data_ptr(), dim, tokens, heads, dim), "rope", x)
+        return x
+
+
+def _check(code: int, kernel: str, x: Tensor) -> None:
+    if code != 0:
+        raise ValueError(f"the native {kernel} kernel refused its arguments (code {code}): {tuple(x.shape)}")
+
+
+#: this process's build of the library
+BUILD = KernelBuild()
+_loaded: dict[int, NativeKernels] = {}
+
+
+def load_kernels() -> NativeKernels | None:
+    """The kernels of this process's build (built on first call); None where they cannot be."""
+    library = BUILD.load()
+    if library is None:
+        return None
+    kernels = _loaded.get(id(library))
+    if kernels is None:
+        kernels = _loaded[id(library)] = NativeKernels(library)
+    return kernels
+
+
+def kernel_problem() -> str | None:
+    """Why `load_kernels` returned None (None if it did not, or was not called)."""
+    return BUILD.problem
+
+
+def kernels_for(mode: str, device: torch.device, dtype: torch.dtype) -> NativeKernels | None:
+    """The kernels an engine of `device` and model `dtype` runs under `EngineConfig.native_kernels`
+    `mode` (None: torch's ops alone); "on" where they do not apply or cannot be built raises
+    `InvalidConfig` naming why (before any pool is allocated)."""
+    if mode not in NATIVE_KERNELS:
+        raise InvalidConfig("EngineConfig.native_kernels", f"one of {NATIVE_KERNELS}", mode)
+    applies = device.type == "cpu" and dtype == torch.float32
+    if mode == "off" or (mode == "auto" and not applies):
+        return None
+    if not applies:
+        raise InvalidConfig("EngineConfig.native_kernels",
+                            f"'auto' or 'off' for a {dtype} model on {device} (the kernels take float32 on a CPU)",
+                            mode)
+    kernels = load_kernels()
+    if kernels is None and mode == "on":
+        raise InvalidConfig("EngineConfig.native_kernels",
+                            f"'auto' or 'off' here: the kernels could not be built ({BUILD.problem})", mode)
+    return kernels

@@ -1,0 +1,223 @@
+"""kvlife's native CPU kernels (`engine.model.native_kernels`): the library
+builds here and is reused from its cache; decode attention equals a float64
+softmax (pages or token locations, grouped heads, windows, rows split over
+threads); RMSNorm with the residual add and RoPE equal torch's ops (RoPE bit
+for bit); an engine uses them by default and gives the same greedy ids as
+with torch's ops alone; `EngineConfig.native_kernels` refuses what it cannot
+do before anything is allocated; a compiler that fails leaves "auto" on
+torch's ops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from structlog.testing import capture_logs
+
+from engine import Engine, EngineConfig, InvalidConfig, SamplingParams
+from engine.model import native_kernels
+from engine.model.attention import AttentionMetadata
+from engine.model.layers import RMSNorm
+from engine.model.llama import LlamaModel
+from engine.model.model_config import ModelConfig
+from engine.model.native_build import KernelBuild
+from engine.model.loading import install_native_kernels as install
+from engine.model.native_kernels import NativeKernels, kernels_for, load_kernels
+from engine.model.rope import apply_rope_
+from helpers import run_all, small_config
+from naive_attention import naive_attention
+
+PAGE, KV_HEADS, HEAD_DIM = 4, 2, 16
+
+
+def _kernels() -> NativeKernels:
+    kernels = load_kernels()
+    assert kernels is not None, native_kernels.kernel_problem()
+    return kernels
+
+
+def _decode_rows(lens: list[int], group: int, seed: int):
+    """K/V buffers with rows of `lens` context tokens on scattered pages: (k_buf, v_buf, pages,
+    locations, kv_lens, q, metadata by token locations for the naive softmax)."""
+    gen = torch.Generator().manual_seed(seed)
+    num_pages = sum(-(-n // PAGE) for n in lens) + 4
+    k_buf = torch.randn(num_pages * PAGE, KV_HEADS, HEAD_DIM, generator=gen)
+    v_buf = torch.randn(num_pages * PAGE, KV_HEADS, HEAD_DIM, generator=gen)
+    order = (torch.randperm(num_pages - 1, generator=gen) + 1).tolist()
+    rows = [[order.pop() for _ in range(-(-n // PAGE))] for n in lens]
+    width = max(len(r) for r in rows)
+    pages = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+    locs = [torch.tensor([r[i // PAGE] * PAGE + i % PAGE for i in range(n)]) for r, n in zip(rows, lens)]
+    longest = max(lens)
+    locations = torch.stack([torch.cat([loc, loc.new_zeros(longest - len(loc))]) for loc in locs])
+    q = torch.randn(len(lens), KV_HEADS * group, HEAD_DIM, generator=gen)
+    meta = AttentionMetadata.from_locations(locs, [1] * len(lens))
+    return k_buf, v_buf, pages, locations, torch.tensor(lens), q, meta
+
+
+def test_it_builds_here_and_is_reused_from_its_cache(tmp_path):
+    """A build into a fresh cache writes one library; a second build of the same sources finds it there."""
+    first = KernelBuild(tmp_path)
+    assert first.load() is not None, first.problem
+    assert list(tmp_path.glob("*.so")) == [first.path] and first.path is not None
+    stamp = first.path.stat().st_mtime_ns
+    again = KernelBuild(tmp_path)
+    assert again.load() is not None and again.path == first.path and first.path.stat().st_mtime_ns == stamp
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("window", [None, 1, 5, 40])
+def test_it_equals_the_naive_softmax(group, window):
+    """Rows of 1 to 37 tokens, by pages and by token locations, grouped query heads, windows."""
+    lens = [1, 4, 5, 13, 37, 20]
+    k_buf, v_buf, pages, locations, kv_lens, q, meta = _decode_rows(lens, group, seed=group * 10 + (window or 0))
+    expected = naive_attention(q, k_buf, v_buf, meta, window)
+    kernels = _kernels()
+    by_pages = kernels.decode_attention(q, k_buf, v_buf, pages, PAGE, kv_lens, window)
+    by_locations = kernels.decode_attention(q, k_buf, v_buf, locations, 1, kv_lens, window)
+    torch.testing.assert_close(by_pages.double(), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(by_locations.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_rows_split_over_threads_give_the_same_bits(monkeypatch):
+    """With every call split over two threads, each row is computed as on one thread: equal bits."""
+    k_buf, v_buf, pages, _, kv_lens, q, _ = _decode_rows([9, 30, 2, 17, 25], 2, seed=3)
+    kernels = _kernels()
+    single = kernels.decode_attention(q, k_buf, v_buf, pages, PAGE, kv_lens, None)
+    monkeypatch.setattr(native_kernels, "PARALLEL_MIN_TOKENS", 0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        split = kernels.decode_attention(q, k_buf, v_buf, pages, PAGE, kv_lens, None)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(single, split)
+
+
+def test_they_take_float32_on_the_cpu_only():
+    """Attention checks its dtypes; the norm and RoPE check layouts (`install` refuses a model that is
+    not float32 on a CPU, so their inputs are float32 rows)."""
+    k_buf, _, _, _, _, q, _ = _decode_rows([3], 1, seed=0)
+    assert NativeKernels.takes_attention(q, k_buf)
+    assert not NativeKernels.takes_attention(q.bfloat16(), k_buf.bfloat16())
+    assert not NativeKernels.takes_attention(q, k_buf[:, :1])  # a buffer that is not contiguous
+    x = torch.randn(3, 8)
+    assert NativeKernels.takes_norm(x) and NativeKernels.takes_norm(x, x)
+    assert not NativeKernels.takes_norm(x[:, ::2]) and not NativeKernels.takes_norm(x, x.t().contiguous().t())
+    assert not NativeKernels.takes_norm(x.view(3, 2, 4))  # per-head norms (Qwen3's q/k norm) keep torch's
+    assert NativeKernels.takes_rope(q, torch.randn(1, HEAD_DIM)) and not NativeKernels.takes_rope(q[..., ::2], x)
+    model = LlamaModel.from_seed(ModelConfig.tiny(), seed=0, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="float32"):
+        install(model, _kernels())
+
+
+@pytest.mark.parametrize("rows", [1, 3, 64])
+def test_norm_with_the_residual_add_equals_torch(rows):
+    """`rms_norm` equals torch's `F.rms_norm`, with and without the residual add (which it does in
+    place, as `RMSNorm.add_norm` does), to float32 rounding."""
+    gen = torch.Generator().manual_seed(rows)
+    x, update = torch.randn(rows, 96, generator=gen) * 3, torch.randn(rows, 96, generator=gen)
+    weight = torch.randn(96, generator=gen)
+    expected = torch.nn.functional.rms_norm(x + update, (96,), weight, 1e-5)
+    kernels = _kernels()
+    torch.testing.assert_close(kernels.rms_norm(x.clone(), weight, 1e-5, None), torch.nn.functional.rms_norm(
+        x, (96,), weight, 1e-5), atol=2e-6, rtol=2e-6)
+    residual = x.clone()
+    torch.testing.assert_close(kernels.rms_norm(residual, weight, 1e-5, update), expected, atol=2e-6, rtol=2e-6)
+    assert torch.equal(residual, x + update)
+
+
+def test_rope_is_torch_s_bit_for_bit():
+    """`rope_` rotates in place exactly as `apply_rope_` (each product rounded on its own, no fused
+    multiply-add), on a strided view of q and k inside a fused q/k/v tensor."""
+    gen = torch.Generator().manual_seed(7)
+    qkv = torch.randn(5, 8, 64, generator=gen) * 10
+    angles = torch.rand(5, 32, generator=gen) * 6
+    cos_sin = torch.cat([torch.cos(angles), torch.sin(angles)], -1)
+    expected = qkv.clone()
+    apply_rope_(expected[:, :6], cos_sin)
+    got = qkv.clone()
+    assert _kernels().rope_(got[:, :6], cos_sin) is not None
+    assert torch.equal(got, expected)  # the v heads (6 and 7) untouched too
+
+
+def test_model_forward_equals_torch_ops_with_them_installed():
+    """The packed tiny model's logits with the kernels installed and taken back: equal to float32
+    rounding, and its norms and attention layers hold the kernels only while installed."""
+    model = LlamaModel.from_seed(ModelConfig.tiny(), seed=3)
+    model.pack("auto")
+    ids, positions = torch.tensor([5, 77, 200, 9]), torch.arange(4)
+    from engine.model.attention import PagedAttention
+    from resources.kv_buffers import KVBuffers
+
+    def logits() -> torch.Tensor:
+        cfg = model.config
+        kv = KVBuffers(num_layers=cfg.num_layers, num_pages=4, page_size=4, num_kv_heads=cfg.num_kv_heads,
+                       head_dim=cfg.head_dim, dtype=torch.float32, device="cpu")
+        meta = AttentionMetadata.from_locations([torch.arange(4, 8)], [4])
+        with torch.inference_mode():
+            return model(ids, positions, PagedAttention(kv, meta))
+
+    plain = logits()
+    install(model, _kernels())
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    assert norms and all(m.native is not None for m in norms)
+    native = logits()
+    install(model, None)
+    assert all(m.native is None for m in norms)
+    torch.testing.assert_close(native, plain, atol=1e-4, rtol=1e-4)
+    assert torch.equal(native.argmax(-1), plain.argmax(-1))
+
+
+def test_the_mode_is_checked_before_anything_is_allocated():
+    """An unknown mode, "on" off the CPU or on a bfloat16 model fail naming the field; "off" and
+    "auto" where they do not apply choose torch's ops."""
+    with pytest.raises(InvalidConfig, match="native_kernels"):
+        EngineConfig(native_kernels="fast")
+    with pytest.raises(InvalidConfig, match="native_kernels"):
+        EngineConfig(native_kernels="on", device="cuda")
+    with pytest.raises(InvalidConfig, match="native_kernels"):
+        kernels_for("on", torch.device("cpu"), torch.bfloat16)
+    assert kernels_for("off", torch.device("cpu"), torch.float32) is None
+    assert kernels_for("auto", torch.device("cpu"), torch.bfloat16) is None
+    assert kernels_for("auto", torch.device("cpu"), torch.float32) is _kernels()
+
+
+def test_a_compiler_that_fails(monkeypatch, tmp_path):
+    """Fault: the compiler fails (CXX is `false`). "on" refuses to start, naming the field and the
+    reason; "auto" logs `kernel.unavailable` once and runs torch's ops; an engine still serves."""
+    monkeypatch.setenv("CXX", "false")
+    monkeypatch.setattr(native_kernels, "BUILD", KernelBuild(tmp_path))
+    with capture_logs() as logs:
+        with pytest.raises(InvalidConfig, match="native_kernels.*could not be built"):
+            kernels_for("on", torch.device("cpu"), torch.float32)
+        assert kernels_for("auto", torch.device("cpu"), torch.float32) is None
+    assert [e["event"] for e in logs].count("kernel.unavailable") == 1
+    problem = native_kernels.kernel_problem()
+    assert problem is not None and "false" in problem
+    assert not list(tmp_path.glob("*.so"))
+
+
+@pytest.mark.anyio
+async def test_engine_ids_equal_with_the_kernels_and_without(monkeypatch):
+    """A batch of decode rows (and a sampled row) with "on" and with "off": the same ids; the
+    kernel attended every decode step of the first and none of the second."""
+    calls = []
+    real = NativeKernels.decode_attention
+
+    def counted(self, *args, **kwargs):
+        calls.append(args[0].shape[0])
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(NativeKernels, "decode_attention", counted)
+    prompts = [[5, 6, 7], list(range(20, 47)), [9] * 11, list(range(100, 103))]
+    outputs, counts = [], []
+    for mode in ("on", "off"):
+        calls.clear()
+        async with Engine(small_config(native_kernels=mode)) as engine:
+            greedy = await run_all(engine, prompts, 14)
+            sampled = await engine.complete(prompts[1], SamplingParams(max_new_tokens=8, temperature=0.9, seed=3))
+            outputs.append((greedy, sampled.token_ids))
+        counts.append(len(calls))
+    assert outputs[0] == outputs[1]
+    layers = 4  # the tiny model's
+    assert counts[0] >= layers * (13 + 7) and counts[1] == 0
