@@ -33,8 +33,8 @@ HOOK_MEMBERS = {"acquire", "release", "grow", "trim", "publish", "extend", "roll
 FREEING_EXCEPTIONS = {
     # a link's receive buffers: taken and given back by the link's own threads within one chunk's
     # bound, held for no request (the decode's `transfer.staging`; no request handle owns them)
-    ("engine/disagg/decode/decode_link.py", "DecodeLink", "_drain"),
-    ("engine/disagg/decode/decode_link.py", "DecodeLink", "_write_items"),
+    ("engine/disagg/decode/link_writing.py", "LinkWriting", "_drain"),
+    ("engine/disagg/decode/link_writing.py", "LinkWriting", "_write"),
 }
 #: a request's progress: written only by the step applier
 PROGRESS = {"kv_len", "first_token_time", "last_token_time"}

@@ -155,16 +155,16 @@ class DecodeLink(LinkWriting):
     # -------------------------------------------------------- sending
     def _send_loop(self) -> None:
         s = self.settings
-        carried: tuple[str, Any] | None = None  # what ended a batch of jobs, sent next
+        carried: tuple[str, object] | None = None  # what ended a batch of jobs, sent next
         try:
             while True:
-                if carried is not None:
-                    (kind, item), carried = carried, None
-                else:
+                if carried is None:
                     try:
                         kind, item = self._out.get(timeout=s.keepalive)
                     except queue.Empty:
                         kind, item = "ping", None
+                else:
+                    (kind, item), carried = carried, None
                 if not self.up:
                     if self._farewell:  # so the prefill cancels at once and its threads return
                         self.pair.send_ctl(header(BYE), s.chunk_slack)
@@ -182,13 +182,13 @@ class DecodeLink(LinkWriting):
         except Exception as exc:  # noqa: BLE001 - every failure ends the link
             self.down(classify(exc))
 
-    def _send_jobs(self, first: LinkJob) -> tuple[str, Any] | None:
+    def _send_jobs(self, first: LinkJob) -> tuple[str, object] | None:
         """Send `first` and the jobs queued right behind it in one JOB message (up to `MAX_JOBS`, about
         `JOB_BATCH_BYTES` of frames): one round trip between the two sides for a burst of jobs. Returns
         the queued item that ended the batch (a cancel, a ping, ...), to send next."""
         s = self.settings
         frames: list[tuple[int, torch.Tensor]] = []
-        carried: tuple[str, Any] | None = None
+        carried: tuple[str, object] | None = None
         lj: LinkJob | None = first
         while lj is not None:
             budget = lj.deadline - time.monotonic()

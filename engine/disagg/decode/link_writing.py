@@ -19,8 +19,6 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import Any
-
 import attrs
 import structlog
 import torch
@@ -29,6 +27,9 @@ import torch.distributed as dist
 from engine.disagg.decode.kv_transfer_hook import FirstToken
 from engine.disagg.decode.link_job import LinkJob
 from engine.disagg.link.messages import Piece
+from engine.disagg.link.observability import TransferStats
+from engine.disagg.link.settings import RemotePrefill
+from engine.disagg.link.staging import StagingPool
 from engine.disagg.link.transport import LinkError, Pair, classify
 from engine.disagg.link.wire import Chunk, KVLayout
 
@@ -41,10 +42,10 @@ class LinkWriting:
     peer: str
     epoch: int
     pair: Pair
-    settings: Any
+    settings: RemotePrefill
     layout: KVLayout
-    stats: Any
-    staging: Any
+    stats: TransferStats
+    staging: StagingPool
     lock: threading.Lock
     inflight: deque[LinkJob]
     _writes: queue.SimpleQueue
@@ -81,7 +82,7 @@ class LinkWriting:
             while pending:
                 self.pair.wait_all(pending[0].works, self.settings.chunk_timeout(pending[0].chunk.nbytes))
                 posted = pending.pop(0)
-                if posted.writing:
+                if posted.buf is None:  # received straight into the pages
                     lj.end_write()
                 else:
                     self._write(lj, posted.chunk, posted.buf, posted.owner)
@@ -117,7 +118,7 @@ class LinkWriting:
             self.staging.give(posted.owner, posted.buf, reuse=False)
 
 
-    def _write(self, lj: LinkJob, chunk: Chunk, value: Any, owner: str) -> None:
+    def _write(self, lj: LinkJob, chunk: Chunk, value: torch.Tensor, owner: str) -> None:
         """Copy a staged chunk into a job still writable, and give the buffer back."""
         try:
             if lj.begin_write():
