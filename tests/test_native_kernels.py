@@ -93,6 +93,23 @@ def test_rows_split_over_threads_give_the_same_bits(monkeypatch):
     assert torch.equal(single, split)
 
 
+def test_attention_stores_the_new_rows_first():
+    """With `store`, each row's new K/V (strided rows, as q/k/v views of one projection are) are written
+    at its location before it attends: the buffers and the output equal index_copy_ then attention."""
+    lens = [6, 1, 19, 12]
+    k_buf, v_buf, pages, _, kv_lens, q, _ = _decode_rows(lens, 2, seed=11)
+    qkv = torch.randn(len(lens), 3, KV_HEADS, HEAD_DIM)
+    new_k, new_v = qkv[:, 1], qkv[:, 2]
+    out_locs = torch.stack([pages[b, (n - 1) // PAGE] * PAGE + (n - 1) % PAGE for b, n in enumerate(lens)])
+    kernels = _kernels()
+    assert kernels.takes_store(new_k, new_v, out_locs)
+    k_ref, v_ref = k_buf.clone().index_copy_(0, out_locs, new_k), v_buf.clone().index_copy_(0, out_locs, new_v)
+    expected = kernels.decode_attention(q, k_ref, v_ref, pages, PAGE, kv_lens, None)
+    got = kernels.decode_attention(q, k_buf, v_buf, pages, PAGE, kv_lens, None, (new_k, new_v, out_locs))
+    assert torch.equal(k_buf, k_ref) and torch.equal(v_buf, v_ref) and torch.equal(got, expected)
+    assert not kernels.takes_store(new_k.transpose(1, 2), new_v, out_locs)  # heads not contiguous
+
+
 def test_they_take_float32_on_the_cpu_only():
     """Attention checks its dtypes; the norm and RoPE check layouts (`install` refuses a model that is
     not float32 on a CPU, so their inputs are float32 rows)."""

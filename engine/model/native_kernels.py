@@ -46,7 +46,7 @@ class NativeKernels:
     def __init__(self, library: ctypes.CDLL) -> None:
         self._attention = library.kvlife_decode_attention_f32
         self._attention.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64,
-                                    _I64, _F32, _PTR, _I64]
+                                    _I64, _F32, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR]
         self._norm = library.kvlife_rms_norm_f32
         self._norm.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _F32, _PTR, _I64]
         self._rope = library.kvlife_rope_f32
@@ -66,12 +66,22 @@ class NativeKernels:
         return q.dtype == torch.float32 and k_buf.dtype == torch.float32 and q.stride(-1) == 1 \
             and k_buf.is_contiguous() and q.device.type == "cpu"
 
+    @staticmethod
+    def takes_store(k: Tensor, v: Tensor, out_locs: Tensor) -> bool:
+        """Whether `decode_attention` can store the step's new `k` and `v` ``[B, KVH, D]`` at
+        `out_locs` itself (rows of any stride, each row's heads contiguous)."""
+        dim = k.shape[-1]
+        return (k.stride(-1) == 1 and k.stride(1) == dim and v.stride(-1) == 1 and v.stride(1) == dim
+                and out_locs.dtype == torch.int64 and out_locs.is_contiguous())
+
     def decode_attention(self, q: Tensor, k_buf: Tensor, v_buf: Tensor, columns: Tensor, unit: int,
-                         kv_lens: Tensor, window: int | None) -> Tensor:
+                         kv_lens: Tensor, window: int | None,
+                         store: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
         """`q` ``[B, H, D]`` (one query per row, at position ``kv_lens[b] - 1``) over the
         contexts in `k_buf` and `v_buf` ``[locations, KVH, D]`` (contiguous): row b's token j
         at ``columns[b, j // unit] * unit + j % unit``; the last `window` tokens only when
-        given; returns ``[B, H, D]``."""
+        given; returns ``[B, H, D]``. `store` ``(k, v, out_locs)``: first write each row's new
+        K and V ``[B, KVH, D]`` at its location (`takes_store` says whether they qualify)."""
         rows, heads, head_dim = q.shape
         if columns.dtype != torch.int64 or columns.stride(-1) != 1:
             columns = columns.to(torch.int64).contiguous()
@@ -81,10 +91,16 @@ class NativeKernels:
         width = columns.shape[1] * unit
         threads = torch.get_num_threads() if rows * width >= PARALLEL_MIN_TOKENS else 1
         q_row, q_head, _ = q.stride()
+        new_k = new_v = locs = None
+        new_k_row = new_v_row = 0
+        if store is not None:
+            k, v, out_locs = store
+            new_k, new_k_row, new_v, new_v_row, locs = k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), \
+                out_locs.data_ptr()
         _check(self._attention(q.data_ptr(), q_row, q_head, k_buf.data_ptr(), v_buf.data_ptr(),
                                columns.data_ptr(), columns.stride(0), unit, kv_lens.data_ptr(), rows, heads,
-                               k_buf.shape[1], head_dim, window or 0, head_dim**-0.5, out.data_ptr(), threads),
-               "decode attention", q)
+                               k_buf.shape[1], head_dim, window or 0, head_dim**-0.5, out.data_ptr(), threads,
+                               new_k, new_k_row, new_v, new_v_row, locs), "decode attention", q)
         return out
 
     # ---------------------------------------------------------------- norm
