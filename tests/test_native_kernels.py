@@ -16,7 +16,7 @@ from structlog.testing import capture_logs
 from engine import Engine, EngineConfig, InvalidConfig, SamplingParams
 from engine.model import native_kernels
 from engine.model.attention import AttentionMetadata
-from engine.model.layers import RMSNorm
+from engine.model.layers import GatedMLP, RMSNorm
 from engine.model.llama import LlamaModel
 from engine.model.model_config import ModelConfig
 from engine.model.native_build import KernelBuild
@@ -157,6 +157,20 @@ def test_rope_is_torch_s_bit_for_bit():
     assert torch.equal(got, expected)  # the v heads (6 and 7) untouched too
 
 
+def test_silu_mul_equals_torch():
+    """SwiGLU's ``silu(gate) * up`` in place on a packed gate/up output equals torch's ops to float32
+    rounding, over values from -100 to 100 (exp's range ends included); the up half is untouched."""
+    gen = torch.Generator().manual_seed(2)
+    both = torch.cat([torch.linspace(-100, 100, 2 * 96).view(2, 96), torch.randn(6, 96, generator=gen) * 4])
+    both = torch.cat([both, torch.randn(8, 96, generator=gen)], dim=1)  # [8, 2 * 96]: gate | up
+    expected = torch.nn.functional.silu(both[:, :96]) * both[:, 96:]
+    got = both.clone()
+    product = _kernels().silu_mul_(got)
+    assert product.data_ptr() == got.data_ptr() and product.shape == (8, 96)
+    torch.testing.assert_close(product, expected, atol=1e-6, rtol=2e-6)
+    assert torch.equal(got[:, 96:], both[:, 96:])
+
+
 def test_model_forward_equals_torch_ops_with_them_installed():
     """The packed tiny model's logits with the kernels installed and taken back: equal to float32
     rounding, and its norms and attention layers hold the kernels only while installed."""
@@ -176,8 +190,8 @@ def test_model_forward_equals_torch_ops_with_them_installed():
 
     plain = logits()
     install(model, _kernels())
-    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
-    assert norms and all(m.native is not None for m in norms)
+    norms = [m for m in model.modules() if isinstance(m, (RMSNorm, GatedMLP))]
+    assert len(norms) == 2 * 4 + 1 + 4 and all(m.native is not None for m in norms)
     native = logits()
     install(model, None)
     assert all(m.native is None for m in norms)

@@ -4,14 +4,16 @@ torch has no paged attention on CPU: its forms (`engine.model.paged_attend`)
 gather a step's K (and V, or value bags) out of the pages before attending, a
 dozen ops a layer, and from batch 8 up that attention is as large as every
 matmul of the step. Around the matmuls, each RMSNorm is several torch ops
-(about 20 us at batch 1, where its arithmetic is 256 multiply-adds) and RoPE
-six. Three kernels (`native/*.cpp`, built by `engine.model.native_build`):
+(about 20 us at batch 1, where its arithmetic is 256 multiply-adds), RoPE six
+and SwiGLU's activation and product two. Four kernels (`native/*.cpp`, built
+by `engine.model.native_build`):
 
 - `NativeKernels.decode_attention`: every decode row (one new token) over its
   paged K/V, read once in place, page by page, with an online softmax in
   float32 and the next reads prefetched (`native/decode_attention.cpp`);
 - `NativeKernels.rms_norm`: the residual add and the norm in one pass;
-- `NativeKernels.rope_`: RoPE in place, rounded as transformers' ops round.
+- `NativeKernels.rope_`: RoPE in place, rounded as transformers' ops round;
+- `NativeKernels.silu_mul_`: SwiGLU's activation and product in place.
 
 They take float32 tensors on the CPU (`kernels_for` hands them only to such
 models); `takes_*` say whether a call's layout qualifies, and the caller uses
@@ -51,7 +53,9 @@ class NativeKernels:
         self._norm.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _F32, _PTR, _I64]
         self._rope = library.kvlife_rope_f32
         self._rope.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64]
-        for fn in (self._attention, self._norm, self._rope):
+        self._silu_mul = library.kvlife_silu_mul_f32
+        self._silu_mul.argtypes = [_PTR, _I64, _I64, _I64]
+        for fn in (self._attention, self._norm, self._rope, self._silu_mul):
             fn.restype = ctypes.c_int
 
     # NOTE: `kernels_for` hands them only to float32 models on a CPU, so the checks below are of
@@ -132,6 +136,21 @@ class NativeKernels:
         x_token, x_head, _ = x.stride()
         _check(self._rope(x.data_ptr(), x_token, x_head, cos_sin.data_ptr(), dim, tokens, heads, dim), "rope", x)
         return x
+
+
+    # ------------------------------------------------------------ swiglu
+    @staticmethod
+    def takes_silu(both: Tensor) -> bool:
+        """Whether `silu_mul_` takes `both` ``[T, 2 * width]`` (2-d, last dimension contiguous)."""
+        return both.dim() == 2 and both.stride(-1) == 1
+
+    def silu_mul_(self, both: Tensor) -> Tensor:
+        """SwiGLU's ``silu(gate) * up`` in place on the packed gate/up output `both`
+        ``[T, 2 * width]``; returns the gate half ``[T, width]``, which holds it."""
+        rows, double = both.shape
+        width = double // 2
+        _check(self._silu_mul(both.data_ptr(), both.stride(0), rows, width), "silu", both)
+        return both[:, :width]
 
 
 def _check(code: int, kernel: str, x: Tensor) -> None:
