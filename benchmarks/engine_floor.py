@@ -27,6 +27,8 @@ class Floor:
         from safetensors.torch import load_file
 
         self.device = torch.device(device)
+        #: GB/s at which the K/V bytes of a step are read once (the caller sets the run's sum bandwidth)
+        self.read_gbps = float("inf")
         w = load_file(str(Path(directory) / "model.safetensors"), device=str(self.device))
         self.linear: list[list[torch.Tensor]] = []  # checkpoint layout [out, in], one per projection
         self.packed: list[list[torch.Tensor]] = []  # q/k/v and gate/up stacked, stored [in, out]
@@ -125,5 +127,7 @@ class Floor:
         with torch.inference_mode():
             out["attention_ms"] = self.attention(batch, context, steps)
         head_dim = self.hidden // ANCHOR["num_attention_heads"]  # K and V of every layer, float32
-        out["kv_bytes"] = 2 * ANCHOR["num_hidden_layers"] * batch * context * ANCHOR["num_key_value_heads"] * head_dim * 4
+        kv_heads, layers = ANCHOR["num_key_value_heads"], ANCHOR["num_hidden_layers"]
+        out["kv_bytes"] = 2 * layers * batch * context * kv_heads * head_dim * 4
+        out["kv_read_ms"] = out["kv_bytes"] / (self.read_gbps * 1e6)  # the bytes once, at the run's sum bandwidth
         return out

@@ -16,7 +16,7 @@ from structlog.testing import capture_logs
 from engine import Engine, EngineConfig, InvalidConfig, SamplingParams
 from engine.model import native_kernels
 from engine.model.attention import AttentionMetadata
-from engine.model.layers import RMSNorm
+from engine.model.layers import GatedMLP, RMSNorm
 from engine.model.llama import LlamaModel
 from engine.model.model_config import ModelConfig
 from engine.model.native_build import KernelBuild
@@ -93,6 +93,23 @@ def test_rows_split_over_threads_give_the_same_bits(monkeypatch):
     assert torch.equal(single, split)
 
 
+def test_attention_stores_the_new_rows_first():
+    """With `store`, each row's new K/V (strided rows, as q/k/v views of one projection are) are written
+    at its location before it attends: the buffers and the output equal index_copy_ then attention."""
+    lens = [6, 1, 19, 12]
+    k_buf, v_buf, pages, _, kv_lens, q, _ = _decode_rows(lens, 2, seed=11)
+    qkv = torch.randn(len(lens), 3, KV_HEADS, HEAD_DIM)
+    new_k, new_v = qkv[:, 1], qkv[:, 2]
+    out_locs = torch.stack([pages[b, (n - 1) // PAGE] * PAGE + (n - 1) % PAGE for b, n in enumerate(lens)])
+    kernels = _kernels()
+    assert kernels.takes_store(new_k, new_v, out_locs)
+    k_ref, v_ref = k_buf.clone().index_copy_(0, out_locs, new_k), v_buf.clone().index_copy_(0, out_locs, new_v)
+    expected = kernels.decode_attention(q, k_ref, v_ref, pages, PAGE, kv_lens, None)
+    got = kernels.decode_attention(q, k_buf, v_buf, pages, PAGE, kv_lens, None, (new_k, new_v, out_locs))
+    assert torch.equal(k_buf, k_ref) and torch.equal(v_buf, v_ref) and torch.equal(got, expected)
+    assert not kernels.takes_store(new_k.transpose(1, 2), new_v, out_locs)  # heads not contiguous
+
+
 def test_they_take_float32_on_the_cpu_only():
     """Attention checks its dtypes; the norm and RoPE check layouts (`install` refuses a model that is
     not float32 on a CPU, so their inputs are float32 rows)."""
@@ -140,6 +157,20 @@ def test_rope_is_torch_s_bit_for_bit():
     assert torch.equal(got, expected)  # the v heads (6 and 7) untouched too
 
 
+def test_silu_mul_equals_torch():
+    """SwiGLU's ``silu(gate) * up`` in place on a packed gate/up output equals torch's ops to float32
+    rounding, over values from -100 to 100 (exp's range ends included); the up half is untouched."""
+    gen = torch.Generator().manual_seed(2)
+    both = torch.cat([torch.linspace(-100, 100, 2 * 96).view(2, 96), torch.randn(6, 96, generator=gen) * 4])
+    both = torch.cat([both, torch.randn(8, 96, generator=gen)], dim=1)  # [8, 2 * 96]: gate | up
+    expected = torch.nn.functional.silu(both[:, :96]) * both[:, 96:]
+    got = both.clone()
+    product = _kernels().silu_mul_(got)
+    assert product.data_ptr() == got.data_ptr() and product.shape == (8, 96)
+    torch.testing.assert_close(product, expected, atol=1e-6, rtol=2e-6)
+    assert torch.equal(got[:, 96:], both[:, 96:])
+
+
 def test_model_forward_equals_torch_ops_with_them_installed():
     """The packed tiny model's logits with the kernels installed and taken back: equal to float32
     rounding, and its norms and attention layers hold the kernels only while installed."""
@@ -159,8 +190,8 @@ def test_model_forward_equals_torch_ops_with_them_installed():
 
     plain = logits()
     install(model, _kernels())
-    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
-    assert norms and all(m.native is not None for m in norms)
+    norms = [m for m in model.modules() if isinstance(m, (RMSNorm, GatedMLP))]
+    assert len(norms) == 2 * 4 + 1 + 4 and all(m.native is not None for m in norms)
     native = logits()
     install(model, None)
     assert all(m.native is None for m in norms)

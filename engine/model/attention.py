@@ -272,11 +272,17 @@ class PagedAttention:
 
     def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         k_buf, v_buf = self._kv.k[layer_id], self._kv.v[layer_id]
+        window = self._windows[layer_id] if layer_id < len(self._windows) else None
+        kernel, decode = self._kernel, self._decode
+        if (kernel is not None and decode is not None and self._prefill is None and self._fresh is None
+                and kernel.takes_attention(q, k_buf) and kernel.takes_store(k, v, self._out_locs)):
+            # every row decodes: the native kernel stores the new K/V and attends, one call
+            return kernel.decode_attention(q, k_buf, v_buf, decode.columns, decode.unit, decode.kv_lens, window,
+                                           (k, v, self._out_locs))
         # NOTE: padded rows may all write location 0 in one step; which one
         # wins is unspecified, and harmless, since location 0 is never context.
         k_buf.index_copy_(0, self._out_locs, k if k.dtype == k_buf.dtype else k.to(k_buf.dtype))
         v_buf.index_copy_(0, self._out_locs, v if v.dtype == v_buf.dtype else v.to(v_buf.dtype))
-        window = self._windows[layer_id] if layer_id < len(self._windows) else None
         if self._fresh is not None:
             chunks, width = self._fresh
             shape = (chunks, width, -1, q.shape[2])

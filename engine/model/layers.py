@@ -77,6 +77,9 @@ class GatedMLP(nn.Module):
     """``down(act(gate(x)) * up(x))``; `act` is "silu" (SwiGLU) or
     "gelu_pytorch_tanh" (GeGLU)."""
 
+    #: SwiGLU's activation and product by kvlife's native kernel (`engine.model.loading.install_native_kernels`)
+    native: NativeKernels | None = None
+
     def __init__(self, hidden_size: int, intermediate_size: int, *, act: str = "silu", bias: bool = False) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
@@ -86,3 +89,14 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+    def act_mul_(self, both: Tensor) -> Tensor:
+        """``act(gate) * up`` in place on the packed gate/up output `both` ``[T, 2 * width]``
+        (`LlamaModel.pack`); returns the gate half, a view holding the product."""
+        native = self.native
+        if native is not None and self.act is F.silu and native.takes_silu(both) and not torch.is_grad_enabled():
+            return native.silu_mul_(both)
+        width = both.shape[-1] // 2
+        gate, up = both[:, :width], both[:, width:]  # NOTE: slices, not chunk(): views that may be written in place
+        hidden = F.silu(gate, inplace=True) if self.act is F.silu else self.act(gate)
+        return hidden.mul_(up)

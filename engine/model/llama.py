@@ -156,11 +156,7 @@ class DecoderLayer(nn.Module):
         activation and the product in place."""
         mlp, gate_up, down = self.mlp, self.gate_up, self.down
         assert isinstance(mlp, GatedMLP) and gate_up is not None and down is not None  # `pack` sets them
-        both = gate_up(x)
-        width = both.shape[-1] // 2
-        gate, up = both[:, :width], both[:, width:]  # NOTE: slices, not chunk(): views that may be written in place
-        hidden = F.silu(gate, inplace=True) if mlp.act is F.silu else mlp.act(gate)
-        return down(hidden.mul_(up))
+        return down(mlp.act_mul_(gate_up(x)))
 
 
 class DecoderStack(nn.Module):

@@ -16,7 +16,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.errors import InvalidConfig
-from engine.model.layers import RMSNorm
+from engine.model.layers import GatedMLP, RMSNorm
 from engine.model.llama import LlamaModel, SelfAttention
 from engine.model.model_config import ModelConfig
 from engine.model.native_kernels import NativeKernels, kernels_for
@@ -60,12 +60,13 @@ def load_model(config: EngineConfig, device: torch.device) -> tuple[ModelConfig,
 
 def install_native_kernels(model: LlamaModel, kernels: NativeKernels | None) -> None:
     """Hand kvlife's native kernels (`engine.model.native_kernels`) to `model`'s fused path: its
-    RMSNorms (Llama's; Gemma's keep torch's ops) and its attention layers' RoPE. None takes them
-    back. ValueError for a model that is not float32 on a CPU (the calls check layouts only)."""
+    RMSNorms (Llama's; Gemma's keep torch's ops), its attention layers' RoPE and its SwiGLU MLPs'
+    activation. None takes them back. ValueError for a model that is not float32 on a CPU (the
+    calls check layouts only)."""
     if kernels is not None and (model.dtype != torch.float32 or model.device.type != "cpu"):
         raise ValueError(f"the native kernels take a float32 model on a CPU, not {model.dtype} on {model.device}")
     for module in model.modules():
         if isinstance(module, RMSNorm) and not module.gemma:
             module.native = kernels
-        elif isinstance(module, SelfAttention):
+        elif isinstance(module, (SelfAttention, GatedMLP)):
             module.native = kernels

@@ -4,14 +4,16 @@ torch has no paged attention on CPU: its forms (`engine.model.paged_attend`)
 gather a step's K (and V, or value bags) out of the pages before attending, a
 dozen ops a layer, and from batch 8 up that attention is as large as every
 matmul of the step. Around the matmuls, each RMSNorm is several torch ops
-(about 20 us at batch 1, where its arithmetic is 256 multiply-adds) and RoPE
-six. Three kernels (`native/*.cpp`, built by `engine.model.native_build`):
+(about 20 us at batch 1, where its arithmetic is 256 multiply-adds), RoPE six
+and SwiGLU's activation and product two. Four kernels (`native/*.cpp`, built
+by `engine.model.native_build`):
 
 - `NativeKernels.decode_attention`: every decode row (one new token) over its
   paged K/V, read once in place, page by page, with an online softmax in
   float32 and the next reads prefetched (`native/decode_attention.cpp`);
 - `NativeKernels.rms_norm`: the residual add and the norm in one pass;
-- `NativeKernels.rope_`: RoPE in place, rounded as transformers' ops round.
+- `NativeKernels.rope_`: RoPE in place, rounded as transformers' ops round;
+- `NativeKernels.silu_mul_`: SwiGLU's activation and product in place.
 
 They take float32 tensors on the CPU (`kernels_for` hands them only to such
 models); `takes_*` say whether a call's layout qualifies, and the caller uses
@@ -46,12 +48,14 @@ class NativeKernels:
     def __init__(self, library: ctypes.CDLL) -> None:
         self._attention = library.kvlife_decode_attention_f32
         self._attention.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64,
-                                    _I64, _F32, _PTR, _I64]
+                                    _I64, _F32, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR]
         self._norm = library.kvlife_rms_norm_f32
         self._norm.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _F32, _PTR, _I64]
         self._rope = library.kvlife_rope_f32
         self._rope.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64]
-        for fn in (self._attention, self._norm, self._rope):
+        self._silu_mul = library.kvlife_silu_mul_f32
+        self._silu_mul.argtypes = [_PTR, _I64, _I64, _I64]
+        for fn in (self._attention, self._norm, self._rope, self._silu_mul):
             fn.restype = ctypes.c_int
 
     # NOTE: `kernels_for` hands them only to float32 models on a CPU, so the checks below are of
@@ -66,12 +70,22 @@ class NativeKernels:
         return q.dtype == torch.float32 and k_buf.dtype == torch.float32 and q.stride(-1) == 1 \
             and k_buf.is_contiguous() and q.device.type == "cpu"
 
+    @staticmethod
+    def takes_store(k: Tensor, v: Tensor, out_locs: Tensor) -> bool:
+        """Whether `decode_attention` can store the step's new `k` and `v` ``[B, KVH, D]`` at
+        `out_locs` itself (rows of any stride, each row's heads contiguous)."""
+        dim = k.shape[-1]
+        return (k.stride(-1) == 1 and k.stride(1) == dim and v.stride(-1) == 1 and v.stride(1) == dim
+                and out_locs.dtype == torch.int64 and out_locs.is_contiguous())
+
     def decode_attention(self, q: Tensor, k_buf: Tensor, v_buf: Tensor, columns: Tensor, unit: int,
-                         kv_lens: Tensor, window: int | None) -> Tensor:
+                         kv_lens: Tensor, window: int | None,
+                         store: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
         """`q` ``[B, H, D]`` (one query per row, at position ``kv_lens[b] - 1``) over the
         contexts in `k_buf` and `v_buf` ``[locations, KVH, D]`` (contiguous): row b's token j
         at ``columns[b, j // unit] * unit + j % unit``; the last `window` tokens only when
-        given; returns ``[B, H, D]``."""
+        given; returns ``[B, H, D]``. `store` ``(k, v, out_locs)``: first write each row's new
+        K and V ``[B, KVH, D]`` at its location (`takes_store` says whether they qualify)."""
         rows, heads, head_dim = q.shape
         if columns.dtype != torch.int64 or columns.stride(-1) != 1:
             columns = columns.to(torch.int64).contiguous()
@@ -81,10 +95,16 @@ class NativeKernels:
         width = columns.shape[1] * unit
         threads = torch.get_num_threads() if rows * width >= PARALLEL_MIN_TOKENS else 1
         q_row, q_head, _ = q.stride()
+        new_k = new_v = locs = None
+        new_k_row = new_v_row = 0
+        if store is not None:
+            k, v, out_locs = store
+            new_k, new_k_row, new_v, new_v_row, locs = k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), \
+                out_locs.data_ptr()
         _check(self._attention(q.data_ptr(), q_row, q_head, k_buf.data_ptr(), v_buf.data_ptr(),
                                columns.data_ptr(), columns.stride(0), unit, kv_lens.data_ptr(), rows, heads,
-                               k_buf.shape[1], head_dim, window or 0, head_dim**-0.5, out.data_ptr(), threads),
-               "decode attention", q)
+                               k_buf.shape[1], head_dim, window or 0, head_dim**-0.5, out.data_ptr(), threads,
+                               new_k, new_k_row, new_v, new_v_row, locs), "decode attention", q)
         return out
 
     # ---------------------------------------------------------------- norm
@@ -116,6 +136,21 @@ class NativeKernels:
         x_token, x_head, _ = x.stride()
         _check(self._rope(x.data_ptr(), x_token, x_head, cos_sin.data_ptr(), dim, tokens, heads, dim), "rope", x)
         return x
+
+
+    # ------------------------------------------------------------ swiglu
+    @staticmethod
+    def takes_silu(both: Tensor) -> bool:
+        """Whether `silu_mul_` takes `both` ``[T, 2 * width]`` (2-d, last dimension contiguous)."""
+        return both.dim() == 2 and both.stride(-1) == 1
+
+    def silu_mul_(self, both: Tensor) -> Tensor:
+        """SwiGLU's ``silu(gate) * up`` in place on the packed gate/up output `both`
+        ``[T, 2 * width]``; returns the gate half ``[T, width]``, which holds it."""
+        rows, double = both.shape
+        width = double // 2
+        _check(self._silu_mul(both.data_ptr(), both.stride(0), rows, width), "silu", both)
+        return both[:, :width]
 
 
 def _check(code: int, kernel: str, x: Tensor) -> None:

@@ -34,6 +34,12 @@ struct Problem {
     int64_t heads, kv_heads, head_dim, window;
     float scale;
     float* out;               // [B, H, D] contiguous
+    // the step's new K and V rows [B, KVH, D] (row strides new_k_row, new_v_row; heads contiguous),
+    // stored at out_locs[b] before row b attends; null: already stored
+    const float* new_k;
+    const float* new_v;
+    int64_t new_k_row, new_v_row;
+    const int64_t* out_locs;
 };
 
 // exp(x) for x <= 0 in float32, branch-free so the loop that calls it vectorises:
@@ -105,6 +111,12 @@ void attend_rows(const Problem& p, int64_t first, int64_t last) {
     }
     for (int64_t b = first; b < last; ++b) {
         float* out = p.out + b * H * D;
+        if (p.out_locs != nullptr) {  // the row's new token first: it is the last of its own context
+            std::memcpy(const_cast<float*>(p.k) + p.out_locs[b] * stride, p.new_k + b * p.new_k_row,
+                        sizeof(float) * stride);
+            std::memcpy(const_cast<float*>(p.v) + p.out_locs[b] * stride, p.new_v + b * p.new_v_row,
+                        sizeof(float) * stride);
+        }
         const int64_t at = plan.row_at[b - first], n = plan.row_at[b - first + 1] - at;
         if (n == 0) {  // an empty context (never a decode row's): zeros
             std::fill(out, out + H * D, 0.0f);
@@ -175,13 +187,16 @@ void attend_rows(const Problem& p, int64_t first, int64_t last) {
 extern "C" {
 
 // Returns 0, or a non-zero code for arguments the kernel does not take (nothing written).
-int kvlife_decode_attention_f32(const float* q, int64_t q_row, int64_t q_head, const float* k, const float* v,
+// With out_locs non-null, each row's new K and V (new_k, new_v: [B, KVH, D], row strides given) are
+// stored at out_locs[b] of k and v first (the buffers are written: a decode step's K/V store).
+int kvlife_decode_attention_f32(const float* q, int64_t q_row, int64_t q_head, float* k, float* v,
                                 const int64_t* columns, int64_t col_row, int64_t unit, const int64_t* kv_lens,
                                 int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t window,
-                                float scale, float* out, int64_t threads) {
+                                float scale, float* out, int64_t threads, const float* new_k, int64_t new_k_row,
+                                const float* new_v, int64_t new_v_row, const int64_t* out_locs) {
     if (rows < 0 || heads <= 0 || kv_heads <= 0 || heads % kv_heads != 0 || head_dim <= 0 || unit <= 0) return 1;
     const Problem p{q, q_row, q_head, k, v, columns, col_row, unit, kv_lens, heads, kv_heads, head_dim, window,
-                    scale, out};
+                    scale, out, new_k, new_v, new_k_row, new_v_row, out_locs};
     const int64_t parts = std::max<int64_t>(1, std::min(threads, rows));
     if (parts == 1) {
         attend_rows(p, 0, rows);
