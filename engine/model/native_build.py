@@ -30,7 +30,7 @@ import structlog
 
 log = structlog.get_logger("kvlife.model")
 
-#: the kernels' sources: every ``*.cpp`` here goes into the one library
+#: the kernels' sources: every ``*.cpp`` here goes into the one library (``*.h``: what they share)
 SOURCES = Path(__file__).with_name("native")
 
 #: compile flags; -march=native is tried first
@@ -93,7 +93,8 @@ def _build(cache_dir: Path) -> Path:
     sources = sorted(SOURCES.glob("*.cpp"))
     if not sources:
         raise RuntimeError(f"no kernel sources in {SOURCES}")
-    source = b"\0".join(path.name.encode() + b"\0" + path.read_bytes() for path in sources)
+    headers = sorted(SOURCES.glob("*.h"))  # NOTE: in the key too: a header change is a new library
+    source = b"\0".join(path.name.encode() + b"\0" + path.read_bytes() for path in [*sources, *headers])
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     errors: list[str] = []
     for arch in (("-march=native",), ()):

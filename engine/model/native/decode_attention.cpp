@@ -21,6 +21,8 @@
 #include <thread>
 #include <vector>
 
+#include "exp.h"
+
 namespace {
 
 struct Problem {
@@ -41,27 +43,6 @@ struct Problem {
     int64_t new_k_row, new_v_row;
     const int64_t* out_locs;
 };
-
-// exp(x) for x <= 0 in float32, branch-free so the loop that calls it vectorises:
-// x = n ln2 + r (|r| <= ln2 / 2), exp(r) by a degree-7 polynomial (a few ulp),
-// times 2^n built in the exponent bits; below -87 the result is 0.
-inline float exp_nonpositive(float x) {
-    const float zero = x < -87.0f ? 0.0f : 1.0f;
-    x = x < -87.0f ? -87.0f : x;
-    const float n = std::nearbyint(x * 1.44269504088896341f);
-    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-    float scale;
-    std::memcpy(&scale, &bits, sizeof scale);
-    return p * scale * zero;
-}
 
 inline void prefetch_row(const float* row, int64_t floats) {
     for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(row + i, 0, 3);
@@ -150,7 +131,7 @@ void attend_rows(const Problem& p, int64_t first, int64_t last) {
                 float top = tops[h];
                 for (int64_t i = 0; i < m; ++i) top = std::max(top, sc[i]);
                 if (top > tops[h]) {  // rescale what was summed under the old maximum
-                    const float shrink = tops[h] == -INFINITY ? 0.0f : exp_nonpositive(tops[h] - top);
+                    const float shrink = tops[h] == -INFINITY ? 0.0f : kvlife_native::exp_float(tops[h] - top);
                     float* ah = acc.data() + h * D;
                     for (int64_t d = 0; d < D; ++d) ah[d] *= shrink;
                     totals[h] *= shrink;
@@ -159,7 +140,7 @@ void attend_rows(const Problem& p, int64_t first, int64_t last) {
                 float total = 0.0f;
 #pragma omp simd reduction(+ : total)
                 for (int64_t i = 0; i < m; ++i) {
-                    sc[i] = exp_nonpositive(sc[i] - top);
+                    sc[i] = kvlife_native::exp_float(sc[i] - top);
                     total += sc[i];
                 }
                 totals[h] += total;

@@ -3,38 +3,10 @@
 // (engine/model/native_kernels.py); each replaces a handful of torch ops,
 // whose dispatch costs more than their arithmetic at decode batch sizes.
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 
-namespace {
-
-// exp(x) in float32, branch-free so the loop that calls it vectorises: x = n ln2 + r
-// (|r| <= ln2 / 2), exp(r) by a degree-7 polynomial (a few ulp), times 2^n built in the
-// exponent bits; 0 below -87, inf above 88.7.
-inline float exp_float(float x) {
-    const float zero = x < -87.0f ? 0.0f : 1.0f;
-    x = std::min(std::max(x, -87.0f), 88.7f);
-    const float n = std::nearbyint(x * 1.44269504088896341f);
-    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    // NOTE: 2^n as two halves, so n = 128 (x near 88.7) stays finite where it should
-    const int32_t low = static_cast<int32_t>(n) / 2, high = static_cast<int32_t>(n) - low;
-    const int32_t low_bits = (low + 127) << 23, high_bits = (high + 127) << 23;
-    float a, b;
-    std::memcpy(&a, &low_bits, sizeof a);
-    std::memcpy(&b, &high_bits, sizeof b);
-    return p * a * b * zero;
-}
-
-}  // namespace
+#include "exp.h"
 
 extern "C" {
 
@@ -98,7 +70,7 @@ int kvlife_silu_mul_f32(float* x, int64_t x_row, int64_t rows, int64_t width) {
 #pragma omp simd
         for (int64_t i = 0; i < width; ++i) {
             const float g = gate[i];
-            gate[i] = (g / (1.0f + exp_float(-g))) * up[i];
+            gate[i] = (g / (1.0f + kvlife_native::exp_float(-g))) * up[i];
         }
     }
     return 0;
