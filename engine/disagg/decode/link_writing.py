@@ -15,10 +15,12 @@ down, which moves or fails its jobs.
 
 from __future__ import annotations
 
+import abc
 import queue
 import threading
 import time
 from collections import deque
+
 import attrs
 import structlog
 import torch
@@ -36,7 +38,7 @@ from engine.disagg.link.wire import Chunk, KVLayout
 log = structlog.get_logger("kvlife.transfer")
 
 
-class LinkWriting:
+class LinkWriting(abc.ABC):
     """The writing thread's side of `DecodeLink` (which sets these attributes and `down`)."""
 
     peer: str
@@ -50,8 +52,9 @@ class LinkWriting:
     inflight: deque[LinkJob]
     _writes: queue.SimpleQueue
 
+    @abc.abstractmethod
     def down(self, error: LinkError, *, block: bool = True) -> None:
-        raise NotImplementedError
+        """Take the link down with `error` (`DecodeLink.down`: its jobs move or fail)."""
 
     def _write_loop(self) -> None:
         """Takes what the receiving thread hands over, in order, until it returns. It is the last user of
