@@ -159,7 +159,7 @@ class EngineConfig:
     model in the onednn layout, native bfloat16 matmuls; the float32 head elsewhere),
     "verified" (refused where it does not apply) or "full" (always the float32 head).
     `native_kernels`: kvlife's own CPU kernels for the decode step (`engine.model.native_kernels`:
-    decode attention that reads paged K/V in place, the residual add with RMSNorm, RoPE):
+    decode attention that reads paged K/V in place, the residual add with RMSNorm, RoPE, SwiGLU):
     "auto" (where they apply: a CPU device, a float32 model and a C++ compiler to build them on
     first use; torch's ops elsewhere), "on" (refused where they do not apply or cannot be built)
     or "off" (torch's ops alone).

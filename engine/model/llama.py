@@ -88,7 +88,7 @@ class SelfAttention(nn.Module):
         qkv_proj, o_proj = self.qkv, self.o
         assert qkv_proj is not None and o_proj is not None  # `LlamaModel.pack` sets both
         qkv = qkv_proj(x).view(tokens, heads + 2 * kv_heads, self.head_dim)
-        native = self.native
+        native = self.native if not torch.is_grad_enabled() else None  # NOTE: in place, outside autograd
         rotate = native.rope_ if native is not None and native.takes_rope(qkv, rope) else apply_rope_
         if self.q_norm is not None and self.k_norm is not None:
             q = rotate(self.q_norm(qkv[:, :heads]), rope)

@@ -137,7 +137,6 @@ class NativeKernels:
         _check(self._rope(x.data_ptr(), x_token, x_head, cos_sin.data_ptr(), dim, tokens, heads, dim), "rope", x)
         return x
 
-
     # ------------------------------------------------------------ swiglu
     @staticmethod
     def takes_silu(both: Tensor) -> bool:
