@@ -13,7 +13,7 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from engine import Engine, EngineConfig, InvalidConfig, SamplingParams
+from engine import Engine, EngineConfig, FinishReason, InvalidConfig, SamplingParams
 from engine.model import native_kernels
 from engine.model.attention import AttentionMetadata
 from engine.model.layers import GatedMLP, RMSNorm
@@ -23,7 +23,7 @@ from engine.model.native_build import KernelBuild
 from engine.model.loading import install_native_kernels as install
 from engine.model.native_kernels import NativeKernels, kernels_for, load_kernels
 from engine.model.rope import apply_rope_
-from helpers import run_all, small_config
+from helpers import assert_pools_whole, run_all, small_config
 from naive_attention import naive_attention
 
 PAGE, KV_HEADS, HEAD_DIM = 4, 2, 16
@@ -252,3 +252,26 @@ async def test_engine_ids_equal_with_the_kernels_and_without(monkeypatch):
     assert outputs[0] == outputs[1]
     layers = 4  # the tiny model's
     assert counts[0] >= layers * (13 + 7) and counts[1] == 0
+
+
+@pytest.mark.anyio
+async def test_a_kernel_that_raises_fails_its_batch_and_the_engine_serves_on(monkeypatch):
+    """Fault: the attention kernel raises on one decode step. That request ends with ERROR (not an empty
+    success), the next request is served, and every pool is whole once idle."""
+    real = NativeKernels.decode_attention
+    calls = {"n": 0}
+
+    def fails_once(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 4 * 3:  # the third decode step's last layer
+            raise RuntimeError("injected kernel fault")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(NativeKernels, "decode_attention", fails_once)
+    async with Engine(small_config(native_kernels="on")) as engine:
+        bad = await engine.complete([5, 6, 7], SamplingParams(max_new_tokens=10, ignore_eos=True))
+        good = await engine.complete([8, 9], SamplingParams(max_new_tokens=6, ignore_eos=True))
+        await engine.wait_idle(5)
+        assert_pools_whole(engine)
+    assert bad.finish_reason is FinishReason.ERROR and "injected kernel fault" in bad.error
+    assert good.finish_reason is FinishReason.LENGTH and len(good.token_ids) == 6
