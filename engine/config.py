@@ -146,9 +146,10 @@ class EngineConfig:
     scheduler delay). Off by default: on the 2-core development VM a 2 ms window
     caught no resubmission of the HTTP benchmark's clients (docs/http.md).
     `inline_step_tokens`: a step of at most this many tokens runs on the event loop's
-    thread instead of a worker thread (the hop costs 0.1-0.15 ms, about 10% of a
-    small decode step); larger steps, and every step under fault injection, run in
-    the worker thread so the loop keeps answering meanwhile. 0 = always the thread.
+    thread instead of the loop's step thread (`engine.runtime.step_thread`; the hop
+    there and back costs 0.1-0.4 ms, about 10% of a small decode step); larger steps,
+    and every step under fault injection, run on the step thread so the loop keeps
+    answering meanwhile. 0 = always the thread.
     `weight_layout`: how the projections' weights are packed at load
     (`engine.model.projection`): "packed" (``[in, out]`` for `torch.mm`, no
     copy), "onednn" (also a oneDNN blocked copy: CPU, float32 or bfloat16 only;

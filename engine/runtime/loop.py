@@ -13,7 +13,8 @@ Its interface is narrow: `submit` (requests in, a stream out), `abort`,
        growth/retraction, the batch; with none, it sleeps until a fence
        it waits on completes (the completing thread wakes it:
        `engine.runtime.loop_waker`), polling only what cannot signal
-    -> run the model step (in a worker thread unless it is small)
+    -> run the model step (on the loop's step thread unless it is small:
+       `engine.runtime.step_thread`)
     -> apply (step applier): progress, tokens, outputs, finishes
     -> the leak check when idle, and every second while busy
        (`resources.leak_watch`: logged and counted, never raised here);
@@ -53,6 +54,7 @@ from engine.runtime.output_sender import OutputSender
 from engine.runtime.planner import Planner
 from engine.runtime.sessions import SessionManager
 from engine.runtime.stats import EngineStats
+from engine.runtime.step_thread import StepThread
 from engine.runtime.step_applier import StepApplier, StepObserver
 from engine.runtime.table import OutputSink, RequestTable, Submission, close_stream
 from engine.stream import OutputChannel, RequestStream
@@ -116,6 +118,8 @@ class RuntimeLoop:
         self._wake = anyio.Event()
         #: wakes the loop from the threads that complete fences (`engine.runtime.loop_waker`)
         self.waker = LoopWaker(self.wake)
+        #: where steps larger than `inline_step_tokens` run (`engine.runtime.step_thread`)
+        self.step_thread = StepThread()
         self._idle_event = anyio.Event()
         self._idle_event.set()
         self._thread: int | None = None
@@ -266,14 +270,19 @@ class RuntimeLoop:
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         self._thread = threading.get_ident()
-        self.waker.bind(anyio.lowlevel.current_token())
+        token = anyio.lowlevel.current_token()
+        self.waker.bind(token)
+        self.step_thread.bind(token)
         task_status.started()
-        while True:
-            try:
-                await self.iteration()
-            except Exception as exc:  # noqa: BLE001 - reported to every client, never lost
-                self._die(exc)
-                return
+        try:
+            while True:
+                try:
+                    await self.iteration()
+                except Exception as exc:  # noqa: BLE001 - reported to every client, never lost
+                    self._die(exc)
+                    return
+        finally:
+            self.step_thread.close()
 
     async def iteration(self) -> None:
         if self.closing:  # shutdown owns the requests now
@@ -303,7 +312,7 @@ class RuntimeLoop:
             if sum(s.num_tokens for s in batch) <= self.inline_step_tokens:
                 output = self.runner.step(batch)  # NOTE: a small step costs less than a thread hop
             else:
-                output = await anyio.to_thread.run_sync(self.runner.step, batch)
+                output = await self.step_thread.run(self.runner.step, batch)
         except Exception as exc:  # the batch fails, the engine keeps serving
             self.applier.fail_step(batch, exc)
         else:

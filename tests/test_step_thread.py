@@ -1,0 +1,139 @@
+"""The runtime loop's step thread (`engine.runtime.step_thread`): results and exceptions come back
+to the loop, a step in flight is never left behind by a cancellation, the caller's context
+variables are seen, and the thread ends with the loop."""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+
+import anyio
+import anyio.lowlevel
+import pytest
+
+from engine import Engine, SamplingParams
+from engine.runtime.step_thread import StepThread
+from helpers import DEADLINE, small_config
+
+BACKENDS = ["asyncio", "trio"]
+TAG: contextvars.ContextVar[str] = contextvars.ContextVar("TAG", default="unset")
+
+
+def _steps_alive() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "kvlife-step"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_results_exceptions_and_context_come_back(backend):
+    """The step runs on the thread of its own; its value and its exception (same object) come back to
+    the loop's thread, and it sees the context variables set by the caller."""
+    seen: dict[str, object] = {}
+
+    async def main() -> None:
+        steps = StepThread()
+        steps.bind(anyio.lowlevel.current_token())
+        TAG.set("caller")
+
+        def step(n: int) -> int:
+            seen["thread"] = threading.current_thread().name
+            seen["tag"] = TAG.get()
+            return n * 2
+
+        boom = ValueError("step failed")
+
+        def failing(_: int) -> int:
+            raise boom
+
+        with anyio.fail_after(DEADLINE):
+            assert await steps.run(step, 21) == 42
+            with pytest.raises(ValueError) as raised:
+                await steps.run(failing, 0)
+            assert raised.value is boom
+            assert await steps.run(step, 1) == 2  # the thread serves on after a failed step
+        steps.close()
+
+    anyio.run(main, backend=backend)
+    assert seen == {"thread": "kvlife-step", "tag": "caller"}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_cancelled_caller_waits_for_its_step(backend):
+    """Cancelling the awaiting task does not leave the step behind: the await returns only once the
+    step has returned (it still writes its batch's pages), with its result (the loop applies it, as
+    with `anyio.to_thread.run_sync`), and the cancellation is delivered at the caller's next checkpoint."""
+    order: list[str] = []
+
+    async def main() -> None:
+        steps = StepThread()
+        steps.bind(anyio.lowlevel.current_token())
+        entered, release = threading.Event(), threading.Event()
+
+        def held(_: None) -> str:
+            entered.set()
+            release.wait(DEADLINE)
+            order.append("step returned")
+            return "its result"
+
+        async def caller(scope_box: list[anyio.CancelScope]) -> None:
+            with anyio.CancelScope() as scope:
+                scope_box.append(scope)
+                order.append(f"run returned {await steps.run(held, None)}")
+                await anyio.sleep(0)
+                order.append("not cancelled")  # never: the checkpoint delivers the cancellation
+            order.append("caller saw the step end" if scope.cancelled_caught else "caller ran on")
+
+        scopes: list[anyio.CancelScope] = []
+        with anyio.fail_after(DEADLINE):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(caller, scopes)
+                await anyio.to_thread.run_sync(entered.wait, DEADLINE)
+                scopes[0].cancel()
+                await anyio.sleep(0.05)
+                order.append("cancelled")
+                release.set()
+        steps.close()
+
+    anyio.run(main, backend=backend)
+    assert order == ["cancelled", "step returned", "run returned its result", "caller saw the step end"]
+
+
+def test_run_before_bind_is_refused_and_close_ends_the_thread():
+    async def main() -> None:
+        steps = StepThread(name="kvlife-step-test")
+        with pytest.raises(RuntimeError, match="before bind"):
+            await steps.run(lambda x: x, 1)
+        steps.bind(anyio.lowlevel.current_token())
+        assert await steps.run(lambda x: x + 1, 1) == 2
+        thread = next(t for t in threading.enumerate() if t.name == "kvlife-step-test")
+        steps.close()
+        await anyio.to_thread.run_sync(thread.join, DEADLINE)
+        assert not thread.is_alive() and not steps.alive
+
+    anyio.run(main)
+
+
+@pytest.mark.asyncio
+async def test_the_engine_steps_on_its_thread_and_it_ends_with_the_engine():
+    """With every step off the loop (`inline_step_tokens=0`) the engine's steps run on its step
+    thread, greedy ids equal the inline engine's, and no step thread outlives the engine."""
+    before = len(_steps_alive())
+    prompt, params = list(range(5, 25)), SamplingParams(max_new_tokens=6, ignore_eos=True)
+    threads: set[str] = set()
+    async with Engine(small_config(inline_step_tokens=0)) as engine:
+        engine.loop.step_observers.append(lambda batch, output: threads.add(threading.current_thread().name))
+        off_loop = (await engine.complete(prompt, params)).token_ids
+        runner_step = engine.loop.runner.step
+
+        def recording(batch):
+            threads.add("runner:" + threading.current_thread().name)
+            return runner_step(batch)
+
+        engine.loop.runner.step = recording
+        await engine.complete(prompt, params)
+        assert len(_steps_alive()) == before + 1
+    async with Engine(small_config(inline_step_tokens=1 << 20)) as inline:
+        assert (await inline.complete(prompt, params)).token_ids == off_loop
+    with anyio.fail_after(DEADLINE):
+        while len(_steps_alive()) > before:
+            await anyio.sleep(0.01)
+    assert "runner:kvlife-step" in threads and "kvlife-step" not in threads  # observers run on the loop
