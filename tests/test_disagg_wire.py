@@ -35,6 +35,14 @@ class TestJobFrames:
         assert SamplingParams(**back.params) == SamplingParams(**params)
         assert len(back.images) == 1 and torch.equal(back.images[0], image)
 
+    def test_token_section_is_int64_as_before(self):
+        """The frame's token section is the ids as torch's int64 bytes (protocol 4's layout: a peer of the
+        same version reads it), large ids and 0 included."""
+        ids = [0, 1, 255, 256, 2**31 + 5, 2**62]
+        frame = encode_job(JobSpec("r-2", ids, {}))
+        assert torch.equal(frame[: 8 * len(ids)], torch.tensor(ids, dtype=torch.int64).view(torch.uint8))
+        assert decode_job(frame).token_ids == ids
+
     @pytest.mark.parametrize("frame", [torch.zeros(3, dtype=torch.uint8), torch.full((40,), 255, dtype=torch.uint8)],
                              ids=["short", "garbage"])
     def test_malformed_frames_are_protocol_errors(self, frame):
