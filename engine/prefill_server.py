@@ -226,11 +226,9 @@ class PrefillServer(anyio.AsyncContextManagerMixin):
             params = SamplingParams(**spec.params)
         except Exception as exc:  # noqa: BLE001 - a decode of another version
             sj.error = f"bad sampling parameters: {exc}"
-        vocab, limit = self.parts.model_config.vocab_size, self.parts.max_context
+        limit = self.parts.max_context  # NOTE: the token ids' range was checked by the link's thread (`decode_job`)
         if len(spec.token_ids) > limit or len(spec.output_token_ids) >= len(spec.token_ids):
             sj.error = f"{len(spec.token_ids)} tokens: this prefill takes 1 to {limit} (its max_context)"
-        elif min(spec.token_ids) < 0 or max(spec.token_ids) >= vocab:
-            sj.error = f"token ids must be in [0, {vocab})"
         if sj.error is not None:
             self._ready(sj)
             return
@@ -311,7 +309,8 @@ class PrefillServer(anyio.AsyncContextManagerMixin):
             exc = exc if isinstance(exc, LinkError) else LinkError("timeout", str(exc).splitlines()[0][:200])
             log.warning("transfer.connect_failed", pair=handshake.pair_id, cause=exc.cause, error=str(exc))
             return
-        link = PrefillLink(self, pair, f"decode#{handshake.pair_id}", s, epoch=handshake.pair_id)
+        link = PrefillLink(self, pair, f"decode#{handshake.pair_id}", s, epoch=handshake.pair_id,
+                           vocab_size=self.parts.model_config.vocab_size)
         self.call(self._add_link, link)
 
     # --------------------------------------------------- compute budgets

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 
+import attrs
 import pytest
 import torch
 from prometheus_client import CollectorRegistry, generate_latest
@@ -42,6 +43,15 @@ class TestJobFrames:
         frame = encode_job(JobSpec("r-2", ids, {}))
         assert torch.equal(frame[: 8 * len(ids)], torch.tensor(ids, dtype=torch.int64).view(torch.uint8))
         assert decode_job(frame).token_ids == ids
+
+    def test_token_ids_outside_the_vocabulary_are_protocol_errors(self):
+        """Given the prefill's vocabulary, a frame whose token ids leave [0, vocab) is refused (on the link's
+        thread, before the event loop sees it); the bounds themselves pass."""
+        assert decode_job(encode_job(JobSpec("r-3", [0, 5, 99], {})), vocab_size=100).token_ids == [0, 5, 99]
+        for bad in ([0, 100], [-1, 3]):
+            with pytest.raises(ProtocolError, match=r"token ids must be in \[0, 100\)"):
+                decode_job(encode_job(JobSpec("r-3", bad, {})), vocab_size=100)
+        assert decode_job(encode_job(JobSpec("r-3", [0, 100], {}))).token_ids == [0, 100]  # unchecked without it
 
     @pytest.mark.parametrize("frame", [torch.zeros(3, dtype=torch.uint8), torch.full((40,), 255, dtype=torch.uint8)],
                              ids=["short", "garbage"])
@@ -207,3 +217,43 @@ class TestDestinations:
             assert torch.equal(host.kv[layer][rows], torch.stack((kv[layer, 0], kv[layer, 1]), dim=1))
             assert torch.equal(host.index[layer][rows], projection.keys(kv[layer, 0]))
         assert host.kv[0][0:8].abs().sum() == 0  # nothing else written
+
+
+@pytest.mark.anyio
+async def test_prefill_answers_a_job_outside_its_vocabulary_failed(monkeypatch):
+    """A real prefill server and decode engine in this process; the decode's job frame for one request is
+    altered to carry a token id past the vocabulary (the fault): that request ends TRANSFER_FAILED naming
+    the range, the prefill never runs it and is whole, and the next request over the same link lands."""
+    import anyio
+
+    from disagg_helpers import client
+    from engine.disagg import PrefillServer
+    from engine.disagg.decode import decode_link
+    from helpers import small_config
+
+    real = decode_link.encode_job
+
+    def altered(spec: JobSpec) -> torch.Tensor:
+        if spec.request_id == "bad":
+            spec = attrs.evolve(spec, token_ids=[*spec.token_ids[:-1], 1 << 20])
+        return real(spec)
+
+    monkeypatch.setattr(decode_link, "encode_job", altered)
+    async with PrefillServer(small_config(model="null"), PrefillServerConfig(bootstrap_port=0)) as server:
+        vocab = server.parts.model_config.vocab_size
+        config = remote_config(f"127.0.0.1:{server.bootstrap_port}", fence_timeout=60.0, model="null")
+        async with Engine(config) as engine:
+            await client(engine).wait_links()
+            params = SamplingParams(max_new_tokens=2, ignore_eos=True)
+            bad = await engine.complete(list(range(1, 41)), params, request_id="bad")
+            good = await engine.complete(list(range(1, 41)), params, request_id="good")
+            await engine.wait_idle(5)
+            engine.check_memory()
+        assert bad.finish_reason.name == "TRANSFER_FAILED" and bad.token_ids == []
+        assert f"token ids must be in [0, {vocab})" in (bad.error or "")
+        assert good.finish_reason.name == "LENGTH" and len(good.token_ids) == 2
+        with anyio.fail_after(10):
+            while not server.idle:
+                await anyio.sleep(0.01)
+        server.check_memory()
+        assert server.runtime.loop.stats.submitted == 1  # only "good" reached the prefill's runtime

@@ -43,6 +43,7 @@ import json
 from typing import Any
 
 import attrs
+import numpy as np
 import torch
 
 from states import TokenLogprob
@@ -155,7 +156,9 @@ def _int64s(values: list[int]) -> bytes:
     return array.array("q", values).tobytes()
 
 
-def decode_job(frame: torch.Tensor) -> JobSpec:
+def decode_job(frame: torch.Tensor, *, vocab_size: int | None = None) -> JobSpec:
+    """A job frame's spec; ProtocolError if it is malformed, or (given `vocab_size`) if a token id is
+    outside [0, vocab_size): checked in numpy on the link's thread, not over a list on the event loop."""
     raw = frame.numpy().tobytes()
     if len(raw) < 8:
         raise ProtocolError("job frame shorter than its trailer")
@@ -169,6 +172,10 @@ def decode_job(frame: torch.Tensor) -> JobSpec:
         token_bytes = len(raw) - 8 - meta_len - image_bytes
         if token_bytes < 8 or token_bytes % 8:
             raise ProtocolError("job frame token section is not a whole int64 array")
+        if vocab_size is not None:
+            ids = np.frombuffer(raw, dtype=np.int64, count=token_bytes // 8)
+            if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+                raise ProtocolError(f"token ids must be in [0, {vocab_size})")
         tokens = array.array("q", raw[:token_bytes]).tolist()
         images, offset = [], token_bytes
         for shape in shapes:

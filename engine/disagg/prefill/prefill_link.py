@@ -100,8 +100,11 @@ class ServerJob:
 class PrefillLink:
     """One epoch of one decode's link (see the module docstring)."""
 
-    def __init__(self, server: Any, pair: Pair, name: str, settings: Any, *, epoch: int = 0) -> None:
+    def __init__(self, server: Any, pair: Pair, name: str, settings: Any, *, epoch: int = 0,
+                 vocab_size: int | None = None) -> None:
         self.server = server
+        #: a job with a token id outside [0, vocab_size) is answered FAILED by this thread (None: not checked)
+        self.vocab_size = vocab_size
         self.pair = pair
         self.name = name
         self.epoch = epoch
@@ -173,7 +176,7 @@ class PrefillLink:
         now, offset, jobs = time.monotonic(), 0, []
         for tag, nbytes in index:
             try:
-                spec = decode_job(frame[offset: offset + nbytes])
+                spec = decode_job(frame[offset: offset + nbytes], vocab_size=self.vocab_size)
                 jobs.append(ServerJob(self, tag, spec, now, now + spec.budget))
             except ProtocolError as exc:
                 jobs.append(ServerJob(self, tag, None, now, now, error=f"malformed job: {exc}", ready=True))
