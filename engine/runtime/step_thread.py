@@ -47,10 +47,14 @@ class StepThread:
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._token: EventLoopToken | None = None
+        self._event_type: type[anyio.Event] = anyio.Event
 
     def bind(self, token: EventLoopToken) -> None:
         """Hand results back to the event loop of `token` (call from the loop's task)."""
         self._token = token
+        # NOTE: the running library's event class, looked up once: `anyio.Event()` asks which
+        # library runs on every call (as `engine.stream.OutputChannel` does)
+        self._event_type = type(anyio.Event())
 
     @property
     def alive(self) -> bool:
@@ -65,11 +69,11 @@ class StepThread:
         if self._thread is None:
             self._thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
             self._thread.start()
-        done = anyio.Event()
+        done = self._event_type()
         box: list[object] = []
         context = contextvars.copy_context()
         self._jobs.put((lambda: context.run(fn, arg), box, lambda: soon_on_loop(token, done.set)))
-        with anyio.CancelScope(shield=True):
+        with anyio.CancelScope(shield=True):  # NOTE: as anyio.to_thread's: the result is returned
             await done.wait()
         ok, value = box
         if not ok:
