@@ -65,6 +65,8 @@ from resources.ledger import MemoryReport
 
 log = structlog.get_logger("kvlife.transfer")
 TICK = 0.02
+#: the bootstrap store's poll interval once no pair has been agreed for QUIET seconds
+IDLE_POLL, QUIET = 0.1, 1.0
 
 
 def _dial(host: str) -> str:
@@ -283,6 +285,7 @@ class PrefillServer(anyio.AsyncContextManagerMixin):
 
     # ------------------------------------------------------------ threads
     def _accept_loop(self, bootstrap: BootstrapServer) -> None:
+        active = time.monotonic()  # the last time a pair was being agreed
         while not self._closing.is_set():
             try:
                 done = bootstrap.poll()
@@ -292,7 +295,12 @@ class PrefillServer(anyio.AsyncContextManagerMixin):
             for handshake in done:
                 threading.Thread(target=self._build_link, args=(handshake,), daemon=True,
                                  name=f"kvlife-pair-{handshake.pair_id}").start()
-            time.sleep(TICK)
+            now = time.monotonic()
+            if done or bootstrap.handshaking:
+                active = now
+            # NOTE: each poll is a round trip to the bootstrap store: every TICK while pairs are being agreed,
+            # every IDLE_POLL once quiet (a new decode's hello waits that much longer, the rest is unchanged)
+            time.sleep(TICK if now - active < QUIET else IDLE_POLL)
 
     def _build_link(self, handshake: Handshake) -> None:
         s = self.settings

@@ -265,3 +265,35 @@ def test_a_chunk_is_waited_for_from_its_last_message_once_each():
     pairs[0].wait_all(sends, 5.0)
     assert order == [2, 0, 1]
     assert all(torch.equal(a, b) for a, b in zip(sent, got))
+
+
+async def test_the_bootstrap_store_is_polled_less_once_quiet(monkeypatch):
+    """Each bootstrap poll is a round trip to the store: a quiet prefill polls every IDLE_POLL, not every TICK;
+    a decode that connects then still links (its handshake polled every TICK) and its requests complete."""
+    from engine import prefill_server
+    from engine.disagg.link.bootstrap import BootstrapServer
+
+    monkeypatch.setattr(prefill_server, "QUIET", 0.2)
+    polls: list[float] = []
+    real = BootstrapServer.poll
+
+    def counted(self):
+        polls.append(time.monotonic())
+        return real(self)
+
+    monkeypatch.setattr(BootstrapServer, "poll", counted)
+    async with PrefillServer(small_config(model="null"), PrefillServerConfig(bootstrap_port=0)) as server:
+        await anyio.sleep(0.5)  # past QUIET
+        start = len(polls)
+        await anyio.sleep(1.0)
+        quiet = len(polls) - start
+        assert 1 <= quiet <= 1.0 / prefill_server.IDLE_POLL + 3, quiet  # every TICK would be ~50
+        decode = remote_config(f"127.0.0.1:{server.bootstrap_port}", fence_timeout=60.0, model="null")
+        async with Engine(decode) as engine:
+            await client(engine).wait_links(timeout=10)
+            out = await engine.complete(list(range(1, 21)), SamplingParams(max_new_tokens=2, ignore_eos=True))
+            assert out.finish_reason.name == "LENGTH" and len(out.token_ids) == 2
+        with anyio.fail_after(10):
+            while not server.idle:
+                await anyio.sleep(0.01)
+        server.check_memory()

@@ -131,6 +131,11 @@ class BootstrapServer:
         self._next = 1
         self._pending: dict[int, dict[str, Any]] = {}  # pair id -> {"since", "nonce"?}
 
+    @property
+    def handshaking(self) -> bool:
+        """Whether a pair is being agreed (its next steps are due soon)."""
+        return bool(self._pending)
+
     def poll(self) -> list[Handshake]:
         now = time.monotonic()
         taken = self.store.add(ROOT + "pairs", 0)
