@@ -1,7 +1,8 @@
 """Engine benchmark: kvlife against transformers `generate()` and the floor, one checkpoint, one process.
 
     python benchmarks/bench_engine.py [--batches 1 8 32 128] [--repeat 3] [--threads 1]
-        [--new-tokens 64] [--prompt-len 128] [--native-kernels auto] [--out bench-results/engine.json] [--quick]
+        [--new-tokens 64] [--prompt-len 128] [--native-kernels auto] [--inline-step-ms MS]
+        [--out bench-results/engine.json] [--quick]
 
 1. One checkpoint, written by transformers' `save_pretrained`: the anchor tiny
    Llama (hidden 256, 4 layers, 4 heads / 4 KV heads, MLP 1024, vocab
@@ -101,12 +102,13 @@ class HFGenerate:
 
 # ------------------------------------------------------------------ kvlife
 def engine_config(directory: Path, batch: int, prompt_len: int, new_tokens: int, device: str = "cpu",
-                  native_kernels: str = "auto") -> EngineConfig:
+                  native_kernels: str = "auto", inline_step_ms: float | None = None) -> EngineConfig:
     per_request = -(-(prompt_len + new_tokens) // PAGE) + 1
     return EngineConfig(model=str(directory), device=device, max_running=batch, num_kv_pages=batch * per_request + 2,
                         max_context=prompt_len + new_tokens + PAGE, max_prefill_tokens=4096,
                         prefix_cache=False, leak_check="raise", use_entry_points=False,
-                        native_kernels=native_kernels)
+                        native_kernels=native_kernels,
+                        **({} if inline_step_ms is None else {"inline_step_ms": inline_step_ms}))
 
 
 async def kvlife_run(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dict:
@@ -146,7 +148,7 @@ async def bench_batch(args, directory: Path, hf: HFGenerate, floor: Floor, batch
     n = args.new_tokens
     runs = []
     async with Engine(engine_config(directory, batch, args.prompt_len, n, args.device,
-                                    args.native_kernels)) as engine:
+                                    args.native_kernels, args.inline_step_ms)) as engine:
         await kvlife_run(engine, prompts[:1], 2)  # warm-up, both
         hf.run(prompts[:1], 2)
         for rep in range(args.repeat):
@@ -266,6 +268,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--out", default="bench-results/engine.json")
+    parser.add_argument("--inline-step-ms", type=float, default=None,
+                        help="EngineConfig.inline_step_ms for kvlife (default: the engine's; 0: tokens alone decide)")
     parser.add_argument("--native-kernels", default="auto", choices=["auto", "on", "off"],
                         help="EngineConfig.native_kernels for kvlife (docs/models.md)")
     parser.add_argument("--quick", action="store_true", help="batches 1 and 8, 2 repeats, 16 new tokens (smoke run)")
@@ -289,7 +293,7 @@ def main(argv: list[str] | None = None) -> dict:
     results = {"machine": info, "bandwidth_start": bw, "bandwidth_end": bw_end,
                "workload": {"model": ANCHOR, "dtype": "float32", "prompt_len": args.prompt_len,
                             "new_tokens": args.new_tokens, "repeat": args.repeat, "threads": args.threads,
-                            "native_kernels": args.native_kernels,
+                            "native_kernels": args.native_kernels, "inline_step_ms": args.inline_step_ms,
                             "floor_weight_bytes": floor.nbytes},
                "rows": rows}
     return write_results(args.out, results)

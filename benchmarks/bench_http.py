@@ -1,7 +1,7 @@
 """HTTP server vs embedded API: the same 64-client streaming workload, in the same run.
 
     python benchmarks/bench_http.py [--seconds 15] [--warmup 3] [--rounds 2] [--clients 64]
-        [--prompt-tokens 32] [--new-tokens 32] [--vary-lengths] [--threads 1] [--inline-step-tokens N]
+        [--prompt-tokens 32] [--new-tokens 32] [--vary-lengths] [--threads 1] [--inline-step-tokens N] [--inline-step-ms MS]
         [--stream-interval N]
         [--out bench-results/http.json]
 
@@ -294,6 +294,8 @@ def main() -> int:
     parser.add_argument("--inline-step-tokens", type=int, default=None,
                         help="EngineConfig.inline_step_tokens for the server and the embedded engine alike "
                              "(default: the engine's)")
+    parser.add_argument("--inline-step-ms", type=float, default=None,
+                        help="EngineConfig.inline_step_ms for both alike (default: the engine's)")
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="the server's --stream-interval: tokens per event after a sequence's first (default 1)")
     parser.add_argument("--out", default="bench-results/http.json")
@@ -307,6 +309,8 @@ def main() -> int:
     ENGINE_ARGS["device"] = args.device  # the server and the embedded engine alike
     if args.inline_step_tokens is not None:
         ENGINE_ARGS["inline_step_tokens"] = args.inline_step_tokens
+    if args.inline_step_ms is not None:
+        ENGINE_ARGS["inline_step_ms"] = args.inline_step_ms
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     log_path = out.parent / "http-server.log"

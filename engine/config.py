@@ -149,7 +149,11 @@ class EngineConfig:
     thread instead of the loop's step thread (`engine.runtime.step_thread`; the hop
     there and back costs 0.1-0.4 ms, about 10% of a small decode step); larger steps,
     and every step under fault injection, run on the step thread so the loop keeps
-    answering meanwhile. 0 = always the thread.
+    answering meanwhile. 0 = always the thread. `inline_step_ms`: on a CPU, a step
+    expected to end within this many milliseconds (its tokens times the seconds per
+    token of the recent larger steps) runs inline too: there the hand-offs and the two
+    threads' contention for the GIL cost more than the loop's answering during the step
+    is worth (`engine.runtime.inline_rule`; docs/benchmarks.md). 0 = tokens alone decide.
     `weight_layout`: how the projections' weights are packed at load
     (`engine.model.projection`): "packed" (``[in, out]`` for `torch.mm`, no
     copy), "onednn" (also a oneDNN blocked copy: CPU, float32 or bfloat16 only;
@@ -192,6 +196,7 @@ class EngineConfig:
     starvation_timeout: float = attrs.field(default=30.0, validator=number_above(0))
     admission_window: float = attrs.field(default=0.0, validator=number_at_least(0))
     inline_step_tokens: int = attrs.field(default=8, validator=int_at_least(0))
+    inline_step_ms: float = attrs.field(default=20.0, validator=number_at_least(0))
     mm_cache_bytes: int = attrs.field(default=64 << 20, validator=int_at_least(1))
     #: speculative decoding (an engine.speculative.SpeculativeConfig; docs/speculative.md); None: off
     speculative: SpeculativeConfig | None = attrs.field(default=None, kw_only=True)

@@ -72,6 +72,8 @@ ENGINE_CONFIG = [
     ({"admission_window": -0.001}, E + "admission_window", ">= 0"),
     ({"admission_window": 5.0}, E + "admission_window", "[0, 0.1]"),
     ({"inline_step_tokens": -1}, E + "inline_step_tokens", ">= 0"),
+    ({"inline_step_ms": -1.0}, E + "inline_step_ms", ">= 0"),
+    ({"inline_step_ms": NAN}, E + "inline_step_ms", "finite"),
     ({"weight_layout": "fast"}, E + "weight_layout", "one of"),
     ({"weight_layout": "onednn", "device": "cuda"}, E + "weight_layout", "other than 'cpu'"),
     ({"starvation_timeout": 0}, E + "starvation_timeout", "> 0"),

@@ -14,6 +14,7 @@ from engine.model import greedy_head
 from engine.model.greedy_head import VerifiedGreedyHead, verified_head_applies
 from engine.model.llama import LlamaModel
 from engine.model.model_config import ModelConfig
+from engine.model.native_kernels import kernel_problem, load_kernels
 from engine.model.projection import Projection
 from engine.model.sampling import argmax_rows
 from helpers import small_config
@@ -35,6 +36,18 @@ def _float32_argmax(head_t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return argmax_rows(Projection(head_t, None, "onednn")(x))
 
 
+def _verified(head_t: torch.Tensor, form: str) -> VerifiedGreedyHead:
+    """The verified head with its search in torch's ops, or in kvlife's native kernel."""
+    head = VerifiedGreedyHead(head_t)
+    if form == "native":
+        head.native = load_kernels()
+        assert head.native is not None, kernel_problem()
+    return head
+
+
+FORMS = ["torch", "native"]
+
+
 def test_it_applies_on_this_machine():
     """The CPU this suite runs on multiplies bfloat16 natively, so "auto" takes the verified head."""
     assert verified_head_applies(_head(16, 64, 0), "onednn")
@@ -42,12 +55,14 @@ def test_it_applies_on_this_machine():
     assert not verified_head_applies(_head(16, 64, 0).double(), "onednn")
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("hidden, vocab, scale", [(256, 32000, 1.0), (64, 1000 + 37, 1.0), (256, 32000, 40.0),
-                                                  (128, 5000, 0.05), (96, 129, 1.0)])
-def test_ids_equal_the_float32_head(hidden, vocab, scale):
-    """Every row's id equals the float32 head's, at every batch size, vocabularies off the block size included."""
+                                                  (128, 5000, 0.05), (96, 129, 1.0), (32, 100, 1.0)])
+def test_ids_equal_the_float32_head(hidden, vocab, scale, form):
+    """Every row's id equals the float32 head's, at every batch size, vocabularies off the block size (and
+    under one block) included, whether the search runs in torch's ops or the native kernel."""
     head_t = _head(hidden, vocab, 1)
-    verified = VerifiedGreedyHead(head_t)
+    verified = _verified(head_t, form)
     for rows in (1, 3, 8, 33, 128):
         x = _rows(rows, hidden, rows, scale)
         ids = verified.argmax(x)
@@ -56,7 +71,8 @@ def test_ids_equal_the_float32_head(hidden, vocab, scale):
     assert verified.served == 5 and verified.declined == 0
 
 
-def test_near_ties_below_bfloat16_resolution_are_settled_in_float32():
+@pytest.mark.parametrize("form", FORMS)
+def test_near_ties_below_bfloat16_resolution_are_settled_in_float32(form):
     """Each row's winning column has a copy scaled by (1 - 1e-3) placed before it: bfloat16 cannot tell
     the two apart (its argmax picks the copy, which is wrong), the verified head picks the original."""
     hidden, vocab, rows = 128, 4096, 16
@@ -72,20 +88,25 @@ def test_near_ties_below_bfloat16_resolution_are_settled_in_float32():
     truth = _float32_argmax(head_t, x)
     bfloat16_only = (x.bfloat16() @ head_t.bfloat16()).float().argmax(dim=-1)
     assert int((bfloat16_only != truth).sum()) >= rows // 4, "the test lost its near-ties"
-    ids = VerifiedGreedyHead(head_t).argmax(x)
+    ids = _verified(head_t, form).argmax(x)
     assert ids is not None and torch.equal(ids, truth)
 
 
-def test_it_declines_what_its_bound_cannot_settle():
-    """A row with NaN, and a head whose columns all tie, are left to the float32 head (None)."""
+@pytest.mark.parametrize("form", FORMS)
+def test_it_declines_what_its_bound_cannot_settle(form):
+    """A row with NaN, a row with infinity, and a head whose columns all tie, are left to the float32
+    head (None)."""
     head_t = _head(64, 2048, 4)
-    verified = VerifiedGreedyHead(head_t)
+    verified = _verified(head_t, form)
     x = _rows(4, 64, 5)
     x[2, 7] = float("nan")
     assert verified.argmax(x) is None
-    flat = VerifiedGreedyHead(head_t[:, :1].expand(64, 2048).contiguous())
+    x = _rows(4, 64, 5)
+    x[1, 3] = float("inf")
+    assert verified.argmax(x) is None
+    flat = _verified(head_t[:, :1].expand(64, 2048).contiguous(), form)
     assert flat.argmax(_rows(4, 64, 6)) is None
-    assert verified.declined == 1 and flat.declined == 1
+    assert verified.declined == 2 and flat.declined == 1 and verified.served == 0
 
 
 def test_a_state_dict_load_refreshes_it():
@@ -135,15 +156,16 @@ async def test_engine_ids_equal_with_and_without_it():
     the same ids; the verified head served the all-greedy steps."""
     prompts = [[7, 8, 9, 10], list(range(30, 55)), [3]]
     outputs, heads = [], []
-    for mode in ("full", "verified"):
-        async with Engine(small_config(greedy_head=mode)) as engine:
+    for mode, native in (("full", "auto"), ("verified", "auto"), ("verified", "off")):
+        async with Engine(small_config(greedy_head=mode, native_kernels=native)) as engine:
             greedy = [await engine.complete(p, SamplingParams(max_new_tokens=12)) for p in prompts]
             mixed = [engine.complete(prompts[0], SamplingParams(max_new_tokens=6, logprobs=2)),
                      engine.complete(prompts[1], SamplingParams(max_new_tokens=6, temperature=0.8, seed=5))]
             outputs.append([f.token_ids for f in greedy] + [(await m).token_ids for m in mixed])
             heads.append(engine.parts.model.verified_head)
-    assert outputs[0] == outputs[1]
-    assert heads[0] is None and heads[1] is not None and heads[1].served >= 12 and heads[1].declined == 0
+    assert outputs[0] == outputs[1] == outputs[2]
+    assert heads[0] is None and all(h is not None and h.served >= 12 and h.declined == 0 for h in heads[1:])
+    assert heads[1].native is not None and heads[2].native is None  # the kernel's search, then torch's
 
 
 @pytest.mark.anyio

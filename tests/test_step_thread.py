@@ -12,6 +12,7 @@ import anyio.lowlevel
 import pytest
 
 from engine import Engine, SamplingParams
+from engine.runtime.inline_rule import InlineRule
 from engine.runtime.step_thread import StepThread
 from helpers import DEADLINE, small_config
 
@@ -114,12 +115,12 @@ def test_run_before_bind_is_refused_and_close_ends_the_thread():
 
 @pytest.mark.asyncio
 async def test_the_engine_steps_on_its_thread_and_it_ends_with_the_engine():
-    """With every step off the loop (`inline_step_tokens=0`) the engine's steps run on its step
+    """With every step off the loop (`inline_step_tokens=0`, `inline_step_ms=0`) the engine's steps run on its step
     thread, greedy ids equal the inline engine's, and no step thread outlives the engine."""
     before = len(_steps_alive())
     prompt, params = list(range(5, 25)), SamplingParams(max_new_tokens=6, ignore_eos=True)
     threads: set[str] = set()
-    async with Engine(small_config(inline_step_tokens=0)) as engine:
+    async with Engine(small_config(inline_step_tokens=0, inline_step_ms=0)) as engine:
         engine.loop.step_observers.append(lambda batch, output: threads.add(threading.current_thread().name))
         off_loop = (await engine.complete(prompt, params)).token_ids
         runner_step = engine.loop.runner.step
@@ -137,3 +138,62 @@ async def test_the_engine_steps_on_its_thread_and_it_ends_with_the_engine():
         while len(_steps_alive()) > before:
             await anyio.sleep(0.01)
     assert "runner:kvlife-step" in threads and "kvlife-step" not in threads  # observers run on the loop
+
+
+class TestInlineRule:
+    def test_tokens_decide_until_a_larger_step_is_timed(self):
+        rule = InlineRule(8, 0.020)
+        assert rule.inline(8) and not rule.inline(9) and not rule.inline(64)
+        rule.observe(8, 1.0)  # a step the token rule inlines teaches nothing
+        assert rule.per_token_s is None and not rule.inline(64)
+
+    def test_a_step_expected_within_the_budget_runs_inline(self):
+        rule = InlineRule(8, 0.020)
+        rule.observe(64, 0.0128)  # 0.2 ms a token
+        assert rule.inline(64) and rule.inline(100) and not rule.inline(101) and not rule.inline(4096)
+        for _ in range(40):  # the steps slow down (a longer context): the average follows
+            rule.observe(64, 0.064)
+        assert rule.per_token_s == pytest.approx(0.001, rel=0.01) and rule.inline(20) and not rule.inline(21)
+
+    def test_a_zero_budget_leaves_it_to_the_tokens(self):
+        rule = InlineRule(0, 0.0)
+        rule.observe(64, 0.001)
+        assert rule.per_token_s is None and not rule.inline(1)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("budget_ms,inlined", [(0.0, False), (1e5, True)])
+async def test_the_engine_inlines_larger_steps_within_the_budget(budget_ms, inlined):
+    """On a CPU, once a larger step has been timed, steps expected within `inline_step_ms` run on the loop's
+    thread; with 0 only `inline_step_tokens` decides. The greedy ids are the same either way."""
+    prompts = [list(range(5 + i, 25 + i)) for i in range(3)]
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    where: list[str] = []
+    async with Engine(small_config(inline_step_tokens=2, inline_step_ms=budget_ms)) as engine:
+        if engine.parts.device.type != "cpu":
+            pytest.fail("this test runs on a CPU engine (its rule applies to CPU devices only)")
+        runner_step = engine.loop.runner.step
+
+        def recording(batch):
+            if sum(s.num_tokens for s in batch) > 2:
+                where.append(threading.current_thread().name)
+            return runner_step(batch)
+
+        engine.loop.runner.step = recording
+        outs = [o.token_ids for o in await asyncio_gather(engine, prompts, params)]
+    async with Engine(small_config()) as reference:
+        assert outs == [o.token_ids for o in await asyncio_gather(reference, prompts, params)]
+    assert where[0] == "kvlife-step"  # the first larger step is not timed yet: the thread
+    assert ("MainThread" in where[1:]) == inlined and ("kvlife-step" in where[1:]) != inlined
+
+
+async def asyncio_gather(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list:
+    outs: list = [None] * len(prompts)
+
+    async def one(i: int) -> None:
+        outs[i] = await engine.complete(prompts[i], params)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(prompts)):
+            tg.start_soon(one, i)
+    return outs

@@ -90,7 +90,9 @@ ENGINE_OPTIONS: list[tuple[str, type, str]] = [
     ("leak_check", str, "raise, log or off"),
     ("fence_timeout", float, "seconds a fence may stay pending before its handle is quarantined"),
     ("inline_step_tokens", int, "steps of at most this many tokens run on the event loop's thread, larger ones "
-                                "in a worker thread"),
+                                "on the loop's step thread"),
+    ("inline_step_ms", float, "on a CPU, steps expected to end within this many milliseconds run on the event "
+                              "loop's thread too (0: tokens alone decide)"),
     ("starvation_timeout", float, "seconds a request may wait for memory before it is reported starved "
                                   "(after a leak check naming what it waits for)"),
     # issue 21 (docs/scheduling.md)

@@ -39,6 +39,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from engine.model.native_kernels import NativeKernels
 from engine.model.projection import Projection
 
 #: accepted values of `EngineConfig.greedy_head`
@@ -76,7 +77,7 @@ def verified_head_applies(head_t: Tensor, layout: str) -> bool:
 class VerifiedGreedyHead:
     """The greedy tokens of ``x @ head_t`` through a bfloat16 copy of `head_t`, verified (module docstring)."""
 
-    __slots__ = ("head_t", "low", "columns", "served", "declined", "_norm_coeff", "_value_coeff")
+    __slots__ = ("head_t", "low", "columns", "served", "declined", "native", "_norm_coeff", "_value_coeff")
 
     low: Projection
     #: the float32 head vocabulary-major, ``[vocab, hidden]``: a candidate's weights are one contiguous row
@@ -87,6 +88,9 @@ class VerifiedGreedyHead:
         self.head_t = head_t
         #: steps whose tokens it gave, and steps it left to the float32 head
         self.served = self.declined = 0
+        #: kvlife's native kernels (`engine.model.loading.install_native_kernels`): the search after
+        #: the bfloat16 matmul in one call instead of about 25 torch ops (None: the torch form)
+        self.native: NativeKernels | None = None
         self._value_coeff = SAFETY * 2 * _U / (1 - 2 * _U)
         self.refresh()
 
@@ -112,7 +116,12 @@ class VerifiedGreedyHead:
 
     def _argmax(self, x: Tensor) -> Tensor | None:
         rows_in, vocab = x.shape[0], self.head_t.shape[1]
-        approx = self.low(x.to(torch.bfloat16)).float()  # NOTE: float32 reductions run 2-3x faster than bfloat16's
+        low = self.low(x.to(torch.bfloat16))
+        native = self.native
+        if native is not None and native.takes_verify(low, x):
+            return native.verified_argmax(low, x, self.columns, BLOCK, self._norm_coeff, self._value_coeff,
+                                          MAX_BLOCKS_PER_ROW, MAX_TOKENS_PER_ROW)
+        approx = low.float()  # NOTE: float32 reductions run 2-3x faster than bfloat16's
         whole = vocab // BLOCK * BLOCK
         block_max = approx[:, :whole].view(rows_in, -1, BLOCK).amax(dim=-1)
         if whole < vocab:

@@ -60,11 +60,14 @@ def load_model(config: EngineConfig, device: torch.device) -> tuple[ModelConfig,
 
 def install_native_kernels(model: LlamaModel, kernels: NativeKernels | None) -> None:
     """Hand kvlife's native kernels (`engine.model.native_kernels`) to `model`'s fused path: its
-    RMSNorms (Llama's; Gemma's keep torch's ops), its attention layers' RoPE and its SwiGLU MLPs'
-    activation. None takes them back. ValueError for a model that is not float32 on a CPU (the
+    RMSNorms (Llama's; Gemma's keep torch's ops), its attention layers' RoPE, its SwiGLU MLPs'
+    activation and its verified greedy head's search (when it has one: call after
+    `use_verified_head`). None takes them back. ValueError for a model that is not float32 on a CPU (the
     calls check layouts only)."""
     if kernels is not None and (model.dtype != torch.float32 or model.device.type != "cpu"):
         raise ValueError(f"the native kernels take a float32 model on a CPU, not {model.dtype} on {model.device}")
+    if model.verified_head is not None:
+        model.verified_head.native = kernels
     for module in model.modules():
         if isinstance(module, RMSNorm) and not module.gemma:
             module.native = kernels

@@ -5,15 +5,18 @@ gather a step's K (and V, or value bags) out of the pages before attending, a
 dozen ops a layer, and from batch 8 up that attention is as large as every
 matmul of the step. Around the matmuls, each RMSNorm is several torch ops
 (about 20 us at batch 1, where its arithmetic is 256 multiply-adds), RoPE six
-and SwiGLU's activation and product two. Four kernels (`native/*.cpp`, built
-by `engine.model.native_build`):
+and SwiGLU's activation and product two; the verified greedy head's search
+after its bfloat16 matmul about 25. Five kernels (`native/*.cpp`, built by
+`engine.model.native_build`):
 
 - `NativeKernels.decode_attention`: every decode row (one new token) over its
   paged K/V, read once in place, page by page, with an online softmax in
   float32 and the next reads prefetched (`native/decode_attention.cpp`);
 - `NativeKernels.rms_norm`: the residual add and the norm in one pass;
 - `NativeKernels.rope_`: RoPE in place, rounded as transformers' ops round;
-- `NativeKernels.silu_mul_`: SwiGLU's activation and product in place.
+- `NativeKernels.silu_mul_`: SwiGLU's activation and product in place;
+- `NativeKernels.verified_argmax`: `engine.model.greedy_head`'s candidate
+  search and float32 rescoring (`native/greedy_verify.cpp`).
 
 They take float32 tensors on the CPU (`kernels_for` hands them only to such
 models); `takes_*` say whether a call's layout qualifies, and the caller uses
@@ -55,7 +58,9 @@ class NativeKernels:
         self._rope.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64]
         self._silu_mul = library.kvlife_silu_mul_f32
         self._silu_mul.argtypes = [_PTR, _I64, _I64, _I64]
-        for fn in (self._attention, self._norm, self._rope, self._silu_mul):
+        self._verify = library.kvlife_verified_argmax
+        self._verify.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _F32, _F32, _I64, _I64, _PTR]
+        for fn in (self._attention, self._norm, self._rope, self._silu_mul, self._verify):
             fn.restype = ctypes.c_int
 
     # NOTE: `kernels_for` hands them only to float32 models on a CPU, so the checks below are of
@@ -150,6 +155,30 @@ class NativeKernels:
         width = double // 2
         _check(self._silu_mul(both.data_ptr(), both.stride(0), rows, width), "silu", both)
         return both[:, :width]
+
+    # ------------------------------------------------------ verified head
+    @staticmethod
+    def takes_verify(approx: Tensor, x: Tensor) -> bool:
+        """Whether `verified_argmax` takes the bfloat16 logits `approx` and the rows `x` (2-d, each
+        row contiguous)."""
+        return (approx.dtype == torch.bfloat16 and approx.dim() == 2 and approx.stride(-1) == 1
+                and x.dtype == torch.float32 and x.dim() == 2 and x.stride(-1) == 1)
+
+    def verified_argmax(self, approx: Tensor, x: Tensor, columns: Tensor, block: int, norm_coeff: float,
+                        value_coeff: float, max_blocks: int, max_tokens: int) -> Tensor | None:
+        """`engine.model.greedy_head.VerifiedGreedyHead`'s search after its bfloat16 matmul, in one
+        call (`native/greedy_verify.cpp`): `approx` ``[B, vocab]`` the bfloat16 logits of the rows
+        `x` ``[B, hidden]``, `columns` the float32 head ``[vocab, hidden]`` (contiguous); int64
+        ``[B]``, or None where the torch form declines too."""
+        rows, vocab = approx.shape
+        out = torch.empty(rows, dtype=torch.int64)
+        code = self._verify(approx.data_ptr(), approx.stride(0), x.data_ptr(), x.stride(0), columns.data_ptr(),
+                            rows, vocab, x.shape[1], block, norm_coeff, value_coeff, max_blocks, max_tokens,
+                            out.data_ptr())
+        if code == 2:
+            return None
+        _check(code, "verified head", approx)
+        return out
 
 
 def _check(code: int, kernel: str, x: Tensor) -> None:

@@ -48,6 +48,7 @@ import structlog
 from engine.errors import EngineClosed, EngineDead, EngineOverloaded
 from engine.runtime.deadlines import DeadlineTimer
 from engine.runtime.gateway import RequestGateway
+from engine.runtime.inline_rule import InlineRule
 from engine.runtime.loop_waker import LoopWaker, fence_wait
 from engine.runtime.output_builder import OutputBuilder
 from engine.runtime.output_sender import OutputSender
@@ -82,8 +83,10 @@ class RuntimeLoop:
         self.max_queued = config.max_queued
         self.speculative = config.speculative is not None
         self.admission_window = config.admission_window
-        # NOTE: an injected stall must block the worker thread, never the event loop
-        self.inline_step_tokens = config.inline_step_tokens if parts.runner.faults is None else 0
+        # NOTE: an injected stall must block the step thread, never the event loop
+        faults = parts.runner.faults is not None
+        self.inline = InlineRule(0 if faults else config.inline_step_tokens,
+                                 0.0 if faults or parts.device.type != "cpu" else config.inline_step_ms / 1e3)
         self._kv_slots = parts.kv_pool.slots
         self._prefix_locks = parts.kv_pool.prefix_locks
         self.tokenizer = tokenizer
@@ -308,14 +311,16 @@ class RuntimeLoop:
             return
         self.step_running = True
         finished = self.stats.finished_total
+        tokens, started = sum(s.num_tokens for s in batch), time.perf_counter()
         try:
-            if sum(s.num_tokens for s in batch) <= self.inline_step_tokens:
-                output = self.runner.step(batch)  # NOTE: a small step costs less than a thread hop
+            if self.inline.inline(tokens):  # NOTE: a short step costs less than the hand-offs (inline_rule)
+                output = self.runner.step(batch)
             else:
                 output = await self.step_thread.run(self.runner.step, batch)
         except Exception as exc:  # the batch fails, the engine keeps serving
             self.applier.fail_step(batch, exc)
         else:
+            self.inline.observe(tokens, time.perf_counter() - started)
             self.applier.apply_step(batch, output)
         finally:
             self.step_running = False
