@@ -47,6 +47,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
 import torch
 
 from engine.model.attention import AttentionBackend, AttentionMetadata, PagedAttention, PagedFactory
@@ -137,12 +138,15 @@ class ModelRunner:
                 extra: Sequence[tuple[str, Sequence[int]]] = ()) -> StepInputs:
         """The batch's tensors, from one pass over `seqs`, one upload and no host sync
         (`extra`: named int sections uploaded with them, in `StepInputs.extra`)."""
+        # NOTE: Python per row; per token only the ids' list extend and one conversion, the
+        # rest numpy (positions, token slots and live flags come from the per-row values)
         ids: list[int] = []
-        positions: list[int] = []
+        starts: list[int] = []
+        shifts: list[int] = []  # a row's first position less its first token's place in the step
         q_lens: list[int] = []
         kv_lens: list[int] = []
         slots: list[int] = []
-        live: list[int] = []
+        live: list[bool] = []
         samples: list[int] = []
         decode_only = True
         offset = 0
@@ -152,11 +156,11 @@ class ModelRunner:
             if n == 1 and not s.draft:
                 prompt = request.prompt_token_ids
                 ids.append(prompt[start] if start < len(prompt) else request.output_token_ids[start - len(prompt)])
-                positions.append(start)
             else:
                 decode_only = False
                 ids.extend(row_tokens(s))
-                positions.extend(range(start, end))
+            starts.append(start)
+            shifts.append(start - offset)
             q_lens.append(n)
             kv_lens.append(end)
             # NOTE: slot_of is None for rows whose backend keeps their KV itself (HiSparse
@@ -190,14 +194,17 @@ class ModelRunner:
             layout.add(name, len(values))
         host = self.upload.start(layout.size)
         layout.write(host, "ids", ids)
-        layout.write(host, "positions", positions)
         layout.write(host, "slots", slots)
-        if not decode_only:
-            layout.write(host, "token_slots", [slot for slot, n in zip(slots, q_lens) for _ in range(n)])
         if not all_live:
             layout.write(host, "live", live)
-            if not decode_only:
-                layout.write(host, "token_live", [flag for flag, n in zip(live, q_lens) for _ in range(n)])
+        if decode_only:  # one token a row: the row's start
+            layout.write(host, "positions", starts)
+        else:  # each row's tokens: its start onwards, its slot and live flag repeated
+            counts = np.array(q_lens, dtype=np.int64)
+            layout.write_ranges(host, "positions", np.array(shifts, dtype=np.int64), counts)
+            layout.write_repeated(host, "token_slots", layout.section(host, "slots"), counts)
+            if not all_live:
+                layout.write_repeated(host, "token_live", layout.section(host, "live"), counts)
         if not every_row:
             layout.write(host, "samples", samples)
         if fields is not None:

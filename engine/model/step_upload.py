@@ -96,6 +96,21 @@ class Sections:
         start, words = self.offsets[name]
         host[start : start + words] = values
 
+    def section(self, host: np.ndarray, name: str) -> np.ndarray:
+        """The host buffer's words of section `name` (a view: written after `write`, reads back)."""
+        start, words = self.offsets[name]
+        return host[start : start + words]
+
+    def write_repeated(self, host: np.ndarray, name: str, values: np.ndarray, counts: np.ndarray) -> None:
+        """Writes each of `values` `counts` times, in order (a row's value for each of its tokens)."""
+        self.section(host, name)[:] = values.repeat(counts)
+
+    def write_ranges(self, host: np.ndarray, name: str, shifts: np.ndarray, counts: np.ndarray) -> None:
+        """Writes `t + shifts[r]` for each word t of the section, row r's `counts[r]` words in order
+        (positions: a row's start less the step offset of its first token)."""
+        out = self.section(host, name)
+        np.add(np.arange(len(out), dtype=np.int64), shifts.repeat(counts), out=out)
+
     def view(self, dev: torch.Tensor, name: str) -> torch.Tensor:
         start, words = self.offsets[name]
         return dev[start : start + words]
