@@ -66,8 +66,9 @@ class StepThread:
         if self._token is None:
             raise RuntimeError("StepThread.run before bind: no event loop to hand results back to")
         token = self._token
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
+        if self._thread is None:  # NOTE: a queue of its own: a closed thread may still read the old one
+            self._jobs = queue.SimpleQueue()
+            self._thread = threading.Thread(target=self._serve, args=(self._jobs,), name=self.name, daemon=True)
             self._thread.start()
         done = self._event_type()
         box: list[object] = []
@@ -86,9 +87,10 @@ class StepThread:
         if thread is not None:
             self._jobs.put(None)
 
-    def _serve(self) -> None:
+    @staticmethod
+    def _serve(jobs: queue.SimpleQueue[_Job | None]) -> None:
         while True:
-            job = self._jobs.get()
+            job = jobs.get()
             if job is None:
                 return
             step, box, hand_back = job
