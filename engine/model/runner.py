@@ -138,8 +138,6 @@ class ModelRunner:
                 extra: Sequence[tuple[str, Sequence[int]]] = ()) -> StepInputs:
         """The batch's tensors, from one pass over `seqs`, one upload and no host sync
         (`extra`: named int sections uploaded with them, in `StepInputs.extra`)."""
-        # NOTE: Python per row; per token only the ids' list extend and one conversion, the
-        # rest numpy (positions, token slots and live flags come from the per-row values)
         ids: list[int] = []
         starts: list[int] = []
         shifts: list[int] = []  # a row's first position less its first token's place in the step
@@ -199,7 +197,7 @@ class ModelRunner:
             layout.write(host, "live", live)
         if decode_only:  # one token a row: the row's start
             layout.write(host, "positions", starts)
-        else:  # each row's tokens: its start onwards, its slot and live flag repeated
+        else:  # per token (numpy, no Python per token): positions on from each row's start, its slot, its flag
             counts = np.array(q_lens, dtype=np.int64)
             layout.write_ranges(host, "positions", np.array(shifts, dtype=np.int64), counts)
             layout.write_repeated(host, "token_slots", layout.section(host, "slots"), counts)
