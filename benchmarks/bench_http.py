@@ -2,13 +2,16 @@
 
     python benchmarks/bench_http.py [--seconds 15] [--warmup 3] [--rounds 2] [--clients 64]
         [--prompt-tokens 32] [--new-tokens 32] [--vary-lengths] [--threads 1] [--inline-step-tokens N] [--inline-step-ms MS]
-        [--stream-interval N]
+        [--stream-interval N] [--api-process]
         [--out bench-results/http.json]
 
 1. `kvlife serve` starts once, in its own process on 127.0.0.1 (an ephemeral
    port, its defaults otherwise: JSON logs at info, one `request.summary`
    line per request, into bench-results/http-server.log), with the engine
-   options in ENGINE_ARGS and `--threads` torch threads.
+   options in ENGINE_ARGS and `--threads` torch threads. With `--api-process`
+   the server runs its HTTP layer in a second process (docs/http.md, "The
+   API process"); its CPU is reported as "api", the engine's process's as
+   "server".
 2. Each round measures both paths, alternating which goes first: `--clients`
    streaming clients loop for `--warmup` + `--seconds`, each request a fresh
    random `--prompt-tokens` prompt and `--new-tokens` greedy tokens
@@ -182,7 +185,11 @@ async def measure_http(args, port: int, server_pid: int) -> dict:
     cpu: dict = {}
     async with anyio.create_task_group() as tg:
         async def watch() -> None:
-            cpu.update(await _cpu_over(out, {"server": server_pid, "client": os.getpid()}))
+            pids = {"server": server_pid, "client": os.getpid()}
+            children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
+            if children:  # --api-process: the HTTP layer's own process
+                pids["api"] = int(children[0])
+            cpu.update(await _cpu_over(out, pids))
 
         tg.start_soon(watch)
         for i in range(args.clients):
@@ -235,7 +242,7 @@ def _start_server(args, log_path: Path) -> tuple[subprocess.Popen, int]:
     argv = [sys.executable, "-m", "engine.cli.main", "serve", "--port", "0", "--no-plugins"]
     for name, value in ENGINE_ARGS.items():
         argv += [f"--{name.replace('_', '-')}", str(value)]
-    argv += ["--stream-interval", str(args.stream_interval)]
+    argv += ["--stream-interval", str(args.stream_interval)] + (["--api-process"] if args.api_process else [])
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
     with open(log_path, "w") as log_file:
         process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=log_file, env=env)
@@ -272,7 +279,8 @@ def _table(rounds: list[dict]) -> str:
     for i, r in enumerate(rounds):
         for path in (r["http"], r["embedded"]):
             ms = path["cpu_ms_per_request"]
-            cpu = ", ".join(f"{p} {ms[p + '_main']:.2f} / {ms[p + '_other']:.2f}" for p in ("server", "client", "process")
+            cpu = ", ".join(f"{p} {ms[p + '_main']:.2f} / {ms[p + '_other']:.2f}" for p in ("server", "api", "client",
+                                                                                          "process")
                             if p + "_main" in ms)
             rows.append(f"| {i} | {path['name']} | {path['requests_per_s']:.1f} | {path['tokens_per_s']:.0f} | "
                         f"{path['ttft_p50_ms']:.1f} | "
@@ -298,6 +306,8 @@ def main() -> int:
                         help="EngineConfig.inline_step_ms for both alike (default: the engine's)")
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="the server's --stream-interval: tokens per event after a sequence's first (default 1)")
+    parser.add_argument("--api-process", action="store_true",
+                        help="the server's --api-process: its HTTP layer in a process of its own")
     parser.add_argument("--out", default="bench-results/http.json")
     parser.add_argument("--device", default="cpu",
                         help="torch device the engines run on: cpu (default), cuda, cuda:1 ... (docs/gpu.md)")
@@ -341,7 +351,8 @@ def main() -> int:
         "workload": {"clients": args.clients, "seconds": args.seconds, "warmup": args.warmup, "rounds": args.rounds,
                      "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
                      "vary_lengths": args.vary_lengths, "engine": ENGINE_ARGS, "stream_interval": args.stream_interval,
-                     "model": "tiny", "route": "POST /generate, stream"},
+                     "model": "tiny", "route": "POST /generate, stream",
+                     "api_process": args.api_process},
         "rounds": rounds, "server": server,
         "http_over_embedded_throughput": round(statistics.median(ratios), 3),
         "http_over_embedded_ttft_p99": round(statistics.median(ttft_ratios), 3),

@@ -16,7 +16,7 @@ from engine.errors import (
 )
 from engine.logging import LEVELS as LOG_LEVELS
 from engine.model.hf_config import CheckpointError
-from engine.logging import configure_logging
+from engine.logging import configure_logging, logging_configuration
 from engine.outputs import RequestOutput, SpeculationStats, TokenLogprob
 from engine.speculative.config import SpeculativeConfig
 from engine.runtime.sessions import SessionInfo
@@ -57,4 +57,5 @@ __all__ = [
     "StructuredConfig",
     "TokenLogprob",
     "configure_logging",
+    "logging_configuration",
 ]

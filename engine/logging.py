@@ -40,9 +40,20 @@ def ensure_logging() -> None:
         configure_logging("warning")
 
 
+#: the last `configure_logging` choice (level, json), for a child process that should log alike
+_configured: tuple[str, bool] = ("warning", False)
+
+
+def logging_configuration() -> tuple[str, bool]:
+    """The level and format `configure_logging` was last called with (warning and console before)."""
+    return _configured
+
+
 def configure_logging(level: str = "info", *, json: bool = False, stream: TextIO | None = None) -> None:
+    global _configured
     if level not in LEVELS:
         raise ValueError(f"level must be one of {sorted(LEVELS)}, got {level!r}")
+    _configured = (level, json)
     renderer = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False)
     structlog.configure(
         processors=[

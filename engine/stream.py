@@ -30,11 +30,13 @@ import anyio.lowlevel
 
 from engine.outputs import RequestOutput
 
+__all__ = ["OutputChannel", "RequestStream"]
+
 
 class OutputChannel:
     """Outputs from the loop (the only writer) to one RequestStream (the only reader)."""
 
-    __slots__ = ("_items", "_waiter", "_event_type", "closed", "reader_gone", "final_only")
+    __slots__ = ("_items", "_waiter", "_event_type", "closed", "reader_gone", "final_only", "forward")
 
     def __init__(self) -> None:
         self._items: deque[Any] = deque()
@@ -46,6 +48,9 @@ class OutputChannel:
         #: the reader wants final outputs only (`Engine.complete`): chunks are dropped, never queued,
         #: so the reader is not woken once per token for outputs it would discard
         self.final_only = False
+        #: the reader takes each item as it is sent, on the sender's thread, and None at the close
+        #: (`RequestStream.forward`): nothing is queued and no task wakes
+        self.forward: Callable[[RequestOutput | Exception | None], None] | None = None
 
     def send(self, item: Any) -> bool:
         """Queue `item`; False if the reader has left (or the channel is closed)."""
@@ -53,11 +58,16 @@ class OutputChannel:
             return False
         if self.final_only and isinstance(item, RequestOutput) and not item.finished:
             return True
+        if self.forward is not None:
+            self.forward(item)
+            return True
         self._items.append(item)
         self._wake()
         return True
 
     def close(self) -> None:
+        if self.forward is not None and not self.closed and not self.reader_gone:
+            self.forward(None)
         self.closed = True
         self._wake()
 
@@ -97,14 +107,24 @@ class OutputChannel:
 
 
 class RequestStream:
-    def __init__(self, request_id: str, channel: OutputChannel, abandon: Callable[[], None], *, n: int = 1) -> None:
+    def __init__(self, request_id: str, channel: OutputChannel | None, abandon: Callable[[], None], *,
+                 n: int = 1) -> None:
+        """`channel` None: a stream its creator feeds (`feed`, `end`), as the API process's streams are."""
         self.request_id = request_id
-        self._channel = channel
+        self._channel = channel if channel is not None else OutputChannel()
         self._abandon_cb = abandon
         self._open = n  # sequences without a final output yet
         self._done = False
         self._ready: anyio.Event | None = None  # set while the request waits to enter the engine
         self._refused: Exception | None = None
+
+    def feed(self, item: RequestOutput | Exception) -> bool:
+        """Queue an output (or the error that ends the stream) for the reader; False once it left."""
+        return self._channel.send(item)
+
+    def end(self) -> None:
+        """No more outputs: the reader ends after those queued."""
+        self._channel.close()
 
     # --------------------------------------------------- entering the engine
     def hold(self) -> None:
@@ -124,6 +144,23 @@ class RequestStream:
             await self._ready.wait()
         if self._refused is not None:
             raise self._refused
+
+    def forward(self, deliver: Callable[[RequestOutput | Exception | None], None]) -> None:
+        """Hand each output (or the error that ends the stream) to `deliver` as the loop produces it,
+        instead of queueing it for iteration; `deliver(None)` when the stream ends. For a reader that
+        moves outputs elsewhere in bulk (the API process's bridge: serve.api_bridge): no task wakes per
+        output. `deliver` runs on the loop and must not block. Call right after `generate`; the stream
+        is then not iterated, and `abandon` still aborts the request."""
+        def deliver_and_track(item: RequestOutput | Exception | None) -> None:
+            if item is None or isinstance(item, Exception):
+                self._done = True  # ended: nothing left to abandon
+            deliver(item)
+
+        self._channel.forward = deliver_and_track
+
+    async def accepted(self) -> None:
+        """Return once the engine holds the request: at once here, where `Engine.generate` raised any
+        refusal itself (a stream from another process waits for its answer: serve.remote_engine)."""
 
     def _final_only(self) -> None:
         """Deliver only the final outputs (and errors): for a caller that discards the chunks

@@ -30,6 +30,33 @@ async def serving(settings: ServerSettings | None = None, *, deadline: float = D
             await engine.wait_idle(5)
 
 
+@asynccontextmanager
+async def api_serving(settings: ServerSettings | None = None, *, deadline: float = DEADLINE_S, faults: Any = None,
+                      **overrides: Any) -> AsyncIterator[tuple[Engine, httpx.AsyncClient, Any, httpx.AsyncClient]]:
+    """`serving()` as `kvlife serve --api-process` splits it, with both sides in this process: the engine's
+    server and bridge, a RemoteEngine over the bridge's Unix socket, and the API process's app on its own
+    uvicorn server. Yields (engine, a client of the front, the RemoteEngine, a client of the engine's server)."""
+    from engine.serve.api_bridge import api_bridge
+    from engine.serve.api_front import front_app
+    from engine.serve.remote_engine import EngineDescription, RemoteEngine
+    from engine.serve.server import running_app
+
+    settings = settings or ServerSettings()
+    with anyio.fail_after(deadline):
+        async with Engine(small_config(**overrides), faults=faults) as engine:
+            async with running_server(engine, settings=settings) as engine_url, api_bridge(engine) as bridge:
+                remote = RemoteEngine(EngineDescription.of(engine), await anyio.connect_unix(bridge.path))
+                async with anyio.create_task_group() as tg, \
+                        httpx.AsyncClient(base_url=engine_url, timeout=None) as passer:
+                    tg.start_soon(remote.run)
+                    async with running_app(front_app(remote, settings, passer), settings=settings) as front_url, \
+                            httpx.AsyncClient(base_url=front_url, timeout=10) as client, \
+                            httpx.AsyncClient(base_url=engine_url, timeout=10) as direct:
+                        yield engine, client, remote, direct
+                    tg.cancel_scope.cancel()
+            await engine.wait_idle(5)
+
+
 async def leak_once(engine: Engine, client: httpx.AsyncClient) -> None:
     """Run one request through an engine whose kv release leaks (FaultInjector(fail_release={"kv"},
     release_leaks=True), leak_check="log") and wait for the idle leak check to find it."""
@@ -123,3 +150,34 @@ def write_chat_checkpoint(directory, chat_template: str, *, adds_bos: bool = Fal
         assert tokenizer("a").input_ids[0] == config.bos_token_id
     tokenizer.save_pretrained(directory)
     return directory
+
+
+class ServeProcess:
+    """A `kvlife serve` subprocess whose JSON-lines stderr is collected as it arrives."""
+
+    def __init__(self, process: anyio.abc.Process) -> None:
+        self.process = process
+        self.logs: list[dict] = []
+        self.started = anyio.Event()
+        self.port = 0
+        self.api_pid: int | None = None  # --api-process: the HTTP layer's process
+
+    async def read_logs(self) -> None:
+        buffer = b""
+        async for data in self.process.stderr:
+            buffer += data
+            *lines, buffer = buffer.split(b"\n")
+            for line in lines:
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    event = {"event": "unparsed", "line": line.decode(errors="replace")}
+                self.logs.append(event)
+                if event.get("event") == "server.api_process":
+                    self.api_pid = event["pid"]
+                if event.get("event") == "server.started":
+                    self.port = event["port"]
+                    self.started.set()
+
+    def events(self, name: str) -> list[dict]:
+        return [e for e in self.logs if e.get("event") == name]

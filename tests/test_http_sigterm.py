@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
@@ -11,38 +10,10 @@ import anyio
 import httpx
 import pytest
 
-from http_helpers import parse_sse
+from http_helpers import ServeProcess, parse_sse
 
 SERVE = [sys.executable, "-m", "engine.cli.main", "serve", "--port", "0", "--max-running", "8", "--page-size", "16",
          "--num-kv-pages", "160", "--max-context", "2048"]
-
-
-class ServeProcess:
-    """A `kvlife serve` subprocess whose JSON-lines stderr is collected as it arrives."""
-
-    def __init__(self, process: anyio.abc.Process) -> None:
-        self.process = process
-        self.logs: list[dict] = []
-        self.started = anyio.Event()
-        self.port = 0
-
-    async def read_logs(self) -> None:
-        buffer = b""
-        async for data in self.process.stderr:
-            buffer += data
-            *lines, buffer = buffer.split(b"\n")
-            for line in lines:
-                try:
-                    event = json.loads(line)
-                except ValueError:
-                    event = {"event": "unparsed", "line": line.decode(errors="replace")}
-                self.logs.append(event)
-                if event.get("event") == "server.started":
-                    self.port = event["port"]
-                    self.started.set()
-
-    def events(self, name: str) -> list[dict]:
-        return [e for e in self.logs if e.get("event") == name]
 
 
 async def _stream_until_end(client: httpx.AsyncClient, first_event: anyio.Event, results: list) -> None:

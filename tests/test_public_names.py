@@ -15,7 +15,7 @@ PUBLIC = {
         "LOG_LEVELS", "LeakError",
         "MemoryReport", "PluginError", "RequestKind", "RequestOutput", "RequestState", "RequestStream", "SamplingParams",
         "SessionInfo", "SpeculationStats", "SpeculativeConfig", "StructuredConfig", "TokenLogprob",
-        "configure_logging",
+        "configure_logging", "logging_configuration",
     },
     "states": {
         "HELD_STATES", "LIVE_STATES", "TRANSITIONS", "DoubleRelease", "Fence", "FencePending",

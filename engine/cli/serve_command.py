@@ -60,6 +60,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction, parents: list[argpa
                              "(default: none)")
     server.add_argument("--stream-interval", type=int_at_least(1), default=1,
                         help="tokens per streamed event after a sequence's first (default: 1, every output)")
+    server.add_argument("--api-process", action="store_true",
+                        help="serve HTTP from a second process (parsing, tokenizing, streaming), off the "
+                             "engine's GIL; other routes pass through to the engine's process")
     _add_structured_options(serve)
     add_router_options(serve)
     _add_disaggregation_options(serve)
@@ -164,7 +167,7 @@ def server_settings_from_args(args: argparse.Namespace) -> Any:
                           tool_call_parser=args.tool_call_parser,
                           reasoning_parser=args.reasoning_parser,
                           vllm_metric_names=getattr(args, "vllm_metric_names", False),
-                          kv_events=kv_events_from_args(args))
+                          kv_events=kv_events_from_args(args), api_process=args.api_process)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -176,6 +179,9 @@ def run_serve(args: argparse.Namespace) -> int:
     config = engine_config_from_serve_args(args)
     if args.disaggregation == "prefill":
         refuse_router_options_for_prefill(args)
+        if args.api_process:
+            raise CLIError("--api-process: not for --disaggregation prefill (a prefill server's routes are "
+                           "its links' control plane; give it to the decode server)")
         from engine.serve.prefill_http import serve_prefill
 
         prefill = prefill_settings_from_args(args)

@@ -67,7 +67,7 @@ COMPLETIONS = API(_parse_completion, completion_events, completion_json, "cmpl-"
 CHAT = API(_parse_chat, chat_events, chat_json, "chatcmpl-", failures_as_errors=True)
 
 
-def _start(ctx: ServerContext, request: Request, api: API, raw: dict[str, Any]) -> tuple[Generation, str]:
+async def _start(ctx: ServerContext, request: Request, api: API, raw: dict[str, Any]) -> tuple[Generation, str]:
     try:
         raw, wanted_id = take_request_id(raw, request.headers, openai=api.openai)
         body, model = api.parse(ctx, raw)
@@ -79,7 +79,7 @@ def _start(ctx: ServerContext, request: Request, api: API, raw: dict[str, Any]) 
     if ctx.inflight >= ctx.max_inflight:
         raise ctx.unavailable(f"{ctx.max_inflight} requests already in flight; retry later")
     try:
-        generation = _generation(ctx, request, api, body, wanted_id)
+        generation = await _generation(ctx, request, api, body, wanted_id)
     except InvalidRequest as exc:  # the engine's own checks (a rid in flight, a busy session, n over max_queued,
         # a constraint it cannot serve)
         exc = renamed(exc, body.constraint_field or "response_format")
@@ -92,23 +92,25 @@ def _start(ctx: ServerContext, request: Request, api: API, raw: dict[str, Any]) 
     return generation, model or ctx.limits.model_name
 
 
-def _generation(ctx: ServerContext, request: Request, api: API, body: GenerateBody,
-                wanted_id: str | None) -> Generation:
+async def _generation(ctx: ServerContext, request: Request, api: API, body: GenerateBody,
+                      wanted_id: str | None) -> Generation:
     """The generation under the body's rid, else the id a header or /v1 field asked for (made unique if
     that one is already in flight: a router's retry), else a new one."""
-    def start(body: GenerateBody, id_prefix: str = "") -> Generation:
-        return Generation(ctx.engine, body, route=request.scope["path"], id_prefix=id_prefix,
-                          default_deadline=ctx.settings.default_deadline, openai_reasons=api.failures_as_errors,
-                          stream_interval=ctx.settings.stream_interval)
+    async def start(body: GenerateBody, id_prefix: str = "") -> Generation:
+        generation = Generation(ctx.engine, body, route=request.scope["path"], id_prefix=id_prefix,
+                                default_deadline=ctx.settings.default_deadline,
+                                openai_reasons=api.failures_as_errors, stream_interval=ctx.settings.stream_interval)
+        await generation.stream.accepted()  # at once in the engine's process; an answer from it under --api-process
+        return generation
 
     if body.rid is not None or wanted_id is None:
-        return start(body, api.id_prefix)
+        return await start(body, api.id_prefix)
     try:
-        return start(attrs.evolve(body, rid=wanted_id))
+        return await start(attrs.evolve(body, rid=wanted_id))
     except InvalidRequest as exc:
         if exc.field != "request_id":
             raise
-    return start(attrs.evolve(body, rid=unique(wanted_id)))
+    return await start(attrs.evolve(body, rid=unique(wanted_id)))
 
 
 async def _grammar_ready(generation: Generation) -> None:
@@ -131,7 +133,7 @@ async def _serve(ctx: ServerContext, request: Request, api: API) -> Response | E
             raw = await ctx.read_json(request)
         except InvalidRequest as exc:
             raise HTTPError.invalid(exc) from None
-        generation, model = _start(ctx, request, api, raw)
+        generation, model = await _start(ctx, request, api, raw)
         await _grammar_ready(generation)
     except HTTPError as exc:
         return exc.response()

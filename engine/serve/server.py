@@ -41,16 +41,14 @@ logging: the caller (the CLI) does, once.
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import signal
 import socket
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import structlog
-import uvicorn
 from starlette.applications import Starlette
 
 from engine.config import EngineConfig
@@ -65,9 +63,13 @@ from engine.serve.routes_routers import router_routes
 from engine.serve.routes_sessions import session_routes
 from engine.serve.routes_tokens import token_routes
 from engine.serve.settings import ServerSettings
+from engine.serve.uvicorn_runner import bind_socket, freeze_startup_objects, running_app, start_serving, uvicorn_server
 from resources import LeakError
 
-__all__ = ["ServerSettings", "create_app", "running_server", "serve"]
+if TYPE_CHECKING:
+    from engine.serve.api_process import FrontProcess
+
+__all__ = ["ServerSettings", "create_app", "running_app", "running_server", "serve"]
 
 log = structlog.get_logger("kvlife.http")
 
@@ -83,56 +85,6 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> Starle
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
     app.state.kvlife = ctx  # NOTE: `serve` sets ctx.draining on SIGTERM
     return app
-
-
-class _Server(uvicorn.Server):
-    """uvicorn without its own signal handling: `serve` decides what a signal means."""
-
-    @contextlib.contextmanager
-    def capture_signals(self):  # uvicorn >= 0.29
-        yield
-
-    def install_signal_handlers(self) -> None:  # older uvicorn
-        pass
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening-ready TCP socket on (host, port); port 0 picks a free one. Raises OSError.
-
-    NOTE: TCP_NODELAY on the listener, which the accepted connections inherit: uvicorn writes a
-    response's head and body separately, and with Nagle's algorithm on, the body then waits for
-    the client's delayed ACK (about 40 ms on Linux) on every response and every stream chunk."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
-def _uvicorn_server(app: Starlette, settings: ServerSettings) -> _Server:
-    config = uvicorn.Config(app, lifespan="off", log_config=None, access_log=False, server_header=False,
-                            timeout_graceful_shutdown=int(settings.graceful_timeout) or 1)
-    return _Server(config)
-
-
-async def _start(tg: Any, server: _Server, sock: socket.socket, done: anyio.Event) -> None:
-    async def run() -> None:
-        try:
-            await server.serve(sockets=[sock])
-        finally:
-            done.set()
-
-    tg.start_soon(run)
-    with anyio.fail_after(30):
-        while not server.started and not done.is_set():
-            await anyio.sleep(0.01)
-    if not server.started:
-        raise RuntimeError("the HTTP server did not start")
 
 
 @contextlib.asynccontextmanager
@@ -164,20 +116,11 @@ async def running_server(engine: Engine, host: str = "127.0.0.1", port: int = 0,
                          settings: ServerSettings | None = None) -> AsyncIterator[str]:
     """Serve a running `engine` in this task group; yields the base URL (asyncio only)."""
     settings = settings or ServerSettings()
-    sock = bind_socket(host, port)
     app = create_app(engine, settings)
-    server = _uvicorn_server(app, settings)
-    done = anyio.Event()
-    try:
-        async with kv_events(engine, settings) as publisher, anyio.create_task_group() as tg:
-            app.state.kvlife.kv_events = publisher
-            await _start(tg, server, sock, done)
-            try:
-                yield f"http://{host}:{sock.getsockname()[1]}"
-            finally:
-                server.should_exit = True
-    finally:
-        sock.close()  # uvicorn closes it on a clean shutdown, not when cancelled
+    async with kv_events(engine, settings) as publisher:
+        app.state.kvlife.kv_events = publisher
+        async with running_app(app, host, port, settings=settings) as url:
+            yield url
 
 
 class _ToStructlog(logging.Handler):
@@ -204,15 +147,36 @@ async def serve(config: EngineConfig, host: str, port: int, *, settings: ServerS
             engine = Engine(config)
             app = create_app(engine, settings)
             app.state.kvlife.kv_events = await stack.enter_async_context(kv_events(engine, settings))
+            front = await _api_process(stack, engine, settings, sock) if settings.api_process else None
+            own_sock = bind_socket("127.0.0.1", 0) if front is not None else sock
         except BaseException:
             sock.close()
             raise
-        return await _serve(engine, app, settings, host, sock, config)
+        try:
+            return await _serve(engine, app, settings, host, own_sock, config, front, sock.getsockname()[1])
+        finally:
+            sock.close()
+
+
+async def _api_process(stack: contextlib.AsyncExitStack, engine: Engine, settings: ServerSettings,
+                       sock: socket.socket) -> FrontProcess:
+    """The API process for `sock` (started by `_serve` once the engine runs), with the bridge it talks
+    to; both outlive the engine's run, so the streams' last events reach their clients."""
+    from engine.serve.api_bridge import api_bridge
+    from engine.serve.api_process import FrontProcess
+    from engine.serve.remote_engine import EngineDescription
+
+    bridge = await stack.enter_async_context(api_bridge(engine))
+    front = FrontProcess(EngineDescription.of(engine), settings, sock, bridge)
+    stack.push_async_callback(front.close, settings.graceful_timeout + 5)
+    return front
 
 
 async def _serve(engine: Engine, app: Starlette, settings: ServerSettings, host: str, sock: socket.socket,
-                 config: EngineConfig) -> int:
-    server = _uvicorn_server(app, settings)
+                 config: EngineConfig, front: FrontProcess | None, public_port: int) -> int:
+    """Run until a signal, the engine's death, or the HTTP server's (or the API process's) own end.
+    `sock` is the engine's own server's: the public one, or loopback under an API process (`front`)."""
+    server = uvicorn_server(app, settings)
     stop, done = anyio.Event(), anyio.Event()
     engine_error: BaseException | None = None
 
@@ -226,6 +190,8 @@ async def _serve(engine: Engine, app: Starlette, settings: ServerSettings, host:
                 stop.set()
 
     def stop_accepting() -> None:
+        if front is not None:
+            front.stop()
         app.state.kvlife.draining = True
         server.should_exit = True
 
@@ -238,9 +204,11 @@ async def _serve(engine: Engine, app: Starlette, settings: ServerSettings, host:
         tg.start_soon(watch_signals)
         try:
             async with engine:
-                _freeze_startup_objects()
-                await _start(tg, server, sock, done)
-                log.info("server.started", host=host, port=sock.getsockname()[1], model=config.model,
+                freeze_startup_objects()
+                await start_serving(tg, server, sock, done)
+                if front is not None:
+                    await front.start(f"http://127.0.0.1:{sock.getsockname()[1]}", tg)
+                log.info("server.started", host=host, port=public_port, model=config.model,
                          role=config.disaggregation, hisparse=config.hisparse is not None,
                          api_key=settings.api_key is not None)
                 async with anyio.create_task_group() as waiters:
@@ -254,11 +222,13 @@ async def _serve(engine: Engine, app: Starlette, settings: ServerSettings, host:
 
                     waiters.start_soon(until, stop)
                     waiters.start_soon(until, done)
+                    if front is not None:
+                        waiters.start_soon(until, front.exited)
                     waiters.start_soon(until_after, watch_engine)
                 if engine.errored is not None:
                     engine_error = EngineDead(engine.errored)
                 elif not stop.is_set():
-                    engine_error = RuntimeError("the HTTP server stopped on its own")
+                    engine_error = RuntimeError("the HTTP server (or its API process) stopped on its own")
                 stop_accepting()  # leaving the engine then ends every request in flight with SHUTDOWN
         except Exception as exc:  # noqa: BLE001 - a leak at exit, or the engine failed: reported below
             engine_error = exc
@@ -268,17 +238,6 @@ async def _serve(engine: Engine, app: Starlette, settings: ServerSettings, host:
         tg.cancel_scope.cancel()
     sock.close()
     return _final_verdict(engine, engine_error)
-
-
-def _freeze_startup_objects() -> None:
-    """Move what exists once the engine runs (the model, the pools, the modules: hundreds of thousands of
-    objects) out of the collector's sight, as a process that owns its heap may (`gc.freeze`).
-
-    NOTE: measured under the 64-client benchmark (docs/http.md, Performance): without it a full
-    collection ran about every 9 s and scanned all of them on the event loop's thread, holding the GIL
-    (the engine stopped with it) for 0.18-0.22 s each."""
-    gc.collect()
-    gc.freeze()
 
 
 def _final_verdict(engine: Engine, engine_error: BaseException | None) -> int:

@@ -45,6 +45,11 @@ def _optional_text(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
                             "<hidden>" if attribute.name == "api_key" else value)
 
 
+def _flag(inst: object, attribute: attrs.Attribute[bool], value: object) -> None:
+    if not isinstance(value, bool):
+        raise InvalidConfig(f"ServerSettings.{attribute.name}", "True or False", value)
+
+
 def _parser_name(choices: Any):
     def check(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
         if value is not None and value not in choices:
@@ -81,3 +86,6 @@ class ServerSettings:
     vllm_metric_names: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
     #: an `engine.kv_events.KVEventsConfig`: publish KV cache events (the `kv-events` extra); None: off
     kv_events: Any = attrs.field(default=None)
+    #: the HTTP layer in a process of its own (`engine.serve.api_process`): the generation routes' parsing,
+    #: tokenizing and writing run there, off the engine's GIL; the other routes pass through to this one
+    api_process: bool = attrs.field(default=False, validator=_flag)
