@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -181,3 +184,39 @@ class ServeProcess:
 
     def events(self, name: str) -> list[dict]:
         return [e for e in self.logs if e.get("event") == name]
+
+    async def kill(self) -> None:
+        """Cleanup, whatever happened: kill the server and its API process (if any) by pid."""
+        kill_if_alive(self.api_pid)
+        if self.process.returncode is None:
+            self.process.kill()
+            await self.process.wait()
+        await self.process.aclose()
+
+
+async def stream_until_end(client: httpx.AsyncClient, first_event: anyio.Event, results: list) -> None:
+    """Stream one long /generate to its end, setting `first_event` at its first event; its SSE into `results`."""
+    body = {"input_ids": [1, 2, 3, 4], "stream": True, "sampling_params": {"max_new_tokens": 2000}}
+    lines = []
+    async with client.stream("POST", "/generate", json=body) as response:
+        async for line in response.aiter_lines():
+            lines.append(line)
+            if line.startswith("data: "):
+                first_event.set()
+    results.append(parse_sse(lines))
+
+
+def process_alive(pid: int | None) -> bool:
+    """Running (not gone, not a zombie waiting for its reaper)."""
+    if pid is None:
+        return False
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+def kill_if_alive(pid: int | None) -> None:
+    if process_alive(pid):
+        os.kill(pid, signal.SIGKILL)

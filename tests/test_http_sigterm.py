@@ -10,28 +10,19 @@ import anyio
 import httpx
 import pytest
 
-from http_helpers import ServeProcess, parse_sse
+from http_helpers import ServeProcess, process_alive, stream_until_end
 
 SERVE = [sys.executable, "-m", "engine.cli.main", "serve", "--port", "0", "--max-running", "8", "--page-size", "16",
          "--num-kv-pages", "160", "--max-context", "2048"]
 
 
-async def _stream_until_end(client: httpx.AsyncClient, first_event: anyio.Event, results: list) -> None:
-    body = {"input_ids": [1, 2, 3, 4], "stream": True, "sampling_params": {"max_new_tokens": 2000}}
-    lines = []
-    async with client.stream("POST", "/generate", json=body) as response:
-        async for line in response.aiter_lines():
-            lines.append(line)
-            if line.startswith("data: "):
-                first_event.set()
-    results.append(parse_sse(lines))
-
-
 class TestSigterm:
     @pytest.mark.asyncio
-    async def test_sigterm_with_streams_in_flight(self):
-        """Streams in flight get a final 'shutdown' event, the leak check is logged clean, exit code 0."""
-        process = await anyio.open_process(SERVE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    @pytest.mark.parametrize("options", [[], ["--api-process"]], ids=["one-process", "api-process"])
+    async def test_sigterm_with_streams_in_flight(self, options):
+        """Streams in flight get a final 'shutdown' event, the leak check is logged clean, exit code 0; with
+        --api-process through both processes, and the API process is gone too."""
+        process = await anyio.open_process(SERVE + options, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         server = ServeProcess(process)
         try:
             with anyio.fail_after(60):
@@ -45,16 +36,13 @@ class TestSigterm:
                         async with anyio.create_task_group() as streams:
                             firsts = [anyio.Event() for _ in range(3)]
                             for first in firsts:
-                                streams.start_soon(_stream_until_end, client, first, results)
+                                streams.start_soon(stream_until_end, client, first, results)
                             for first in firsts:
                                 await first.wait()
                             process.send_signal(signal.SIGTERM)
                     returncode = await process.wait()
         finally:
-            if process.returncode is None:
-                process.kill()
-                await process.wait()
-            await process.aclose()
+            await server.kill()
         assert returncode == 0, server.logs[-5:]
         assert len(results) == 3
         for events in results:
@@ -68,3 +56,7 @@ class TestSigterm:
         assert len(summaries) == 3 and {s["finish_reason"] for s in summaries} == {"shutdown"}
         assert not server.events("unparsed"), server.events("unparsed")  # every line is JSON
         assert all(e["level"] in ("info", "warning", "error") for e in server.logs)
+        assert (server.api_pid is not None) == bool(options)
+        with anyio.fail_after(10):
+            while process_alive(server.api_pid):
+                await anyio.sleep(0.05)
