@@ -182,6 +182,8 @@ class EngineConfig:
     num_kv_pages: int = attrs.field(default=1024, validator=int_at_least(2))
     max_running: int = attrs.field(default=64, validator=int_at_least(1))
     max_context: int | None = attrs.field(default=None, validator=optional_int_at_least(2))
+    #: prefill tokens per step; beside decode rows a full chunk is trimmed (by at most half) so that the
+    #: step's rows end on a size class, the row counts CPU projections run without padding (scheduler.py)
     max_prefill_tokens: int = attrs.field(default=512, validator=int_at_least(1))
     max_queued: int = attrs.field(default=4096, validator=int_at_least(1))
     prefix_cache: bool = attrs.field(default=True, validator=is_bool())

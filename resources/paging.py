@@ -19,3 +19,9 @@ def size_class(n: int, cap: int | None = None) -> int:
     step = 1 << max(n.bit_length() - 3, 0)
     size = round_up(n, step)
     return size if cap is None else min(size, cap)
+
+
+def size_class_below(n: int) -> int:
+    """The largest size class at most `n` (n >= 1): `n` rounded down on the same grid as `size_class`."""
+    step = 1 << max(n.bit_length() - 3, 0)
+    return n // step * step

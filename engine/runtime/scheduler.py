@@ -6,7 +6,12 @@ its decisions out through the machine.
 
 A step's batch reads top to bottom: every decoding request contributes one
 token, then prefill chunks fill what is left of the token budget (chunked
-prefill, so a long prompt never stalls the running decodes).
+prefill, so a long prompt never stalls the running decodes). With decode rows
+in the step, the budget shrinks so that a full step's rows end on a size class
+(`resources.paging.size_class`, the row counts the CPU projections are built
+for): 4,096 prefill tokens and 32 decode rows would be 4,128 rows, padded to
+5,120 in every projection, so the chunk takes 4,064. It never shrinks below
+half the budget.
 
 Priority (issue 21; vLLM's convention: lower runs first, equal priority keeps
 arrival order). The waiting queue is admitted in `order_key` order: with
@@ -28,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 
 from engine.model.batch import ScheduledSeq
-from resources.paging import pages_for
+from resources.paging import pages_for, size_class_below
 from states import Request
 
 __all__ = ["ScheduledSeq", "Scheduler"]
@@ -115,6 +120,9 @@ class Scheduler:
         """Decode rows for every decoding request, then prefill chunks within the budget."""
         batch = [ScheduledSeq(r, r.kv_len, 1, True) for r in decoding]
         budget = self.max_prefill_tokens
+        if batch:  # NOTE: rows a size class ends (module docstring): a chunk of decode rows fewer, at most half
+            fitted = size_class_below(budget + len(batch)) - len(batch)
+            budget = fitted if fitted * 2 >= budget else budget
         for request in prefilling:
             if budget <= 0:
                 break
