@@ -111,10 +111,8 @@ def engine_config(directory: Path, batch: int, prompt_len: int, new_tokens: int,
                         **({} if inline_step_ms is None else {"inline_step_ms": inline_step_ms}))
 
 
-async def kvlife_run(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dict:
-    runner = engine.parts.runner
-    runner.timings = []
-    itl_before = engine.stats.itl.total
+async def complete_all(engine: Engine, prompts: list[list[int]], new_tokens: int) -> tuple[float, list]:
+    """Every prompt submitted at once, greedy, `new_tokens` each: the wall time and the final outputs."""
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     outputs: list = [None] * len(prompts)
 
@@ -125,7 +123,14 @@ async def kvlife_run(engine: Engine, prompts: list[list[int]], new_tokens: int) 
     async with anyio.create_task_group() as tg:
         for i in range(len(prompts)):
             tg.start_soon(one, i)
-    wall = time.perf_counter() - t0
+    return time.perf_counter() - t0, outputs
+
+
+async def kvlife_run(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dict:
+    runner = engine.parts.runner
+    runner.timings = []
+    itl_before = engine.stats.itl.total
+    wall, outputs = await complete_all(engine, prompts, new_tokens)
     await engine.wait_idle(30)
     engine.check_memory()
     new_itl = engine.stats.itl.total - itl_before

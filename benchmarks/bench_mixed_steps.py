@@ -21,7 +21,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import anyio
@@ -30,9 +29,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.bench_engine import engine_config, make_prompts, write_checkpoint  # noqa: E402
+from benchmarks.bench_engine import complete_all, engine_config, make_prompts, write_checkpoint  # noqa: E402
 from benchmarks.machine import header, machine_info, write_results  # noqa: E402
-from engine import Engine, SamplingParams  # noqa: E402
+from engine import Engine  # noqa: E402
 from engine.logging import configure_logging  # noqa: E402
 from engine.runtime import scheduler  # noqa: E402
 
@@ -44,17 +43,7 @@ async def _run(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dic
     beside decode rows (the later prefill steps of at least half its forward time: not the short tail)."""
     runner = engine.parts.runner
     runner.timings = []
-    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    outputs: list = [None] * len(prompts)
-
-    async def one(i: int) -> None:
-        outputs[i] = await engine.complete(prompts[i], params)
-
-    t0 = time.perf_counter()
-    async with anyio.create_task_group() as tg:
-        for i in range(len(prompts)):
-            tg.start_soon(one, i)
-    wall = time.perf_counter() - t0
+    wall, outputs = await complete_all(engine, prompts, new_tokens)
     timings, runner.timings = runner.timings, None
     await engine.wait_idle(30)
     engine.check_memory()

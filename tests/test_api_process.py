@@ -236,3 +236,61 @@ class TestWire:
         rebuilt = [views.unpack(pack_output(o)) for o in outputs]
         assert [(o.token_ids, o.text, o.index, o.finished) for o in rebuilt] == \
                [(o.token_ids, o.text, o.index, o.finished) for o in outputs]
+
+
+class TestFaults:
+    @pytest.mark.asyncio
+    async def test_a_submission_the_engine_never_answers_is_refused_and_abandoned(self, monkeypatch, tmp_path):
+        """A peer that reads but never answers (a stuck engine's process, faked): accepted() gives up after
+        ANSWER_TIMEOUT_S with EngineOverloaded (the routes' 503), and the peer is told to abandon it."""
+        from engine import Engine
+        from engine.serve import remote_engine
+        from engine.serve.api_wire import FrameReader
+        from helpers import small_config
+
+        monkeypatch.setattr(remote_engine, "ANSWER_TIMEOUT_S", 0.2)
+        received: list = []
+        listener = await anyio.create_unix_listener(str(tmp_path / "stuck.sock"))
+
+        async def silent_peer(connection) -> None:
+            async with connection:
+                reader = FrameReader(connection)
+                with anyio.move_on_after(5):
+                    while len(received) < 2:
+                        received.extend(await reader.receive())
+
+        described = remote_engine.EngineDescription.of(Engine(small_config()))
+        async with listener, anyio.create_task_group() as tg:
+            tg.start_soon(listener.serve, silent_peer)
+            remote = remote_engine.RemoteEngine(described, await anyio.connect_unix(str(tmp_path / "stuck.sock")))
+            tg.start_soon(remote.run)
+            stream = remote.generate(PROMPT, SamplingParams(max_new_tokens=2), request_id="r")
+            with pytest.raises(EngineOverloaded, match="did not take the request"):
+                await stream.accepted()
+            with anyio.fail_after(5):
+                while len(received) < 2:
+                    await anyio.sleep(0.01)
+            tg.cancel_scope.cancel()
+        assert [m[0] for m in received] == ["submit", "abandon"] and received[0][1] == received[1][1]
+
+    @pytest.mark.asyncio
+    async def test_a_passed_through_route_whose_engine_server_is_gone_is_a_503(self):
+        import httpx
+
+        from engine import Engine
+        from engine.serve.api_front import front_app
+        from engine.serve.remote_engine import EngineDescription, RemoteEngine
+        from engine.serve.uvicorn_runner import bind_socket
+        from helpers import small_config
+
+        closed = bind_socket("127.0.0.1", 0)
+        port = closed.getsockname()[1]
+        closed.close()  # nothing listens there any more
+        remote = RemoteEngine(EngineDescription.of(Engine(small_config())), None)  # no bridge: never used here
+        settings = ServerSettings(retry_after_s=2)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=5) as passer:
+            app = front_app(remote, settings, passer)
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://front") as client:
+                answer = await client.get("/health")
+        assert answer.status_code == 503 and answer.headers["retry-after"] == "2"
+        assert "cannot be reached" in answer.json()["error"]["message"]

@@ -33,7 +33,7 @@ from starlette.routing import Route
 from engine.logging import configure_logging
 from engine.serve.auth import APIKeyMiddleware
 from engine.serve.context import ServerContext
-from engine.serve.http_errors import error_handlers
+from engine.serve.http_errors import HTTPError, error_handlers
 from engine.serve.remote_engine import EngineDescription, RemoteEngine
 from engine.serve.routes_generation import generation_routes
 from engine.serve.settings import ServerSettings
@@ -42,6 +42,9 @@ from engine.serve.uvicorn_runner import freeze_startup_objects, uvicorn_server
 __all__ = ["FrontHandoff", "front_app", "main"]
 
 log = structlog.get_logger("kvlife.api_front")
+
+#: seconds a passed-through route may take past `ServerSettings.health_timeout` before it is a 504
+PASS_THROUGH_SLACK_S = 30.0
 
 #: not passed on: they describe one hop (RFC 9110, 7.6.1), and the body is re-framed
 _HOP_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
@@ -61,13 +64,20 @@ class FrontHandoff:
     log_json: bool
 
 
-def _passed_on(client: httpx.AsyncClient) -> Callable[[Request], Awaitable[Response]]:
+def _passed_on(client: httpx.AsyncClient, retry_after_s: int) -> Callable[[Request], Awaitable[Response]]:
     async def pass_on(request: Request) -> Response:
-        """The engine's server's answer to the same request (its API key check included)."""
+        """The engine's server's answer to the same request (its API key check included); 504 if it
+        takes longer than the client's timeout, 503 if it cannot be reached."""
         body = await request.body()
         headers = [(k, v) for k, v in request.headers.items() if k not in _HOP_HEADERS]
         target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-        answer = await client.request(request.method, target, headers=headers, content=body)
+        try:
+            answer = await client.request(request.method, target, headers=headers, content=body)
+        except httpx.TimeoutException:
+            return HTTPError(504, "the engine's process did not answer in time").response()
+        except httpx.TransportError as exc:
+            return HTTPError(503, f"the engine's process cannot be reached ({exc.__class__.__name__})",
+                             headers={"Retry-After": str(retry_after_s)}).response()
         kept = {k: v for k, v in answer.headers.items() if k.lower() not in _HOP_HEADERS}
         return Response(answer.content, status_code=answer.status_code, headers=kept)
     return pass_on
@@ -79,7 +89,7 @@ def front_app(remote: RemoteEngine, settings: ServerSettings, client: httpx.Asyn
     ctx = ServerContext.build(remote, settings)
     methods = ["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"]
     app = Starlette(routes=[*generation_routes(ctx),
-                            Route("/{path:path}", _passed_on(client), methods=methods)],
+                            Route("/{path:path}", _passed_on(client, settings.retry_after_s), methods=methods)],
                     exception_handlers=error_handlers())
     if settings.api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
@@ -91,7 +101,9 @@ async def run_front(handoff: FrontHandoff) -> int:
     sock = socket.socket(fileno=handoff.listen_fd)
     connection = await anyio.connect_unix(handoff.bridge_path)
     remote = RemoteEngine(handoff.described, connection)
-    async with httpx.AsyncClient(base_url=handoff.engine_url, timeout=None) as client:
+    # NOTE: the slowest route passed through is /health_generate, bounded by health_timeout
+    timeout = handoff.settings.health_timeout + PASS_THROUGH_SLACK_S
+    async with httpx.AsyncClient(base_url=handoff.engine_url, timeout=timeout) as client:
         app = front_app(remote, handoff.settings, client)
         server = uvicorn_server(app, handoff.settings)
 

@@ -25,11 +25,15 @@ import attrs
 from anyio.abc import ByteStream
 
 from engine import Engine, EngineConfig, SamplingParams
-from engine.errors import EngineClosed, EngineDead
+from engine.errors import EngineClosed, EngineDead, EngineOverloaded
 from engine.serve.api_wire import FrameReader, Message, OutputViews, send_frame, unpack_error
 from engine import RequestStream
 
 __all__ = ["EngineDescription", "RemoteEngine", "RemoteStream"]
+
+#: seconds the engine's process has to answer a submission (it answers at once unless its loop is stuck):
+#: past it, the request is abandoned and refused as EngineOverloaded (a 503 with Retry-After)
+ANSWER_TIMEOUT_S = 30.0
 
 #: how a connection ends: the peer closed it, broke it, or sent half a frame
 _GONE = (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError)
@@ -68,7 +72,11 @@ class RemoteStream(RequestStream):
         self._answered.set()
 
     async def accepted(self) -> None:
-        await self._answered.wait()
+        with anyio.move_on_after(ANSWER_TIMEOUT_S):
+            await self._answered.wait()
+        if not self._answered.is_set():
+            self.abandon()
+            raise EngineOverloaded(f"the engine's process did not take the request within {ANSWER_TIMEOUT_S:g} s")
         if self._refusal is not None:
             self.abandon()
             raise self._refusal
