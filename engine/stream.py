@@ -27,10 +27,13 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
+import structlog
 
 from engine.outputs import RequestOutput
 
 __all__ = ["OutputChannel", "RequestStream"]
+
+log = structlog.get_logger("kvlife.stream")
 
 
 class OutputChannel:
@@ -59,17 +62,29 @@ class OutputChannel:
         if self.final_only and isinstance(item, RequestOutput) and not item.finished:
             return True
         if self.forward is not None:
-            self.forward(item)
-            return True
+            return self._forward(item)
         self._items.append(item)
         self._wake()
         return True
 
     def close(self) -> None:
         if self.forward is not None and not self.closed and not self.reader_gone:
-            self.forward(None)
+            self._forward(None)
         self.closed = True
         self._wake()
+
+    def _forward(self, item: RequestOutput | Exception | None) -> bool:
+        """Hand `item` to the reader's callable; one that raises has left (the loop then aborts the
+        request, as for any reader gone): a reader's code never stops the loop."""
+        assert self.forward is not None
+        try:
+            self.forward(item)
+        except Exception as exc:  # noqa: BLE001 - isolated: logged, and the reader counts as gone
+            log.error("stream.forward_failed", error=repr(exc))
+            self.reader_gone = True
+            self.forward = None
+            return False
+        return True
 
     def leave(self) -> None:
         """The reader stops listening: drop what is queued."""
@@ -149,8 +164,9 @@ class RequestStream:
         """Hand each output (or the error that ends the stream) to `deliver` as the loop produces it,
         instead of queueing it for iteration; `deliver(None)` when the stream ends. For a reader that
         moves outputs elsewhere in bulk (the API process's bridge: serve.api_bridge): no task wakes per
-        output. `deliver` runs on the loop and must not block. Call right after `generate`; the stream
-        is then not iterated, and `abandon` still aborts the request."""
+        output. `deliver` runs on the loop and must not block; if it raises, the reader counts as gone
+        and the request is aborted (the loop goes on). Call right after `generate`; the stream is then
+        not iterated, and `abandon` still aborts the request."""
         def deliver_and_track(item: RequestOutput | Exception | None) -> None:
             if item is None or isinstance(item, Exception):
                 self._done = True  # ended: nothing left to abandon

@@ -294,3 +294,47 @@ class TestFaults:
                 answer = await client.get("/health")
         assert answer.status_code == 503 and answer.headers["retry-after"] == "2"
         assert "cannot be reached" in answer.json()["error"]["message"]
+
+
+class TestForward:
+    """`RequestStream.forward`, which the bridge reads the engine's streams with."""
+
+    @pytest.mark.asyncio
+    async def test_outputs_then_none_reach_the_callable_on_the_loop(self):
+        from engine import Engine
+        from helpers import small_config
+
+        async with Engine(small_config()) as engine:
+            items: list = []
+            stream = engine.generate(PROMPT, SamplingParams(max_new_tokens=6, ignore_eos=True))
+            stream.forward(items.append)
+            with anyio.fail_after(10):
+                while not items or items[-1] is not None:
+                    await anyio.sleep(0.01)
+            whole = await engine.complete(PROMPT, SamplingParams(max_new_tokens=6, ignore_eos=True))
+            await engine.wait_idle(5)
+            assert_pools_whole(engine)
+        assert [t for o in items[:-1] for t in o.new_token_ids] == whole.token_ids
+        assert items[-2].finished and items.count(None) == 1
+
+    @pytest.mark.asyncio
+    async def test_a_callable_that_raises_aborts_its_request_and_not_the_loop(self):
+        from engine import Engine
+        from helpers import small_config
+
+        def deliver(item) -> None:
+            seen.append(item)
+            if len(seen) == 2:
+                raise RuntimeError("the reader broke")
+
+        seen: list = []
+        async with Engine(small_config()) as engine:
+            stream = engine.generate(PROMPT, SamplingParams(max_new_tokens=60, ignore_eos=True))
+            stream.forward(deliver)
+            with anyio.fail_after(10):
+                while engine.stats.finishes.get(("normal", "ABORT"), 0) == 0:
+                    await anyio.sleep(0.01)
+            after = await engine.complete(PROMPT, SamplingParams(max_new_tokens=3, ignore_eos=True))
+            await engine.wait_idle(5)
+            assert_pools_whole(engine)
+        assert len(seen) == 2 and len(after.token_ids) == 3
