@@ -100,7 +100,9 @@ async def _generation(ctx: ServerContext, request: Request, api: API, body: Gene
         generation = Generation(ctx.engine, body, route=request.scope["path"], id_prefix=id_prefix,
                                 default_deadline=ctx.settings.default_deadline,
                                 openai_reasons=api.failures_as_errors, stream_interval=ctx.settings.stream_interval)
-        await generation.stream.accepted()  # at once in the engine's process; an answer from it under --api-process
+        accepted = getattr(generation.stream, "accepted", None)  # NOTE: an engine's own stream answers at once
+        if accepted is not None:  # under --api-process: the engine's process's answer (serve.remote_engine)
+            await accepted()
         return generation
 
     if body.rid is not None or wanted_id is None:
