@@ -1,7 +1,8 @@
 """HTTP soak with disconnect storms: a decode server with a remote prefill, nothing may grow.
 
     python benchmarks/bench_soak_http.py [--requests 6000] [--clients 32] [--model tiny]
-                                         [--storm-every 10] [--device cpu] [--out bench-results/soak_http.json]
+                                         [--storm-every 10] [--device cpu] [--api-process]
+                                         [--out bench-results/soak_http.json]
 
 Two real processes on 127.0.0.1: `kvlife serve --disaggregation prefill` and
 `kvlife serve --disaggregation decode --prefill 127.0.0.1:<its bootstrap port>`
@@ -21,7 +22,9 @@ warm-up (the first tenth of the requests) and at the end, once idle (growth
 must stay under 1%); both servers' memory reports once idle (every pool whole:
 nothing held, nothing quarantined, each adds up), the decode's live requests
 (zero), the idle leak checks' failures, and each server's leak-check verdict
-and exit code after SIGTERM.
+and exit code after SIGTERM. With `--api-process` the decode server runs its
+HTTP layer in a second process (docs/http.md, "The API process"), whose
+resident memory is held to the same 1%.
 """
 
 from __future__ import annotations
@@ -78,8 +81,12 @@ class Server:
                 if line.startswith("{") and f'"{event}"' in line]
 
     def rss_mib(self) -> float:
-        with open(f"/proc/{self.proc.pid}/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+        return _rss_mib(self.proc.pid)
+
+    def api_pid(self) -> int | None:
+        """Its API process (`--api-process`), if it has one."""
+        started = self.events("server.api_process")
+        return started[0]["pid"] if started else None
 
     def stop(self) -> dict:
         """SIGTERM; the exit code and the leak-check verdict it logged."""
@@ -92,9 +99,17 @@ class Server:
         return {"exit_code": code, "leak_check": verdicts[-1]["verdict"] if verdicts else "missing"}
 
     def kill(self) -> None:
+        api = self.api_pid()
+        if api is not None and Path(f"/proc/{api}").exists():
+            os.kill(api, signal.SIGKILL)
         if self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+
+
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
 
 
 def _body(rng: random.Random, stream: bool) -> dict:
@@ -174,6 +189,8 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--storm-every", type=int, default=10, help="every N-th round all clients disconnect (0: none)")
+    parser.add_argument("--api-process", action="store_true",
+                        help="the decode server's HTTP layer in a process of its own (its memory is watched too)")
     parser.add_argument("--out", default="bench-results/soak_http.json")
     add_device_option(parser)
     args = parser.parse_args()
@@ -188,16 +205,22 @@ def main() -> int:
         servers.append(prefill)
         decode = Server("decode", ["--disaggregation", "decode", "--prefill",
                                    f"127.0.0.1:{prefill.started['bootstrap_port']}", "--model", args.model,
-                                   "--device", args.device, *ENGINE], log_dir)
+                                   "--device", args.device, *ENGINE, *(["--api-process"] if args.api_process else [])],
+                        log_dir)
         servers.append(decode)
+        api = decode.api_pid()
         warm: dict[str, float] = {}
 
+        def memory() -> dict[str, float]:
+            rss = {"prefill": prefill.rss_mib(), "decode": decode.rss_mib()}
+            return rss if api is None else {**rss, "decode-api": _rss_mib(api)}
+
         def on_warm() -> None:
-            warm.update(prefill=prefill.rss_mib(), decode=decode.rss_mib())
+            warm.update(memory())
 
         outcomes, wall = anyio.run(_soak, decode.url, args, on_warm)
         reports = {"decode": anyio.run(_idle_report, decode.url), "prefill": anyio.run(_idle_report, prefill.url)}
-        end = {"prefill": prefill.rss_mib(), "decode": decode.rss_mib()}
+        end = memory()
         exits = {"prefill": prefill.stop(), "decode": decode.stop()}
     finally:
         for server in servers:
@@ -221,9 +244,10 @@ def main() -> int:
         print(f"| {key} | {n:,} |")
     print("\n| process | RSS after warm-up (MiB) | RSS at end (MiB) | growth | pools whole | exit | leak check |")
     print("|---|---|---|---|---|---|---|")
-    for name in ("prefill", "decode"):
+    for name in end:
+        server = name.split("-")[0]  # the API process has the decode server's pools, exit and verdict
         print(f"| {name} | {warm[name]:.1f} | {end[name]:.1f} | {growth[name]:+.2f}% | "
-              f"{results['pools_whole'][name]} | {exits[name]['exit_code']} | {exits[name]['leak_check']} |")
+              f"{results['pools_whole'][server]} | {exits[server]['exit_code']} | {exits[server]['leak_check']} |")
     write_results(args.out, results)
     ok = (not failures and all(results["pools_whole"].values()) and results["decode_live_requests"] == 0
           and all(e == {"exit_code": 0, "leak_check": "clean"} for e in exits.values())
