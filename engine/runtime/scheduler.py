@@ -120,7 +120,7 @@ class Scheduler:
         """Decode rows for every decoding request, then prefill chunks within the budget."""
         batch = [ScheduledSeq(r, r.kv_len, 1, True) for r in decoding]
         budget = self.max_prefill_tokens
-        if batch:  # NOTE: rows a size class ends (module docstring): a chunk of decode rows fewer, at most half
+        if batch:  # NOTE: a full step's rows end on a size class (module docstring); never below half the budget
             fitted = size_class_below(budget + len(batch)) - len(batch)
             budget = fitted if fitted * 2 >= budget else budget
         for request in prefilling:
