@@ -1,7 +1,7 @@
 """Engine benchmark: kvlife against transformers `generate()` and the floor, one checkpoint, one process.
 
     python benchmarks/bench_engine.py [--batches 1 8 32 128] [--repeat 3] [--threads 1]
-        [--new-tokens 64] [--prompt-len 128] [--native-kernels auto] [--inline-step-ms MS]
+        [--new-tokens 64] [--prompt-len 128] [--native-kernels auto] [--inline-step-ms MS] [--decode-steps K]
         [--out bench-results/engine.json] [--quick]
 
 1. One checkpoint, written by transformers' `save_pretrained`: the anchor tiny
@@ -35,13 +35,18 @@ Repeats are interleaved (transformers, kvlife, floor, rotating the order each
 repeat) and every ratio is taken within one repeat; the table prints the
 median and the range over repeats. Greedy ids are compared on every repeat.
 kvlife's own split of a decode step comes from the runner's step timings:
-*engine work* = the inter-token interval minus the forward pass and sampling.
-Prints the tables and writes JSON (`--out`).
+*engine work* = the mean decode interval (from the end of one decode step of
+every row to the end of the next) minus the mean forward pass and sampling of
+those steps, as a share of that interval. (Before decode runs,
+`--decode-steps`, it was taken from the median gap between tokens, printed
+as *ITL*; a run streams its tokens in bursts, so that median says nothing of
+it.) Prints the tables and writes JSON (`--out`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import statistics
 import sys
@@ -102,12 +107,13 @@ class HFGenerate:
 
 # ------------------------------------------------------------------ kvlife
 def engine_config(directory: Path, batch: int, prompt_len: int, new_tokens: int, device: str = "cpu",
-                  native_kernels: str = "auto", inline_step_ms: float | None = None) -> EngineConfig:
+                  native_kernels: str = "auto", inline_step_ms: float | None = None,
+                  decode_steps: int = 1) -> EngineConfig:
     per_request = -(-(prompt_len + new_tokens) // PAGE) + 1
     return EngineConfig(model=str(directory), device=device, max_running=batch, num_kv_pages=batch * per_request + 2,
                         max_context=prompt_len + new_tokens + PAGE, max_prefill_tokens=4096,
                         prefix_cache=False, leak_check="raise", use_entry_points=False,
-                        native_kernels=native_kernels,
+                        native_kernels=native_kernels, decode_steps=decode_steps,
                         **({} if inline_step_ms is None else {"inline_step_ms": inline_step_ms}))
 
 
@@ -135,14 +141,23 @@ async def kvlife_run(engine: Engine, prompts: list[list[int]], new_tokens: int) 
     engine.check_memory()
     new_itl = engine.stats.itl.total - itl_before
     itl = list(engine.stats.itl.samples)[-new_itl:] if new_itl else []
-    decode = [t for t in runner.timings if t.decode_only and t.batch == len(prompts)]
+    timings = runner.timings
+    decode = [t for t in timings if t.decode_only and t.batch == len(prompts)]
     runner.timings = None
+    # a decode step's interval: from the end of the step before it (also a decode step of every row)
+    # to its own end; a decode run's first step holds the loop's work of the whole run (a run streams
+    # its tokens in bursts, so the gaps between tokens would say nothing of it)
+    full = [t.decode_only and t.batch == len(prompts) for t in timings]
+    paired = [i for i in range(1, len(timings)) if full[i] and full[i - 1]]
+    intervals = [timings[i].ended - timings[i - 1].ended for i in paired]
     return {
         "wall_s": wall,
         "ids": [o.token_ids for o in outputs],
         "itl_ms": 1e3 * statistics.median(itl) if itl else None,
+        "interval_ms": 1e3 * statistics.mean(intervals) if intervals else None,
         "prepare_ms": 1e3 * statistics.median(t.prepare_s for t in decode) if decode else None,
         "forward_ms": 1e3 * statistics.median(t.forward_s for t in decode) if decode else None,
+        "forward_mean_ms": 1e3 * statistics.mean(timings[i].forward_s for i in paired) if paired else None,
     }
 
 
@@ -152,45 +167,53 @@ async def bench_batch(args, directory: Path, hf: HFGenerate, floor: Floor, batch
     prompts = make_prompts(batch, args.prompt_len)
     n = args.new_tokens
     runs = []
-    async with Engine(engine_config(directory, batch, args.prompt_len, n, args.device,
-                                    args.native_kernels, args.inline_step_ms)) as engine:
-        await kvlife_run(engine, prompts[:1], 2)  # warm-up, both
+    kvlife = ["kvlife", "runs"] if args.decode_steps > 1 else ["kvlife"]
+    async with contextlib.AsyncExitStack() as stack:
+        engines = {who: await stack.enter_async_context(Engine(engine_config(
+            directory, batch, args.prompt_len, n, args.device, args.native_kernels, args.inline_step_ms,
+            args.decode_steps if who == "runs" else 1))) for who in kvlife}
+        for engine in engines.values():
+            await kvlife_run(engine, prompts[:1], 2)  # warm-up, every engine
         hf.run(prompts[:1], 2)
         for rep in range(args.repeat):
-            order = ["hf", "kvlife", "floor"]
-            order = order[rep % 3:] + order[: rep % 3]
+            order = ["hf", *kvlife, "floor"]
+            order = order[rep % len(order):] + order[: rep % len(order)]
             run: dict = {"order": order, "load": loadavg()}
             for who in order:
                 if who == "hf":
                     wall_1, _ = hf.run(prompts, 1)
                     wall_n, ids = hf.run(prompts, n)
                     run["hf"] = {"wall_1_s": wall_1, "wall_s": wall_n, "ids": ids}
-                elif who == "kvlife":
-                    one = await kvlife_run(engine, prompts, 1)
-                    run["kvlife"] = await kvlife_run(engine, prompts, n)
-                    run["kvlife"]["wall_1_s"] = one["wall_s"]
-                else:
+                elif who == "floor":
                     run["floor"] = floor.run(batch, args.prompt_len + n // 2)
-            for who in ("hf", "kvlife"):
+                else:
+                    one = await kvlife_run(engines[who], prompts, 1)
+                    run[who] = await kvlife_run(engines[who], prompts, n)
+                    run[who]["wall_1_s"] = one["wall_s"]
+            for who in ("hf", *kvlife):
                 r = run[who]
                 r["e2e_tok_s"] = batch * n / r["wall_s"]
                 r["step_ms"] = 1e3 * (r["wall_s"] - r["wall_1_s"]) / (n - 1)
                 r["decode_tok_s"] = batch / r["step_ms"] * 1e3
-            kv = run["kvlife"]
-            run["greedy_equal"] = sum(a == b for a, b in zip(kv["ids"], run["hf"]["ids"]))
-            run["x_hf_e2e"] = kv["e2e_tok_s"] / run["hf"]["e2e_tok_s"]
-            run["x_hf_decode"] = kv["decode_tok_s"] / run["hf"]["decode_tok_s"]
-            run["x_floor"] = run["floor"]["step_ms"] / kv["step_ms"]
-            run["x_floor_attention"] = (run["floor"]["step_ms"] + run["floor"]["attention_ms"]) / kv["step_ms"]
-            run["x_floor_kv_read"] = (run["floor"]["step_ms"] + run["floor"]["kv_read_ms"]) / kv["step_ms"]
-            if kv["forward_ms"] is not None and kv["itl_ms"]:
-                run["engine_work_share"] = 1 - kv["forward_ms"] / kv["itl_ms"]
-            for who in ("hf", "kvlife"):
+            for who in kvlife:  # "kvlife": every step planned; "runs": decode runs (--decode-steps)
+                kv, key = run[who], "" if who == "kvlife" else "_runs"
+                run["greedy_equal" + key] = sum(a == b for a, b in zip(kv["ids"], run["hf"]["ids"]))
+                run["x_hf_e2e" + key] = kv["e2e_tok_s"] / run["hf"]["e2e_tok_s"]
+                run["x_hf_decode" + key] = kv["decode_tok_s"] / run["hf"]["decode_tok_s"]
+                run["x_floor" + key] = run["floor"]["step_ms"] / kv["step_ms"]
+                run["x_floor_attention" + key] = (run["floor"]["step_ms"] + run["floor"]["attention_ms"]) / kv["step_ms"]
+                run["x_floor_kv_read" + key] = (run["floor"]["step_ms"] + run["floor"]["kv_read_ms"]) / kv["step_ms"]
+                if kv["forward_mean_ms"] is not None and kv["interval_ms"]:  # NOTE: two means: a run's steps vary
+                    run["engine_work_share" + key] = 1 - kv["forward_mean_ms"] / kv["interval_ms"]
+            if "runs" in run:
+                run["runs_x_plain_decode"] = run["runs"]["decode_tok_s"] / run["kvlife"]["decode_tok_s"]
+            for who in ("hf", *kvlife):
                 del run[who]["ids"]
             runs.append(run)
             print(f"  batch {batch} repeat {rep + 1}: x HF e2e {run['x_hf_e2e']:.2f}, decode {run['x_hf_decode']:.2f}, "
-                  f"x floor {run['x_floor']:.2f}, greedy equal {run['greedy_equal']}/{batch}, load {run['load']}",
-                  flush=True)
+                  f"x floor {run['x_floor']:.2f}, greedy equal {run['greedy_equal']}/{batch}, load {run['load']}"
+                  + (f"; decode runs: x floor {run['x_floor_runs']:.2f}, greedy equal {run['greedy_equal_runs']}"
+                     if "runs" in run else ""), flush=True)
     return summarize(batch, runs)
 
 
@@ -220,10 +243,22 @@ def summarize(batch: int, runs: list[dict]) -> dict:
         "floor_kv_read_ms": stat(lambda r: r["floor"]["kv_read_ms"]),
         "x_floor_kv_read": stat(lambda r: r["x_floor_kv_read"]),
         "kvlife_itl_ms": stat(lambda r: r["kvlife"]["itl_ms"]),
+        "kvlife_interval_ms": stat(lambda r: r["kvlife"]["interval_ms"]),
         "kvlife_prepare_ms": stat(lambda r: r["kvlife"]["prepare_ms"]),
         "kvlife_forward_ms": stat(lambda r: r["kvlife"]["forward_ms"]),
         "engine_work_share": stat(lambda r: r.get("engine_work_share")),
         "greedy_equal": [r["greedy_equal"] for r in runs],
+        # decode runs (--decode-steps K > 1): the same figures for an engine with decode_steps=K
+        "runs_step_ms": stat(lambda r: r["runs"]["step_ms"] if "runs" in r else None),
+        "runs_interval_ms": stat(lambda r: r["runs"]["interval_ms"] if "runs" in r else None),
+        "runs_forward_mean_ms": stat(lambda r: r["runs"]["forward_mean_ms"] if "runs" in r else None),
+        "kvlife_forward_mean_ms": stat(lambda r: r["kvlife"]["forward_mean_ms"]),
+        "x_hf_decode_runs": stat(lambda r: r.get("x_hf_decode_runs")),
+        "x_floor_runs": stat(lambda r: r.get("x_floor_runs")),
+        "x_floor_kv_read_runs": stat(lambda r: r.get("x_floor_kv_read_runs")),
+        "engine_work_share_runs": stat(lambda r: r.get("engine_work_share_runs")),
+        "runs_x_plain_decode": stat(lambda r: r.get("runs_x_plain_decode")),
+        "greedy_equal_runs": [r["greedy_equal_runs"] for r in runs if "greedy_equal_runs" in r],
         "runs": runs,
     }
 
@@ -240,16 +275,32 @@ def print_tables(rows: list[dict], info: dict, bw: dict, floor_mib: float) -> No
               f"{fmt(r['x_hf_e2e'], 2):>16} | {fmt(r['hf_decode_tok_s']):>20} | {fmt(r['kvlife_decode_tok_s']):>20} | "
               f"{fmt(r['x_hf_decode'], 2):>16} | {'/'.join(map(str, r['greedy_equal']))} of {r['batch']}")
     print("\ndecode step, ms: HF and kvlife from wall(n) - wall(1); floor = the matmuls alone, the fastest layout; "
-          "engine work = kvlife's inter-token interval minus forward + sampling")
+          "engine work = kvlife's mean decode interval (one decode step's end to the next's) minus the mean "
+          "forward + sampling; ITL = the median gap between tokens")
     print(f"{'batch':>5} | {'HF step':>18} | {'kvlife step':>18} | {'floor':>18} | {'x floor':>16} | "
-          f"{'kvlife ITL':>18} | {'forward':>18} | {'prepare':>14} | {'engine work':>18}")
+          f"{'kvlife ITL':>18} | {'interval':>18} | {'forward':>18} | {'prepare':>14} | {'engine work':>18}")
     for r in rows:
         share = r["engine_work_share"]
         share_s = "-" if share is None else (f"{100 * share['median']:.1f}% ({100 * share['min']:.1f}-"
                                              f"{100 * share['max']:.1f})")
         print(f"{r['batch']:>5} | {fmt(r['hf_step_ms'], 2):>18} | {fmt(r['kvlife_step_ms'], 2):>18} | "
               f"{fmt(r['floor_step_ms'], 2):>18} | {fmt(r['x_floor'], 2):>16} | {fmt(r['kvlife_itl_ms'], 2):>18} | "
+              f"{fmt(r['kvlife_interval_ms'], 2):>18} | "
               f"{fmt(r['kvlife_forward_ms'], 2):>18} | {fmt(r['kvlife_prepare_ms'], 2):>14} | {share_s:>18}")
+    if rows and rows[0]["runs_step_ms"] is not None:
+        print("\ndecode runs (an engine with --decode-steps, alternated with the one above in every repeat): "
+              "engine work from each engine's own mean decode interval and mean forward; x plain = its decode tok/s "
+              "over the plain engine's in the same repeat")
+        print(f"{'batch':>5} | {'step ms':>18} | {'x HF decode':>16} | {'x floor':>16} | {'interval':>18} | "
+              f"{'fwd mean':>8} | {'engine work':>18} | {'plain engine work':>18} | {'x plain':>16} | greedy equal")
+        for r in rows:
+            share = (r["engine_work_share_runs"], r["engine_work_share"])
+            shares = ["-" if v is None else f"{100 * v['median']:.1f}% ({100 * v['min']:.1f}-{100 * v['max']:.1f})"
+                      for v in share]
+            print(f"{r['batch']:>5} | {fmt(r['runs_step_ms'], 2):>18} | {fmt(r['x_hf_decode_runs'], 2):>16} | "
+                  f"{fmt(r['x_floor_runs'], 2):>16} | {fmt(r['runs_interval_ms'], 2):>18} | "
+                  f"{r['runs_forward_mean_ms']['median']:>8.2f} | {shares[0]:>18} | {shares[1]:>18} | "
+                  f"{fmt(r['runs_x_plain_decode'], 2):>16} | {'/'.join(map(str, r['greedy_equal_runs']))} of {r['batch']}")
     print("\nthe floor by weight layout, ms (median over repeats): F.linear [out, in] / torch.mm [in, out] / oneDNN blocked")
     for r in rows:
         layouts = [r["floor_linear_ms"], r["floor_packed_ms"], r["floor_onednn_ms"]]
@@ -275,6 +326,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default="bench-results/engine.json")
     parser.add_argument("--inline-step-ms", type=float, default=None,
                         help="EngineConfig.inline_step_ms for kvlife (default: the engine's; 0: tokens alone decide)")
+    parser.add_argument("--decode-steps", type=int, default=1,
+                        help="EngineConfig.decode_steps for kvlife (default 1: every step planned; K: decode runs)")
     parser.add_argument("--native-kernels", default="auto", choices=["auto", "on", "off"],
                         help="EngineConfig.native_kernels for kvlife (docs/models.md)")
     parser.add_argument("--quick", action="store_true", help="batches 1 and 8, 2 repeats, 16 new tokens (smoke run)")
@@ -299,6 +352,7 @@ def main(argv: list[str] | None = None) -> dict:
                "workload": {"model": ANCHOR, "dtype": "float32", "prompt_len": args.prompt_len,
                             "new_tokens": args.new_tokens, "repeat": args.repeat, "threads": args.threads,
                             "native_kernels": args.native_kernels, "inline_step_ms": args.inline_step_ms,
+                            "decode_steps": args.decode_steps,
                             "floor_weight_bytes": floor.nbytes},
                "rows": rows}
     return write_results(args.out, results)

@@ -11,6 +11,8 @@ token's logprob, by:
     device fp32, graphs on        tokens should equal the reference
     device bf16, graphs on / off  graphs must not change what a step computes
     cpu bf16                      bf16 rounding on the host, for scale
+    device fp32 / bf16 with decode runs (`decode_steps=4`; graphs on / off)
+                                  runs must not change what the steps compute
 
 and the first token's logprob differences are reported. Then one engine per
 case decodes a batch while every step runs under torch's sync debug mode: the
@@ -64,10 +66,10 @@ def prompts(case: str) -> list[list[int]]:
     return [[(13 * i + 7 * j) % 250 + 1 for j in range(length + 3 * i)] for i in range(6)]
 
 
-def config(case: str, device: str, dtype: str, graphs: bool) -> EngineConfig:
+def config(case: str, device: str, dtype: str, graphs: bool, decode_steps: int = 1) -> EngineConfig:
     return EngineConfig(**CASES[case], device=device, dtype=dtype, cuda_graphs=graphs, page_size=16,
                         num_kv_pages=256, max_running=8, max_context=512, max_prefill_tokens=256,
-                        prefix_cache=False, use_entry_points=False, leak_check="raise")
+                        prefix_cache=False, use_entry_points=False, leak_check="raise", decode_steps=decode_steps)
 
 
 async def decode(cfg: EngineConfig, batch: list[list[int]]) -> dict:
@@ -110,6 +112,9 @@ def parity(case: str, device: str) -> dict:
         "dev_bf16_eager": config(case, device, "bfloat16", False),
         "cpu_bf16": config(case, "cpu", "bfloat16", False),
     }
+    if case != "hisparse":  # decode runs: the same steps, several per plan (HiSparse refuses them)
+        runs["dev_fp32_graphs_runs"] = config(case, device, "float32", True, decode_steps=4)
+        runs["dev_bf16_eager_runs"] = config(case, device, "bfloat16", False, decode_steps=4)
     out = {name: anyio.run(decode, cfg, batch) for name, cfg in runs.items()}
     result = {
         "fp32_device_vs_cpu": compare(out["dev_fp32_graphs"], out["cpu_fp32"]),
@@ -117,12 +122,16 @@ def parity(case: str, device: str) -> dict:
         "bf16_device_vs_cpu": compare(out["dev_bf16_graphs"], out["cpu_bf16"]),
         "graphs": {name: run["graphs"] for name, run in out.items()},
     }
+    if "dev_fp32_graphs_runs" in out:
+        result["runs_vs_steps"] = min(compare(out["dev_fp32_graphs_runs"], out["dev_fp32_graphs"])["equal_sequences"],
+                                      compare(out["dev_bf16_eager_runs"], out["dev_bf16_eager"])["equal_sequences"])
     graphs_used = case == "hisparse" or out["dev_bf16_graphs"]["graphs"]["replays"] > 0 or device == "cpu"
     result["ok"] = bool(
         result["fp32_device_vs_cpu"]["equal_sequences"] >= MIN_FP32_EQUAL
         and result["fp32_device_vs_cpu"]["first_logprob_gap"] <= MAX_FP32_LOGPROB_GAP
         and result["bf16_graphs_vs_eager"]["equal_sequences"] >= MIN_GRAPHS_EQUAL
         and result["bf16_device_vs_cpu"]["first_logprob_gap"] <= MAX_BF16_LOGPROB_GAP
+        and result.get("runs_vs_steps", 1.0) >= MIN_GRAPHS_EQUAL
         and graphs_used)
     return result
 
@@ -263,13 +272,13 @@ def render(results: dict) -> str:
     lines = [f"GPU check on {info.get('device')} (torch {info['torch']}, CUDA {info.get('cuda')}), "
              f"load {info['load_at_start']} at start", "",
              "| case | fp32 dev=cpu seqs | fp32 1st-logprob gap | bf16 graphs=eager seqs | bf16 dev-cpu 1st gap "
-             "| graphs captured / replays | syncs per decode step: debug mode max / profile per step / allowed "
-             "| pageable copies | ok |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| decode runs = steps seqs | graphs captured / replays "
+             "| syncs per decode step: debug mode max / profile per step / allowed | pageable copies | ok |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for case, entry in results["cases"].items():
         p, s = entry.get("parity", {}), entry.get("syncs", {})
         if "error" in p:
-            lines.append(f"| {case} | error: {p['error'][:80]} | | | | | | | no |")
+            lines.append(f"| {case} | error: {p['error'][:80]} | | | | | | | | no |")
             continue
         graphs = p["graphs"]["dev_bf16_graphs"]
         on = s.get("graphs_on", {})
@@ -281,7 +290,9 @@ def render(results: dict) -> str:
         lines.append(
             f"| {case} | {p['fp32_device_vs_cpu']['equal_sequences']:.2f} | "
             f"{p['fp32_device_vs_cpu']['first_logprob_gap']:.2e} | {p['bf16_graphs_vs_eager']['equal_sequences']:.2f} | "
-            f"{p['bf16_device_vs_cpu']['first_logprob_gap']:.3f} | {graphs['captured']} / {graphs['replays']} | "
+            f"{p['bf16_device_vs_cpu']['first_logprob_gap']:.3f} | "
+            f"{'-' if 'runs_vs_steps' not in p else format(p['runs_vs_steps'], '.2f')} | "
+            f"{graphs['captured']} / {graphs['replays']} | "
             f"{on.get('syncs_per_decode_step_max', '-')} / {profiled} / {s.get('allowed_per_decode_step', '-')} | "
             f"{pageable} | "
             f"{'yes' if ok else 'NO'} |")

@@ -168,6 +168,15 @@ class EngineConfig:
     "auto" (where they apply: a CPU device, a float32 model and a C++ compiler to build them on
     first use; torch's ops elsewhere), "on" (refused where they do not apply or cannot be built)
     or "off" (torch's ops alone).
+    `decode_steps`: the most model steps a batch of plain decode rows runs back to back
+    before the loop plans again (a decode run: `engine.runtime.decode_runs`, like vLLM's
+    multi-step scheduling). Each later step takes the tokens the step before sampled; the
+    loop applies and streams them after the run, so the host work between steps (about a
+    tenth of a step at batch 1 on a CPU) is paid once per run. The price: tokens reach a
+    stream in bursts of up to this many, a submission waits up to a run to be admitted,
+    and a row that stops inside a run computes the run's remaining tokens for nothing.
+    Runs only while no request waits to be admitted. 1 (the default) = every step planned.
+    Not with `speculative` (its verify steps already take several tokens) nor `hisparse`.
     """
 
     model: str = attrs.field(default="tiny")
@@ -199,6 +208,7 @@ class EngineConfig:
     admission_window: float = attrs.field(default=0.0, validator=number_at_least(0))
     inline_step_tokens: int = attrs.field(default=8, validator=int_at_least(0))
     inline_step_ms: float = attrs.field(default=20.0, validator=number_at_least(0))
+    decode_steps: int = attrs.field(default=1, validator=int_at_least(1))
     mm_cache_bytes: int = attrs.field(default=64 << 20, validator=int_at_least(1))
     #: speculative decoding (an engine.speculative.SpeculativeConfig; docs/speculative.md); None: off
     speculative: SpeculativeConfig | None = attrs.field(default=None, kw_only=True)
@@ -246,6 +256,11 @@ class EngineConfig:
                 f"{p}.speculative", "None or an engine.speculative.SpeculativeConfig", self.speculative)
         require(self.speculative is None or self.hisparse is None, InvalidConfig, f"{p}.speculative",
                 "None when hisparse is set (sparse decode attends one query per request)", self.speculative)
+        require(self.decode_steps <= 64, InvalidConfig, f"{p}.decode_steps", "an integer in [1, 64]",
+                self.decode_steps)
+        require(self.decode_steps == 1 or (self.speculative is None and self.hisparse is None), InvalidConfig,
+                f"{p}.decode_steps", "1 when speculative or hisparse is set (they run decode steps of their own)",
+                self.decode_steps)
         require(isinstance(self.structured, StructuredConfig), InvalidConfig, f"{p}.structured",
                 "an engine.StructuredConfig", self.structured)
         require(self.remote_prefill is None or isinstance(self.remote_prefill, RemotePrefillSettings), InvalidConfig,

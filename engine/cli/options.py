@@ -93,6 +93,8 @@ ENGINE_OPTIONS: list[tuple[str, type, str]] = [
                                 "on the loop's step thread"),
     ("inline_step_ms", float, "on a CPU, steps expected to end within this many milliseconds run on the event "
                               "loop's thread too (0: tokens alone decide)"),
+    ("decode_steps", int, "the most decode steps a batch runs back to back before the loop plans again (tokens "
+                          "stream in bursts of up to this many; 1: every step planned)"),
     ("starvation_timeout", float, "seconds a request may wait for memory before it is reported starved "
                                   "(after a leak check naming what it waits for)"),
     # issue 21 (docs/scheduling.md)

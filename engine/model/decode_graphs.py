@@ -38,18 +38,22 @@ which is how CPU tests check it against the eager runner.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import structlog
 import torch
 
 from engine.model.attention import PagedAttention
+from engine.model.batch import ScheduledSeq
 from engine.model.llama import LlamaModel
 from engine.model.sampling import FIELD_ROWS, argmax_rows
+from engine.model.step_upload import StepUpload
 from resources.device_io import compute_stream, on_device
 from resources.kv_buffers import KVBuffers
 from resources.request_slots import RequestSlots
+from states import Request
 
 log = structlog.get_logger("kvlife.decode_graphs")
 
@@ -167,6 +171,40 @@ class DecodeGraphs:
         routing: list[torch.Tensor] = []
         logits = self.model(ids, positions, attention, routing=routing)
         return logits, argmax_rows(logits), torch.stack(routing) if routing else None
+
+    def replay(self, seqs: Sequence[ScheduledSeq], fields: np.ndarray | None, upload: StepUpload,
+               slot_of: Callable[[Request], int | None], next_ids: Sequence[int] | None = None
+               ) -> tuple[Any, Any, Any, Any] | None:
+        """A decode-only batch through its graph (the runner's path for one): the inputs, and the
+        sampler's `fields` if any, in one upload straight into the static buffer, then the replay;
+        (logits, greedy ids, routing, fields on the device). None: the batch does not fit a graph.
+        `next_ids`: the rows' token ids at a decode run's later step (`engine.model.decode_run`)."""
+        ids, positions, slots = [], [], []
+        for row, s in enumerate(seqs):
+            request = s.request
+            slot = slot_of(request)
+            if s.num_tokens != 1 or request.mm_inputs or slot is None:
+                return None
+            prompt = request.prompt_token_ids
+            ids.append(next_ids[row] if next_ids is not None else
+                       prompt[s.start] if s.start < len(prompt) else request.output_token_ids[s.start - len(prompt)])
+            positions.append(s.start)
+            slots.append(slot)
+        largest = self.largest
+        if self.disabled or len(seqs) > largest:
+            return None
+        words = (4 + FIELD_ROWS) * largest if fields is not None else 4 * largest
+        host = upload.start(words)
+        self.write_inputs(host, largest, ids, positions, slots)
+        if fields is not None:
+            # the fields region is [6, largest]; this step's rows are its first columns
+            host[4 * largest : words].reshape(FIELD_ROWS, largest)[:, : len(seqs)] = fields
+        upload.send(words, into=self.buffer)
+        ran = self.run(len(seqs))
+        if ran is None:
+            return None
+        logits, greedy, routing = ran
+        return logits, greedy, routing, None if fields is None else self.fields[:, : len(seqs)]
 
     @staticmethod
     def write_inputs(host: Any, largest: int, ids: Sequence[int], positions: Sequence[int],

@@ -45,11 +45,14 @@ DecodeInputs = tuple[Tensor, Tensor, PagedAttention, "Tensor | None"]
 
 def decode_inputs(seqs: Sequence[ScheduledSeq], fields: np.ndarray | None, *, upload: StepUpload, table: Tensor,
                   host_table: np.ndarray | None, kv: KVBuffers, slot_of: Callable[[Request], int | None],
-                  layer_windows: tuple[int | None, ...], kernel: NativeKernels | None = None) -> DecodeInputs | None:
+                  layer_windows: tuple[int | None, ...], kernel: NativeKernels | None = None,
+                  next_ids: Sequence[int] | None = None) -> DecodeInputs | None:
     """The inputs of a plain decode step (module docstring), or None when `seqs` is not one.
     `fields`: the sampler's host fields (`SamplingBatch.fields`), uploaded with the rest;
     `host_table`: the token table `table` itself as a host array, when it lives on the host (the
-    locations and pages are then read there and uploaded, not gathered on the device)."""
+    locations and pages are then read there and uploaded, not gathered on the device);
+    `next_ids`: the rows' token ids when the requests do not hold them yet (a decode run's later
+    steps, `engine.model.decode_run`: each row's token is the one the step before sampled)."""
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -61,11 +64,14 @@ def decode_inputs(seqs: Sequence[ScheduledSeq], fields: np.ndarray | None, *, up
         if slot is None:
             return None
         start = s.start
-        prompt = request.prompt_token_ids
-        ids.append(prompt[start] if start < len(prompt) else request.output_token_ids[start - len(prompt)])
+        if next_ids is None:
+            prompt = request.prompt_token_ids
+            ids.append(prompt[start] if start < len(prompt) else request.output_token_ids[start - len(prompt)])
         positions.append(start)
         slots.append(slot)
-    n = len(ids)
+    if next_ids is not None:
+        ids = list(next_ids)
+    n = len(positions)
     if not n:
         return None
     ps = kv.page_size

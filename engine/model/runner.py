@@ -28,8 +28,11 @@ under the engine's device (`resources.device_io.on_device`)::
 A plain decode step (every row one sampled token of a request with a slot,
 the paged attention backend) builds the same tensors on a short path
 (`engine.model.decode_inputs`): on the host, the new tokens' locations and
-the page table are read from the token table there; the general layout is
-for every other step.
+the page table are read from the token table there; the general layout
+(`engine.model.batch_inputs`) is for every other step. A decode run
+(`run`, `engine.model.decode_run`) takes several plain decode steps back to
+back; a greedy run uploads every step's inputs at its first
+(`engine.model.run_inputs`).
 
 The model's weights are packed once, at construction (`LlamaModel.pack`).
 A decode-only step on CUDA replays the CUDA graph of its batch bucket
@@ -47,21 +50,22 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-import numpy as np
 import torch
 
 from engine.model.attention import AttentionBackend, AttentionMetadata, PagedAttention, PagedFactory
-from engine.model.batch import ScheduledSeq, row_tokens
+from engine.model.batch import ScheduledSeq
+from engine.model.batch_inputs import batch_inputs
 from engine.model.decode_inputs import decode_inputs
+from engine.model.decode_run import run_decode_steps
+from engine.model.run_inputs import RunInputs
 from engine.model.llama import LlamaModel
 from engine.model.prompt_logprobs import PromptEntries, PromptLogprobPlan
-from engine.model.decode_graphs import FIELD_ROWS, DecodeGraphs
+from engine.model.decode_graphs import DecodeGraphs
 from engine.model.sampling import SamplingBatch, format_logprobs, logprob_tensors, sample_tokens
 from engine.model.step_types import StepInputs, StepMasks, StepOutput, StepTiming, TokenMasks
-from engine.model.step_upload import Sections, StepUpload
+from engine.model.step_upload import StepUpload
 from resources.device_io import on_device, read_back
 from resources.kv_buffers import KVBuffers
-from resources.paging import round_up
 from resources.request_slots import RequestSlots
 from states import Request, TokenLogprob
 
@@ -114,6 +118,15 @@ class ModelRunner:
         #: plain decode steps take `engine.model.decode_inputs`' short path (False: every step the
         #: general one; tests compare the two)
         self.short_decode = True
+        #: whether the last step was a plain decode step that the next one can follow without the
+        #: loop (its inputs are the rows' sampled tokens: `engine.model.decode_run`)
+        self.last_plain = False
+        #: the sampler's description of a plain step, for the rest of its run when it has no fields
+        self._run_batch: SamplingBatch | None = None
+        #: a decode run's inputs uploaded at its first step (`engine.model.run_inputs`), and the
+        #: tokens the last step sampled, on the device: the next step's ids
+        self._run_inputs: RunInputs | None = None
+        self._sampled: torch.Tensor | None = None
         self._inference_mode = torch.inference_mode()
         #: the token table as a host array when it lives on the host (the short path reads it there)
         table = slots.req_to_token
@@ -137,140 +150,95 @@ class ModelRunner:
     def prepare(self, seqs: Sequence[ScheduledSeq], batch: SamplingBatch | None = None,
                 extra: Sequence[tuple[str, Sequence[int]]] = ()) -> StepInputs:
         """The batch's tensors, from one pass over `seqs`, one upload and no host sync
-        (`extra`: named int sections uploaded with them, in `StepInputs.extra`)."""
-        ids: list[int] = []
-        starts: list[int] = []
-        shifts: list[int] = []  # a row's first position less its first token's place in the step
-        q_lens: list[int] = []
-        kv_lens: list[int] = []
-        slots: list[int] = []
-        live: list[bool] = []
-        samples: list[int] = []
-        decode_only = True
-        offset = 0
-        for s in seqs:
-            request, start, n = s.request, s.start, s.num_tokens
-            end = start + n
-            if n == 1 and not s.draft:
-                prompt = request.prompt_token_ids
-                ids.append(prompt[start] if start < len(prompt) else request.output_token_ids[start - len(prompt)])
-            else:
-                decode_only = False
-                ids.extend(row_tokens(s))
-            starts.append(start)
-            shifts.append(start - offset)
-            q_lens.append(n)
-            kv_lens.append(end)
-            # NOTE: slot_of is None for rows whose backend keeps their KV itself (HiSparse
-            # decode rows): their locations read as the padding page 0.
-            slot = self.slot_of(request)
-            slots.append(0 if slot is None else slot)
-            live.append(slot is not None)
-            offset += n
-            if s.samples:
-                if s.draft:  # from the request's last token on (a verify row: it and each draft)
-                    samples.extend(range(offset - min(n, len(s.draft) + 1), offset))
-                else:
-                    samples.append(offset - 1)
-        every_row = len(samples) == offset
-        all_live = all(live)
-        layout = Sections()
-        for name, words in (("ids", offset), ("positions", offset), ("slots", len(seqs))):
-            layout.add(name, words)
-        if not decode_only:
-            layout.add("token_slots", offset)
-        if not all_live:
-            layout.add("live", len(seqs))
-            if not decode_only:
-                layout.add("token_live", offset)
-        if not every_row:
-            layout.add("samples", len(samples))
-        fields = batch.fields if batch is not None else None
-        if fields is not None:
-            layout.add("fields", fields.size)
-        for name, values in extra:
-            layout.add(name, len(values))
-        host = self.upload.start(layout.size)
-        layout.write(host, "ids", ids)
-        layout.write(host, "slots", slots)
-        if not all_live:
-            layout.write(host, "live", live)
-        if decode_only:  # one token a row: the row's start
-            layout.write(host, "positions", starts)
-        else:  # per token (numpy, no Python per token): positions on from each row's start, its slot, its flag
-            counts = np.array(q_lens, dtype=np.int64)
-            layout.write_ranges(host, "positions", np.array(shifts, dtype=np.int64), counts)
-            layout.write_repeated(host, "token_slots", layout.section(host, "slots"), counts)
-            if not all_live:
-                layout.write_repeated(host, "token_live", layout.section(host, "live"), counts)
-        if not every_row:
-            layout.write(host, "samples", samples)
-        if fields is not None:
-            layout.write(host, "fields", fields.reshape(-1))
-        for name, values in extra:
-            layout.write(host, name, values)
-        dev = self.upload.send(layout.size)
-        ids_t, pos_t, slots_t = layout.view(dev, "ids"), layout.view(dev, "positions"), layout.view(dev, "slots")
-        token_slots = slots_t if decode_only else layout.view(dev, "token_slots")
-        table = self.slots.req_to_token
-        out_locs = table[token_slots, pos_t]
-        # NOTE: the page table is read straight from the token table (locations are
-        # page * page_size + offset); columns past a row's context may name any page
-        # (stale entries), which attention masks out and only ever reads.
-        ps = self.kv.page_size
-        pages = table[slots_t, : round_up(max(kv_lens), ps) : ps]
-        if ps > 1:
-            pages = pages // ps
-        if not all_live:
-            live_t = layout.view(dev, "live")
-            out_locs = out_locs * (live_t if decode_only else layout.view(dev, "token_live"))
-            pages = pages * live_t[:, None]
-        meta = AttentionMetadata(out_locs=out_locs, q_lens=q_lens, kv_lens=kv_lens, kv_pages=pages, page_size=ps)
-        sample_rows = None if every_row else layout.view(dev, "samples")
-        fields_t = None if fields is None else layout.view(dev, "fields").view(fields.shape)
-        sections = {name: layout.view(dev, name) for name, _ in extra}
-        return StepInputs(ids_t, pos_t, meta, sample_rows, fields_t, sections)
+        (`extra`: named int sections uploaded with them, in `StepInputs.extra`):
+        `engine.model.batch_inputs`, the general path of every step."""
+        return batch_inputs(seqs, batch, extra, upload=self.upload, table=self.slots.req_to_token, kv=self.kv,
+                            slot_of=self.slot_of)
 
     def step(self, seqs: Sequence[ScheduledSeq]) -> StepOutput:
-        self._inject_faults(seqs)
+        """One model step of `seqs`."""
         # NOTE: one inference_mode object, entered once per step (the runner runs one step at a
         # time): building one per call, as the decorator does, costs tens of microseconds a step
         # with the caches cold after the forward; on_device is a no-op off CUDA, and skipped
         with self._inference_mode:
             if self.device.type != "cuda":
-                return self._step(seqs)
+                return self.step_in_scope(seqs)
             with on_device(self.device):
-                return self._step(seqs)
+                return self.step_in_scope(seqs)
 
-    def _step(self, seqs: Sequence[ScheduledSeq]) -> StepOutput:
-        if self.extension is not None:
+    def run(self, seqs: Sequence[ScheduledSeq], steps: int) -> list[StepOutput]:
+        """A decode run: up to `steps` steps of the plain decode batch `seqs` back to back
+        (`engine.model.decode_run`), all in one inference-mode scope; each output in order."""
+        with self._inference_mode:
+            if self.device.type != "cuda":
+                return run_decode_steps(self, seqs, steps)
+            with on_device(self.device):
+                return run_decode_steps(self, seqs, steps)
+
+    def step_in_scope(self, seqs: Sequence[ScheduledSeq], next_ids: Sequence[int] | None = None, ahead: int = 0,
+                      steps: int = 1) -> StepOutput:
+        """`step` inside the scope its caller entered (inference mode, the device). Within a decode
+        run: `steps`, at its first step, how many the run may take; at a later one, `next_ids` the
+        rows' token ids (sampled by the step before, not yet applied) and `ahead` how many tokens
+        each row's output is ahead of its request's."""
+        self._inject_faults(seqs)
+        return self._step(seqs, next_ids, ahead, steps)
+
+    def _step(self, seqs: Sequence[ScheduledSeq], next_ids: Sequence[int] | None = None, ahead: int = 0,
+              steps: int = 1) -> StepOutput:
+        self.last_plain = False
+        run = self._run_inputs if next_ids is not None else None
+        self._run_inputs = None
+        if self.extension is not None and next_ids is None:
             extended = self.extension.step(self, seqs)
             if extended is not None:
                 return extended
         timed = self.timings is not None
         t0 = time.perf_counter() if timed else 0.0
-        params = [s.request.params for s in seqs if s.samples]
-        batch = SamplingBatch(params, [s.request.num_output_tokens for s in seqs if s.samples]) if params else None
-        plan = PromptLogprobPlan.build(seqs)  # issue 21: None unless a prefill chunk asked
+        batch: SamplingBatch | None
+        if next_ids is not None and self._run_batch is not None:  # a run's later step: the same rows
+            batch, plan = self._run_batch, None
+        else:
+            params = [s.request.params for s in seqs if s.samples]
+            # NOTE: a seeded row's draw is keyed by its output position, so a run's later steps count ahead
+            batch = SamplingBatch(params, [s.request.num_output_tokens + ahead for s in seqs if s.samples]) \
+                if params else None
+            plan = PromptLogprobPlan.build(seqs) if next_ids is None else None  # issue 21: a prefill chunk's
+        # NOTE: with no fields (greedy rows, logprobs for all or none) a run's steps share one description
+        self._run_batch = batch if batch is not None and batch.fields is None else None
         masks = None
-        if self.token_masks is not None and batch is not None:
+        if self.token_masks is not None and batch is not None and next_ids is None:  # a run stops at a mask
             masks = self.token_masks.begin([s.request for s in seqs if s.samples], self.device,
                                            self.model.config.vocab_size)
         if (self.graphs is not None and batch is not None and len(batch) == len(seqs) and plan is None
                 and masks is None):
-            replayed = self._replay(seqs, batch)
+            replayed = self.graphs.replay(seqs, batch.fields, self.upload, self.slot_of, next_ids)
             if replayed is not None:
                 logits, greedy, stacked, fields = replayed
                 out = self._finish(logits, batch, fields, stacked, greedy)
                 if timed:
                     self._record(seqs, t0, t0)
+                self.last_plain = True
                 return out
         factory = self.attention_factory
         short = None
-        if self.short_decode and plan is None and batch is not None and isinstance(factory, PagedFactory):
-            short = decode_inputs(seqs, batch.fields, upload=self.upload, table=self.slots.req_to_token,
-                                  host_table=self._host_table, kv=self.kv, slot_of=self.slot_of,
-                                  layer_windows=factory.layer_windows, kernel=factory.decode_kernel)
+        if run is not None:  # a run's later step: views of its first step's upload (engine.model.run_inputs)
+            short = run.step(ahead, self._sampled)
+            self._run_inputs = run
+        elif self.short_decode and plan is None and batch is not None and isinstance(factory, PagedFactory):
+            if steps > 1 and batch.fields is None:
+                self._run_inputs = RunInputs.build(
+                    seqs, steps, upload=self.upload, table=self.slots.req_to_token, host_table=self._host_table,
+                    kv=self.kv, slot_of=self.slot_of, layer_windows=factory.layer_windows,
+                    kernel=factory.decode_kernel)
+                short = None if self._run_inputs is None else self._run_inputs.step(0)
+            else:
+                short = decode_inputs(seqs, batch.fields, upload=self.upload, table=self.slots.req_to_token,
+                                      host_table=self._host_table, kv=self.kv, slot_of=self.slot_of,
+                                      layer_windows=factory.layer_windows, kernel=factory.decode_kernel,
+                                      next_ids=next_ids)
+        if next_ids is not None and (short is None or masks is not None):
+            raise RuntimeError("a decode run continued past a step that was not a plain decode step")
         attention: AttentionBackend
         if short is not None:  # a plain decode step (engine.model.decode_inputs): every row sampled
             ids, positions, attention, fields = short
@@ -305,39 +273,8 @@ class ModelRunner:
             out.fences = fences
         if timed:
             self._record(seqs, t0, t1, decode_only=True if short is not None else None)
+        self.last_plain = short is not None and masks is None and not out.fences
         return out
-
-    def _replay(self, seqs: Sequence[ScheduledSeq], batch: SamplingBatch) -> tuple[Any, Any, Any, Any] | None:
-        """A decode-only batch through its CUDA graph: the inputs in one upload straight into
-        the graph's static buffer, then the replay. None: the batch does not fit a graph."""
-        graphs = self.graphs
-        assert graphs is not None
-        ids, positions, slots = [], [], []
-        for s in seqs:
-            request = s.request
-            slot = self.slot_of(request)
-            if s.num_tokens != 1 or request.mm_inputs or slot is None:
-                return None
-            prompt = request.prompt_token_ids
-            ids.append(prompt[s.start] if s.start < len(prompt) else request.output_token_ids[s.start - len(prompt)])
-            positions.append(s.start)
-            slots.append(slot)
-        largest = graphs.largest
-        if graphs.disabled or len(seqs) > largest:
-            return None
-        words = (4 + FIELD_ROWS) * largest if batch.fields is not None else 4 * largest
-        host = self.upload.start(words)
-        graphs.write_inputs(host, largest, ids, positions, slots)
-        if batch.fields is not None:
-            # the fields region is [6, largest]; this step's rows are its first columns
-            host[4 * largest : words].reshape(FIELD_ROWS, largest)[:, : len(seqs)] = batch.fields
-        self.upload.send(words, into=graphs.buffer)
-        ran = graphs.run(len(seqs))
-        if ran is None:
-            return None
-        logits, greedy, routing = ran
-        fields = None if batch.fields is None else graphs.fields[:, : len(seqs)]
-        return logits, greedy, routing, fields
 
     def _finish(self, logits: torch.Tensor, batch: SamplingBatch | None, fields: torch.Tensor | None,
                 routing: torch.Tensor | None, greedy: torch.Tensor | None = None,
@@ -350,6 +287,7 @@ class ModelRunner:
             allowed = None if masks is None else masks[0]
             tokens = (greedy if greedy is not None and batch.greedy and allowed is None
                       else sample_tokens(logits, batch, fields, allowed=allowed))
+            self._sampled = tokens
             parts.append(tokens)
             if batch.wants_logprobs:
                 parts.extend(logprob_tensors(logits, tokens, batch, fields))
@@ -372,7 +310,8 @@ class ModelRunner:
         if decode_only is None:
             decode_only = all(s.num_tokens == 1 for s in seqs)
         assert self.timings is not None  # called only for timed steps
-        self.timings.append(StepTiming(len(seqs), decode_only, t1 - t0, time.perf_counter() - t1))
+        now = time.perf_counter()
+        self.timings.append(StepTiming(len(seqs), decode_only, t1 - t0, now - t1, now))
 
     def _inject_faults(self, seqs: Sequence[ScheduledSeq]) -> None:
         if self.faults is not None:
@@ -398,3 +337,6 @@ class NoComputeRunner(ModelRunner):
         with on_device(self.device):
             self.prepare(seqs)
         return StepOutput([((s.start + s.num_tokens) * 7 + 11) % 256 for s in seqs if s.samples])
+
+    def run(self, seqs: Sequence[ScheduledSeq], steps: int) -> list[StepOutput]:
+        return [self.step(seqs)]  # NOTE: a run of one: its plain step (the prefill role never decodes)

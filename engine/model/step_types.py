@@ -70,6 +70,8 @@ class StepTiming:
     decode_only: bool
     prepare_s: float
     forward_s: float
+    #: `time.perf_counter()` when the step ended (the time between two steps' ends is a step's interval)
+    ended: float = 0.0
 
 
 @attrs.frozen(eq=False)

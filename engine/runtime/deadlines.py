@@ -9,7 +9,8 @@ STAGING, DECODING, RETRACTED; an unstarted one enters QUEUED holding nothing
 first). The loop bounds every wait by `next_due()`, so a deadline is seen
 when no traffic arrives and no step runs; while a model step is in flight it
 is seen right after the step (a request in a step is never transitioned
-during it), hence "within the deadline plus one step".
+during it), hence "within the deadline plus one step" (one decode run, with
+`EngineConfig.decode_steps`).
 
 NOTE: entries are a heap of (deadline, order, request). A request released
 before its deadline is only forgotten (`discard`); its entry is dropped when

@@ -14,7 +14,7 @@ Its interface is narrow: `submit` (requests in, a stream out), `abort`,
        it waits on completes (the completing thread wakes it:
        `engine.runtime.loop_waker`), polling only what cannot signal
     -> run the model step (on the loop's step thread unless it is small:
-       `engine.runtime.step_thread`)
+       `engine.runtime.step_thread`), or a decode run (`decode_runs`)
     -> apply (step applier): progress, tokens, outputs, finishes
     -> the leak check when idle, and every second while busy
        (`resources.leak_watch`: logged and counted, never raised here);
@@ -47,6 +47,7 @@ import structlog
 
 from engine.errors import EngineClosed, EngineDead, EngineOverloaded
 from engine.runtime.deadlines import DeadlineTimer
+from engine.runtime.decode_runs import DecodeRuns
 from engine.runtime.gateway import RequestGateway
 from engine.runtime.inline_rule import InlineRule
 from engine.runtime.loop_waker import LoopWaker, fence_wait
@@ -64,6 +65,7 @@ from resources.ledger import MemoryReport
 from states import FinishReason, Request, RequestState
 
 if TYPE_CHECKING:
+    from engine.model.step_types import StepOutput
     from engine.model.tokenizer import Tokenizer
     from engine.runtime.parts import EngineParts
 
@@ -108,6 +110,8 @@ class RuntimeLoop:
                                report=self.leak_watch.check_now,
                                draft_tokens=config.speculative.num_tokens if config.speculative else 0,
                                max_context=max_context)
+        self.runs = DecodeRuns(gateway=self.gateway, table=self.table, stats=self.stats, max_context=max_context,
+                               steps=1 if self.speculative else config.decode_steps)
         # issue 21: deadlines and sessions, both seen on a timer even without traffic
         self.deadlines = DeadlineTimer()
         self.sessions = SessionManager(parts.sessions, self.gateway, max_context=max_context,
@@ -309,22 +313,23 @@ class RuntimeLoop:
         if not batch:  # fences (each one that signals wakes the loop) or memory (polled)
             await self._wait(fence_wait(self.table.requests(), self.waker, self.machine.clock()))
             return
+        steps = self.runs.plan(batch)  # NOTE: 1 unless decode_steps > 1 (engine.runtime.decode_runs)
         self.step_running = True
         finished = self.stats.finished_total
-        tokens, started = sum(s.num_tokens for s in batch), time.perf_counter()
-        try:
-            if self.inline.inline(tokens):  # NOTE: a short step costs less than the hand-offs (inline_rule)
-                output = self.runner.step(batch)
-            else:
-                output = await self.step_thread.run(self.runner.step, batch)
+        tokens, started = sum(s.num_tokens for s in batch) * steps, time.perf_counter()
+        outputs: list[StepOutput] = []
+        try:  # NOTE: a short step costs less than the hand-offs to the step thread (inline_rule)
+            call = self.runs.runner_call(self.runner, steps)
+            outputs = call(batch) if self.inline.inline(tokens) else await self.step_thread.run(call, batch)
         except Exception as exc:  # the batch fails, the engine keeps serving
             self.applier.fail_step(batch, exc)
         else:
-            self.inline.observe(tokens, time.perf_counter() - started)
-            self.applier.apply_step(batch, output)
+            self.inline.observe(tokens * len(outputs) // steps, time.perf_counter() - started)
+            self.runs.apply(batch, outputs, self.applier.apply_step)
         finally:
             self.step_running = False
-            self.stats.on_step(time.monotonic())
+            self.runs.settle(batch, steps, len(outputs))
+            self.stats.on_step(time.monotonic(), max(1, len(outputs)))
         await anyio.lowlevel.checkpoint()
         if (self.admission_window and self.stats.finished_total > finished and not self.table.unstarted
                 and self._kv_slots.num_free):
@@ -348,9 +353,8 @@ class RuntimeLoop:
             return False
         now = self.machine.clock()
         for request in self.deadlines.due(now):
-            waited = now - request.arrival_time
-            self.gateway.finish(request, FinishReason.DEADLINE,
-                                error=TimeoutError(f"deadline passed {waited:.3f}s after submission"))
+            self.gateway.finish(request, FinishReason.DEADLINE, error=TimeoutError(
+                f"deadline passed {now - request.arrival_time:.3f}s after submission"))
         return self.sessions.expire(now)
 
     # ------------------------------------------------------------ endings

@@ -72,6 +72,9 @@ class EngineStats:
     spec_verify_steps: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    #: decode runs (`EngineConfig.decode_steps`): runs started, and the model steps they ran
+    decode_runs: int = 0
+    decode_run_steps: int = 0
     ttft: SampleWindow = attrs.field(factory=SampleWindow)  # arrival -> first token
     itl: SampleWindow = attrs.field(factory=SampleWindow)  # between consecutive tokens
     e2e: SampleWindow = attrs.field(factory=SampleWindow)  # arrival -> final output
@@ -104,8 +107,9 @@ class EngineStats:
         self.spec_draft_tokens += proposed
         self.spec_accepted_tokens += accepted
 
-    def on_step(self, now: float) -> None:
-        self.steps += 1
+    def on_step(self, now: float, steps: int = 1) -> None:
+        """`steps` model steps ended (more than 1: a decode run)."""
+        self.steps += steps
         self.last_progress = now
 
     def on_token(self, request: Request, now: float) -> None:

@@ -130,6 +130,8 @@ class EngineCollector(Collector):
             ("spec_decode_num_draft_tokens", stats.spec_draft_tokens, "Speculative decoding: draft tokens verified."),
             ("spec_decode_num_accepted_tokens", stats.spec_accepted_tokens,
              "Speculative decoding: draft tokens the model accepted."),
+            ("decode_runs", stats.decode_runs, "Decode runs started (EngineConfig.decode_steps > 1)."),
+            ("decode_run_steps", stats.decode_run_steps, "Model steps taken inside decode runs."),
         ):
             yield self._counter(name, doc, value)
         for key, histogram in self._histograms.items():

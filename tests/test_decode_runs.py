@@ -1,0 +1,307 @@
+"""Decode runs (`EngineConfig.decode_steps`): several decode steps of a batch back to back.
+
+The output is plain decoding's, token for token: greedy ids and logprobs, seeded
+samples, n > 1, an MoE checkpoint (its routing record), a constrained request
+beside free ones (its run stops after one step), lengths that do not divide the
+run. A plugin hook holding one unit per token the KV covers records every call:
+on every finish path (length, a stop token inside a run, a stop string, abort
+while a run runs, a failed step inside a run, a deadline, retraction under page
+pressure, client disconnect, shutdown) each request acquires and releases once
+per admission, runs extended the slots through the machine, and every pool is
+whole once idle. A run's one upload gives each step the tensors `decode_inputs`
+would build for it. Streamed through a real server, the text is plain decoding's
+and `/metrics` counts the runs. Bad settings are refused before anything is built.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+
+import anyio
+import pytest
+import torch
+
+import engine.model.runner as runner_module
+import parity_models as pm
+from engine import Constraint, Engine, EngineConfig, HiSparseConfig, InvalidConfig, SamplingParams
+from engine.model.batch import ScheduledSeq
+from engine.model.decode_inputs import decode_inputs
+from engine.model.run_inputs import RunInputs
+from engine.model.step_upload import StepUpload
+from engine.speculative import SpeculativeConfig
+from engine.testing import FaultInjector
+from helpers import assert_pools_whole, collect, run_all, small_config
+from test_speculative_paths import TokenUnits
+from states import FinishReason
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12] * 3, [40, 41, 42], list(range(60, 81)), [3, 3, 3, 3, 3, 3]]
+PROMPT = [5, 6, 7, 8, 9, 10, 11, 12] * 2 + [5, 6, 7]
+
+
+async def _outputs(config: EngineConfig, prompts, params_list) -> tuple[list, Engine]:
+    async with Engine(config) as engine:
+        outs: list = [None] * len(prompts)
+
+        async def one(i: int) -> None:
+            outs[i] = await engine.complete(prompts[i], params_list[i])
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(prompts)):
+                tg.start_soon(one, i)
+    return outs, engine
+
+
+class TestSameOutput:
+    @pytest.mark.asyncio
+    @pytest.mark.parametrize("steps", [2, 4, 7])
+    async def test_greedy_ids_and_logprobs(self, steps):
+        """Lengths that do not divide the run, logprobs on some rows: the same tokens and logprobs."""
+        params = [SamplingParams(max_new_tokens=n, ignore_eos=True, logprobs=lp)
+                  for n, lp in [(23, None), (9, 2), (30, None), (17, 1)]]
+        plain, _ = await _outputs(small_config(), PROMPTS, params)
+        ran, engine = await _outputs(small_config(decode_steps=steps), PROMPTS, params)
+        assert [o.token_ids for o in ran] == [o.token_ids for o in plain]
+        for a, b in zip(ran, plain):
+            assert [None if x is None else (x.token_id, round(x.logprob, 4)) for x in a.logprobs or []] == \
+                [None if x is None else (x.token_id, round(x.logprob, 4)) for x in b.logprobs or []]
+        stats = engine.stats
+        assert stats.decode_runs > 0 and stats.decode_run_steps > stats.decode_runs
+        assert stats.decode_run_steps <= stats.decode_runs * steps
+
+    @pytest.mark.asyncio
+    async def test_rows_stopping_inside_a_run(self):
+        """Rows that stop on a token inside a run drop out of its later steps; the others keep their
+        own tokens (each later step's output is read by the row's place in the run's batch)."""
+        async with Engine(small_config()) as engine:
+            ref = (await engine.complete(PROMPT, SamplingParams(max_new_tokens=40, ignore_eos=True))).token_ids
+        params = [SamplingParams(max_new_tokens=30, stop_token_ids=[ref[6]]),
+                  SamplingParams(max_new_tokens=40, ignore_eos=True),
+                  SamplingParams(max_new_tokens=30, stop_token_ids=[ref[9]]),
+                  SamplingParams(max_new_tokens=40, ignore_eos=True)]
+        ran, engine = await _outputs(small_config(decode_steps=4, prefix_cache=False), [PROMPT] * 4, params)
+        assert [o.token_ids for o in ran] == [ref[:7], ref, ref[:10], ref]
+        assert [o.finish_reason for o in ran] == [FinishReason.STOP, FinishReason.LENGTH] * 2
+        assert engine.stats.decode_runs > 0
+
+    @pytest.mark.asyncio
+    async def test_seeded_sampling_and_n(self):
+        """Seeded draws are keyed by output position, so a run draws plain decoding's tokens; n = 2 too."""
+        params = [SamplingParams(max_new_tokens=21, temperature=t, top_k=k, top_p=p, seed=s, ignore_eos=True, n=n)
+                  for s, (t, k, p, n) in enumerate([(1.0, 0, 1.0, 1), (0.6, 0, 0.9, 2), (0.3, 5, 1.0, 1),
+                                                    (1.0, 3, 1.0, 2)])]
+        async def sample(config: EngineConfig) -> tuple[list[dict[int, list[int]]], Engine]:
+            async with Engine(config) as engine:
+                finals = []
+                for prompt, p in zip(PROMPTS, params):
+                    outs = [o async for o in engine.generate(prompt, p)]
+                    finals.append({o.index: o.token_ids for o in outs if o.finished})
+            return finals, engine
+
+        plain, _ = await sample(small_config())
+        ran, engine = await sample(small_config(decode_steps=4))
+        assert [len(f) for f in ran] == [1, 2, 1, 2]
+        assert ran == plain and engine.stats.decode_runs > 0
+
+    @pytest.mark.asyncio
+    async def test_moe_checkpoint(self, tmp_path):
+        """An MoE checkpoint (its step observer sees each step's routing for the rows still running)."""
+        pm.write_checkpoint(tmp_path, "qwen3_moe", seed=0)
+        prompts = [p[0:1] + p for p in pm.ID_PROMPTS]
+        config = dict(model=str(tmp_path), max_context=128)
+        plain = await _run(small_config(**config), prompts)
+        async with Engine(small_config(decode_steps=3, **config)) as engine:
+            routed: list[int] = []
+            engine.loop.step_observers.append(lambda rows, out: routed.append(sum(s.num_tokens for s in rows) == out.routing[0].shape[0]))
+            ran = await run_all(engine, prompts, pm.MAX_NEW)
+        assert ran == plain and engine.stats.decode_runs > 0
+        assert routed and all(routed)
+
+    @pytest.mark.asyncio
+    async def test_a_constrained_row_stops_the_run(self):
+        """A grammar needs each token applied before its next mask: that batch runs plain steps, and
+        the run's extra slots go back."""
+        constrained = SamplingParams(max_new_tokens=6, constraint=Constraint.regex("[0-9]{6}"))
+        free = SamplingParams(max_new_tokens=24, ignore_eos=True)
+        hook = TokenUnits()
+        plain, _ = await _outputs(small_config(), ["digits: ", PROMPTS[0]], [constrained, free])
+        ran, engine = await _outputs(small_config(decode_steps=4, resources=[hook]), ["digits: ", PROMPTS[0]],
+                                     [constrained, free])
+        assert [o.token_ids for o in ran] == [o.token_ids for o in plain]
+        assert bytes(ran[0].token_ids).decode().isdigit()
+        assert engine.stats.decode_runs > 0  # the free request ran alone once the constrained one ended
+        assert any(what == "rollback" for _, what in hook.events)
+        assert hook.units.free == hook.units.capacity
+
+
+class _ComparedRunInputs(RunInputs):
+    """`RunInputs` whose every step is checked against what `decode_inputs` builds for it."""
+
+    checked: list[int] = []
+    runner = None
+
+    @classmethod
+    def build(cls, seqs, steps, **kwargs):
+        built = super().build(seqs, steps, **kwargs)
+        if built is not None:
+            built.seqs = list(seqs)  # type: ignore[attr-defined]
+        return built
+
+    def step(self, ahead, ids=None):
+        got = super().step(ahead, ids)
+        runner, seqs = self.runner, [ScheduledSeq(s.request, s.start + ahead, 1, True) for s in self.seqs]
+        factory = runner.attention_factory
+        want = decode_inputs(seqs, None, upload=StepUpload(runner.device), table=runner.slots.req_to_token,
+                             host_table=runner._host_table, kv=runner.kv, slot_of=runner.slot_of,
+                             layer_windows=factory.layer_windows, kernel=factory.decode_kernel,
+                             next_ids=None if ids is None else ids.tolist())
+        for a, b in ((got[0], want[0]), (got[1], want[1])) + tuple(
+                (getattr(got[2], name), getattr(want[2], name)) for name in ("_out_locs", "_windows")) + tuple(
+                (getattr(got[2]._decode, name), getattr(want[2]._decode, name))
+                for name in ("columns", "query_pos", "kv_lens", "equal_len", "width", "q_len")):
+            assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+        assert got[3] is None and want[3] is None
+        self.checked.append(ahead)
+        return got
+
+    __slots__ = ("seqs",)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("host", [True, False], ids=["host-table", "device-gather"])
+async def test_run_inputs_equal_each_steps_own(monkeypatch, host):
+    """Every step of a run (rows of several lengths, across page boundaries): the views of the run's one
+    upload equal the ids, positions, new-token locations, page table and plan `decode_inputs` builds."""
+    monkeypatch.setattr(runner_module, "RunInputs", _ComparedRunInputs)
+    monkeypatch.setattr(_ComparedRunInputs, "checked", [])
+    prompts = [list(range(3, 3 + n)) for n in (5, 8, 13)]
+    async with Engine(small_config(decode_steps=6)) as engine:
+        runner = engine.parts.runner
+        monkeypatch.setattr(_ComparedRunInputs, "runner", runner)
+        if not host:
+            runner._host_table = None  # the branch a device-resident token table takes
+        ids = await run_all(engine, prompts, 17)
+    checked = _ComparedRunInputs.checked
+    assert checked.count(0) >= 2 and max(checked) == 5
+    assert ids == await _run(small_config(), prompts, 17)
+
+
+async def _run(config: EngineConfig, prompts, max_new: int = pm.MAX_NEW) -> list[list[int]]:
+    async with Engine(config) as engine:
+        return await run_all(engine, prompts, max_new)
+
+
+@pytest.mark.asyncio
+async def test_every_finish_path_gives_every_slot_back():
+    """Each path: one acquire and one release per admission, runs extended, pools whole."""
+    async with Engine(small_config()) as plain_engine:
+        plain_ids = (await plain_engine.complete(PROMPT, SamplingParams(max_new_tokens=30, ignore_eos=True))).token_ids
+    holder: dict = {}
+    steps = Counter()
+
+    def stall(ids) -> None:  # runs in the step's thread, inside a run: the abort lands while it runs
+        if "deadline" in ids:
+            time.sleep(0.03)
+        if "abort-run" in ids:
+            steps["abort-run"] += 1
+            if steps["abort-run"] == 6:
+                holder["engine"].loop.abort("abort-run")
+
+    hook = TokenUnits()
+    faults = FaultInjector(fail_step=lambda ids: "error" in ids and steps.update(["error"]) is None
+                           and steps["error"] == 6, stall_step=stall)
+    config = small_config(decode_steps=4, resources=[hook], num_kv_pages=26, max_context=80, prefix_cache=False)
+    engine = holder["engine"] = Engine(config, faults=faults)
+    reasons: dict = {}
+    long = SamplingParams(max_new_tokens=40, ignore_eos=True)
+
+    async def run(rid: str, params: SamplingParams, disconnect_after: int | None = None, **kwargs) -> None:
+        stream = engine.generate(PROMPT, params, request_id=rid, **kwargs)
+        async with stream:
+            async for out in stream:
+                if disconnect_after is not None and len(out.token_ids) >= disconnect_after:
+                    return
+                if out.finished:
+                    reasons[rid] = out.finish_reason
+                    reasons[rid + "-ids"] = out.token_ids
+
+    with anyio.fail_after(120):
+        async with engine:
+            reasons["length"] = (await engine.complete(PROMPT, SamplingParams(max_new_tokens=13, ignore_eos=True),
+                                                       request_id="length")).finish_reason
+            await run("error", long)
+            await run("abort-run", long)
+            await run("deadline", long, deadline=0.3)
+            text = engine.tokenizer.decode(plain_ids[5:7])
+            await run("stop-string", SamplingParams(max_new_tokens=30, ignore_eos=True, stop=[text]))
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(run, "stop", SamplingParams(max_new_tokens=30, stop_token_ids=[plain_ids[6]]))
+                tg.start_soon(run, "disconnect", long, 5)
+                tg.start_soon(run, "retracted", long)
+                tg.start_soon(run, "pressure", long)
+            await engine.wait_idle(20)
+            stream = engine.generate(PROMPT, SamplingParams(max_new_tokens=60, ignore_eos=True), request_id="shutdown")
+            await stream.__anext__()
+        reasons["shutdown"] = (await collect(stream))[-1].finish_reason
+    assert reasons.pop("stop-ids") == plain_ids[: plain_ids.index(plain_ids[6]) + 1]
+    ids = {rid: reasons.pop(rid) for rid in [r for r in reasons if r.endswith("-ids")]}
+    for rid in ("retracted", "pressure", "deadline", "abort-run"):  # a prefix of plain decoding's ids
+        got = ids[rid + "-ids"][:30]
+        assert got == plain_ids[: len(got)], rid
+    got = ids["stop-string-ids"]
+    assert 5 <= len(got) <= 7 and got == plain_ids[: len(got)]
+    assert reasons == {"length": FinishReason.LENGTH, "error": FinishReason.ERROR, "abort-run": FinishReason.ABORT,
+                       "stop": FinishReason.STOP, "stop-string": FinishReason.STOP, "retracted": FinishReason.LENGTH,
+                       "pressure": FinishReason.LENGTH, "shutdown": FinishReason.SHUTDOWN,
+                       "deadline": FinishReason.DEADLINE}
+    assert engine.stats.retractions > 0 and engine.stats.decode_runs > 0
+    calls: dict[str, Counter] = {}
+    for rid, what in hook.events:
+        calls.setdefault(rid, Counter())[what] += 1
+    assert set(calls) == set(reasons) | {"disconnect"}
+    for rid, counted in calls.items():
+        assert counted["acquire"] == counted["release"] >= 1, (rid, counted)
+    assert sum(c["extend"] for c in calls.values()) > 0
+    assert hook.units.free == hook.units.capacity
+    assert_pools_whole(engine)
+
+
+@pytest.mark.parametrize("overrides", [dict(decode_steps=0), dict(decode_steps=65),
+                                       dict(decode_steps=2, speculative=SpeculativeConfig(num_tokens=2)),
+                                       dict(decode_steps=2, hisparse=HiSparseConfig(top_k=16, device_buffer_size=64))])
+def test_bad_settings_are_refused(overrides):
+    with pytest.raises(InvalidConfig, match="decode_steps"):
+        small_config(**overrides)
+
+
+@pytest.mark.asyncio
+async def test_streamed_over_http_with_counters():
+    """Through a real server: /v1/completions streamed with decode runs gives plain decoding's text (its
+    tokens arrive in bursts, every one of them), and /metrics counts the runs and their steps."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from http_helpers import serving
+
+    body = {"model": "tiny", "prompt": "the runs", "max_tokens": 21, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+
+    async def stream(**overrides) -> tuple[str, str, Engine]:
+        async with serving(**overrides) as (engine, client):
+            text = ""
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                assert response.status_code == 200
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {"):
+                        text += json.loads(line[6:])["choices"][0]["text"]
+            metrics = (await client.get("/metrics")).text
+        return text, metrics, engine
+
+    plain, _, _ = await stream()
+    ran, metrics, engine = await stream(decode_steps=4)
+    assert ran == plain and len(ran) > 0
+    samples = {s.name: s.value for f in text_string_to_metric_families(metrics) for s in f.samples}
+    stats = engine.stats
+    assert stats.decode_runs > 0 and stats.decode_run_steps > stats.decode_runs
+    assert samples["kvlife:decode_runs_total"] == stats.decode_runs
+    assert samples["kvlife:decode_run_steps_total"] == stats.decode_run_steps
