@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import anyio
 
 from engine import Engine, EngineConfig, MemoryReport, RequestState, SamplingParams
+from engine.testing import FaultInjector
 from resources import PoolUsage
 
 DEADLINE = 30  # seconds any helper or test waits before it fails the test instead of hanging it
@@ -67,6 +70,63 @@ async def run_all(engine: Engine, prompts: Sequence[Any], max_new_tokens: int, *
         for i in range(len(prompts)):
             tg.start_soon(one, i)
     return results
+
+
+async def stream_outcome(engine: Engine, prompt: Any, params: SamplingParams, request_id: str, reasons: dict,
+                         *, disconnect_after: int | None = None, ids: dict | None = None, **kwargs: Any) -> None:
+    """Stream one request to its end: its finish reason into `reasons[request_id]` (its token ids into
+    `ids[request_id]`); with `disconnect_after`, the client leaves once it has that many tokens."""
+    stream = engine.generate(prompt, params, request_id=request_id, **kwargs)
+    async with stream:
+        async for out in stream:
+            if disconnect_after is not None and len(out.token_ids) >= disconnect_after:
+                return
+            if out.finished:
+                reasons[request_id] = out.finish_reason
+                if ids is not None:
+                    ids[request_id] = out.token_ids
+
+
+async def crowd_paths(run: Callable[..., Any], long: SamplingParams, stop_id: int) -> None:
+    """The finish-path tests' crowd, four requests at once through `run(rid, params, disconnect_after)`:
+    "stop" ends on `stop_id`, "disconnect"'s client leaves after 5 tokens, and "retracted" and "pressure"
+    (both `long`) retract one another in a small pool."""
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run, "stop", SamplingParams(max_new_tokens=30, stop_token_ids=[stop_id]))
+        tg.start_soon(run, "disconnect", long, 5)
+        tg.start_soon(run, "retracted", long)
+        tg.start_soon(run, "pressure", long)
+
+
+def finish_path_faults(holder: dict, *, abort: str, error: str, at: int) -> FaultInjector:
+    """The faults of the finish-path tests: each step of a request named "deadline" stalls 30 ms (its
+    deadline passes mid-decode); request `abort` is aborted from inside its `at`-th step (the abort lands
+    while the step runs; `holder["engine"]` is the engine), and `error`'s `at`-th step fails."""
+    steps: Counter = Counter()
+
+    def stall(ids) -> None:  # runs in the step's thread
+        if "deadline" in ids:
+            time.sleep(0.03)
+        if abort in ids:
+            steps[abort] += 1
+            if steps[abort] == at:
+                holder["engine"].loop.abort(abort)
+
+    def fail(ids) -> bool:
+        if error not in ids:
+            return False
+        steps[error] += 1
+        return steps[error] == at
+
+    return FaultInjector(fail_step=fail, stall_step=stall)
+
+
+def calls_by_request(events: Iterable[tuple[str, str]]) -> dict[str, Counter]:
+    """A recording hook's (request id, call) events, counted per request."""
+    calls: dict[str, Counter] = {}
+    for rid, what in events:
+        calls.setdefault(rid, Counter())[what] += 1
+    return calls
 
 
 def live_request(engine: Engine, request_id: str):

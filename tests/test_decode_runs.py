@@ -16,8 +16,6 @@ and `/metrics` counts the runs. Bad settings are refused before anything is buil
 from __future__ import annotations
 
 import json
-import time
-from collections import Counter
 
 import anyio
 import pytest
@@ -31,8 +29,8 @@ from engine.model.decode_inputs import decode_inputs
 from engine.model.run_inputs import RunInputs
 from engine.model.step_upload import StepUpload
 from engine.speculative import SpeculativeConfig
-from engine.testing import FaultInjector
-from helpers import assert_pools_whole, collect, run_all, small_config
+from helpers import (crowd_paths, assert_pools_whole, calls_by_request, collect, finish_path_faults, run_all, small_config,
+                     stream_outcome)
 from test_speculative_paths import TokenUnits
 from states import FinishReason
 
@@ -198,33 +196,17 @@ async def test_every_finish_path_gives_every_slot_back():
     async with Engine(small_config()) as plain_engine:
         plain_ids = (await plain_engine.complete(PROMPT, SamplingParams(max_new_tokens=30, ignore_eos=True))).token_ids
     holder: dict = {}
-    steps = Counter()
-
-    def stall(ids) -> None:  # runs in the step's thread, inside a run: the abort lands while it runs
-        if "deadline" in ids:
-            time.sleep(0.03)
-        if "abort-run" in ids:
-            steps["abort-run"] += 1
-            if steps["abort-run"] == 6:
-                holder["engine"].loop.abort("abort-run")
-
     hook = TokenUnits()
-    faults = FaultInjector(fail_step=lambda ids: "error" in ids and steps.update(["error"]) is None
-                           and steps["error"] == 6, stall_step=stall)
+    # the prefill is step 1, then runs of 4 (steps 2-5, 6-9): step 7 is inside a run
+    faults = finish_path_faults(holder, abort="abort-run", error="error", at=7)
     config = small_config(decode_steps=4, resources=[hook], num_kv_pages=26, max_context=80, prefix_cache=False)
     engine = holder["engine"] = Engine(config, faults=faults)
     reasons: dict = {}
+    ids: dict = {}
     long = SamplingParams(max_new_tokens=40, ignore_eos=True)
 
     async def run(rid: str, params: SamplingParams, disconnect_after: int | None = None, **kwargs) -> None:
-        stream = engine.generate(PROMPT, params, request_id=rid, **kwargs)
-        async with stream:
-            async for out in stream:
-                if disconnect_after is not None and len(out.token_ids) >= disconnect_after:
-                    return
-                if out.finished:
-                    reasons[rid] = out.finish_reason
-                    reasons[rid + "-ids"] = out.token_ids
+        await stream_outcome(engine, PROMPT, params, rid, reasons, disconnect_after=disconnect_after, ids=ids, **kwargs)
 
     with anyio.fail_after(120):
         async with engine:
@@ -235,30 +217,23 @@ async def test_every_finish_path_gives_every_slot_back():
             await run("deadline", long, deadline=0.3)
             text = engine.tokenizer.decode(plain_ids[5:7])
             await run("stop-string", SamplingParams(max_new_tokens=30, ignore_eos=True, stop=[text]))
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(run, "stop", SamplingParams(max_new_tokens=30, stop_token_ids=[plain_ids[6]]))
-                tg.start_soon(run, "disconnect", long, 5)
-                tg.start_soon(run, "retracted", long)
-                tg.start_soon(run, "pressure", long)
+            await crowd_paths(run, long, plain_ids[6])
             await engine.wait_idle(20)
             stream = engine.generate(PROMPT, SamplingParams(max_new_tokens=60, ignore_eos=True), request_id="shutdown")
             await stream.__anext__()
         reasons["shutdown"] = (await collect(stream))[-1].finish_reason
-    assert reasons.pop("stop-ids") == plain_ids[: plain_ids.index(plain_ids[6]) + 1]
-    ids = {rid: reasons.pop(rid) for rid in [r for r in reasons if r.endswith("-ids")]}
+    assert ids["stop"] == plain_ids[: plain_ids.index(plain_ids[6]) + 1]
     for rid in ("retracted", "pressure", "deadline", "abort-run"):  # a prefix of plain decoding's ids
-        got = ids[rid + "-ids"][:30]
+        got = ids[rid][:30]
         assert got == plain_ids[: len(got)], rid
-    got = ids["stop-string-ids"]
+    got = ids["stop-string"]
     assert 5 <= len(got) <= 7 and got == plain_ids[: len(got)]
     assert reasons == {"length": FinishReason.LENGTH, "error": FinishReason.ERROR, "abort-run": FinishReason.ABORT,
                        "stop": FinishReason.STOP, "stop-string": FinishReason.STOP, "retracted": FinishReason.LENGTH,
                        "pressure": FinishReason.LENGTH, "shutdown": FinishReason.SHUTDOWN,
                        "deadline": FinishReason.DEADLINE}
     assert engine.stats.retractions > 0 and engine.stats.decode_runs > 0
-    calls: dict[str, Counter] = {}
-    for rid, what in hook.events:
-        calls.setdefault(rid, Counter())[what] += 1
+    calls = calls_by_request(hook.events)
     assert set(calls) == set(reasons) | {"disconnect"}
     for rid, counted in calls.items():
         assert counted["acquire"] == counted["release"] >= 1, (rid, counted)

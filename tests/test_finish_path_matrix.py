@@ -22,7 +22,7 @@ import torch
 
 from engine import Engine, SamplingParams
 from engine.testing import FaultInjector
-from helpers import abort_on_entry, collect, small_config
+from helpers import abort_on_entry, collect, small_config, stream_outcome
 from hisparse import HiSparseConfig
 from recording_plugin import Recorders
 from states import FinishReason, RequestState
@@ -70,13 +70,7 @@ async def _drive_every_path(engine: Engine, role: str, images: list) -> dict[str
     reasons: dict[str, FinishReason] = {}
 
     async def run(rid: str, p=params, disconnect_after: int | None = None, tokens=prompt) -> None:
-        stream = engine.generate(tokens, p, request_id=rid, mm_inputs=images)
-        async with stream:
-            async for out in stream:
-                if disconnect_after is not None and len(out.token_ids) >= disconnect_after:
-                    return
-                if out.finished:
-                    reasons[rid] = out.finish_reason
+        await stream_outcome(engine, tokens, p, rid, reasons, disconnect_after=disconnect_after, mm_inputs=images)
 
     free = await engine.complete(prompt, params, request_id="free-run", mm_inputs=images)
     reasons["free-run"] = free.finish_reason

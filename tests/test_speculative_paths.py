@@ -13,16 +13,14 @@ pages, the plugin's) is whole once idle (the conftest fixture checks it again).
 
 from __future__ import annotations
 
-import time
-from collections import Counter
 
 import anyio
 import pytest
 
 from engine import Engine, SamplingParams
 from engine.speculative import SpeculativeConfig
-from engine.testing import FaultInjector
-from helpers import CountingPool, assert_pools_whole, collect, small_config
+from helpers import (crowd_paths, CountingPool, assert_pools_whole, calls_by_request, collect, finish_path_faults, small_config,
+                     stream_outcome)
 from resources import ResourceExhausted, ResourceHook
 from resources.request_slots import KV_SCOPE
 from states import FinishReason, Handle, RequestState
@@ -82,30 +80,21 @@ class TokenUnits(ResourceHook):
 
 async def _drive(engine: Engine, plain_ids: list[int]) -> dict[str, FinishReason]:
     reasons: dict[str, FinishReason] = {}
+    ids: dict[str, list[int]] = {}
     long = SamplingParams(max_new_tokens=40, ignore_eos=True)
 
     async def run(rid: str, params: SamplingParams, disconnect_after: int | None = None, **kwargs) -> None:
-        stream = engine.generate(PROMPT, params, request_id=rid, **kwargs)
-        async with stream:
-            async for out in stream:
-                if disconnect_after is not None and len(out.token_ids) >= disconnect_after:
-                    return
-                if out.finished:
-                    reasons[rid] = out.finish_reason
-                    if rid == "stop":
-                        reasons["stop-ids"] = out.token_ids  # type: ignore[assignment]
+        await stream_outcome(engine, PROMPT, params, rid, reasons, disconnect_after=disconnect_after,
+                             ids=ids if rid == "stop" else None, **kwargs)
 
     reasons["length"] = (await engine.complete(PROMPT, SamplingParams(max_new_tokens=12, ignore_eos=True),
                                                request_id="length")).finish_reason
     await run("error", long)
     await run("abort-verify", long)
     await run("deadline", long, deadline=0.3)  # its steps stall: the deadline passes mid-decode
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(run, "stop", SamplingParams(max_new_tokens=30, stop_token_ids=[plain_ids[6]]))
-        tg.start_soon(run, "disconnect", long, 5)
-        tg.start_soon(run, "retracted", long)
-        tg.start_soon(run, "pressure", long)
+    await crowd_paths(run, long, plain_ids[6])
     await engine.wait_idle(20)
+    reasons["stop-ids"] = ids["stop"]  # type: ignore[assignment]
     return reasons
 
 
@@ -116,19 +105,8 @@ async def test_every_finish_path_gives_every_slot_back(method):
     async with Engine(small_config()) as plain_engine:
         plain_ids = (await plain_engine.complete(PROMPT, SamplingParams(max_new_tokens=30, ignore_eos=True))).token_ids
     holder: dict = {}
-    verify_steps = Counter()
-
-    def stall(ids) -> None:  # runs in the step's thread: the abort lands while the verify step runs
-        if "deadline" in ids:
-            time.sleep(0.03)
-        if "abort-verify" in ids:
-            verify_steps["abort-verify"] += 1
-            if verify_steps["abort-verify"] == 3:
-                holder["engine"].loop.abort("abort-verify")
-
     hook = TokenUnits()
-    faults = FaultInjector(fail_step=lambda ids: "error" in ids and verify_steps.update(["error"]) is None
-                           and verify_steps["error"] == 3, stall_step=stall)
+    faults = finish_path_faults(holder, abort="abort-verify", error="error", at=3)
     # a pool small enough that two long requests retract one another
     config = small_config(speculative=SPECS[method], resources=[hook], num_kv_pages=26, max_context=80,
                           prefix_cache=False)
@@ -145,9 +123,7 @@ async def test_every_finish_path_gives_every_slot_back(method):
                        "stop": FinishReason.STOP, "retracted": FinishReason.LENGTH, "pressure": FinishReason.LENGTH,
                        "shutdown": FinishReason.SHUTDOWN, "deadline": FinishReason.DEADLINE}
     assert engine.stats.retractions > 0 and engine.stats.spec_accepted_tokens > 0
-    calls: dict[str, Counter] = {}
-    for rid, what in hook.events:
-        calls.setdefault(rid, Counter())[what] += 1
+    calls = calls_by_request(hook.events)
     assert set(calls) == set(reasons) | {"disconnect"}
     for rid, counted in calls.items():
         assert counted["acquire"] == counted["release"] >= 1, (rid, counted)
