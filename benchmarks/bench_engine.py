@@ -201,8 +201,9 @@ async def bench_batch(args, directory: Path, hf: HFGenerate, floor: Floor, batch
                 run["x_hf_e2e" + key] = kv["e2e_tok_s"] / run["hf"]["e2e_tok_s"]
                 run["x_hf_decode" + key] = kv["decode_tok_s"] / run["hf"]["decode_tok_s"]
                 run["x_floor" + key] = run["floor"]["step_ms"] / kv["step_ms"]
-                run["x_floor_attention" + key] = (run["floor"]["step_ms"] + run["floor"]["attention_ms"]) / kv["step_ms"]
-                run["x_floor_kv_read" + key] = (run["floor"]["step_ms"] + run["floor"]["kv_read_ms"]) / kv["step_ms"]
+                floor_ms = run["floor"]["step_ms"]
+                run["x_floor_attention" + key] = (floor_ms + run["floor"]["attention_ms"]) / kv["step_ms"]
+                run["x_floor_kv_read" + key] = (floor_ms + run["floor"]["kv_read_ms"]) / kv["step_ms"]
                 if kv["forward_mean_ms"] is not None and kv["interval_ms"]:  # NOTE: two means: a run's steps vary
                     run["engine_work_share" + key] = 1 - kv["forward_mean_ms"] / kv["interval_ms"]
             if "runs" in run:
@@ -300,7 +301,8 @@ def print_tables(rows: list[dict], info: dict, bw: dict, floor_mib: float) -> No
             print(f"{r['batch']:>5} | {fmt(r['runs_step_ms'], 2):>18} | {fmt(r['x_hf_decode_runs'], 2):>16} | "
                   f"{fmt(r['x_floor_runs'], 2):>16} | {fmt(r['runs_interval_ms'], 2):>18} | "
                   f"{r['runs_forward_mean_ms']['median']:>8.2f} | {shares[0]:>18} | {shares[1]:>18} | "
-                  f"{fmt(r['runs_x_plain_decode'], 2):>16} | {'/'.join(map(str, r['greedy_equal_runs']))} of {r['batch']}")
+                  f"{fmt(r['runs_x_plain_decode'], 2):>16} | "
+                  f"{'/'.join(map(str, r['greedy_equal_runs']))} of {r['batch']}")
     print("\nthe floor by weight layout, ms (median over repeats): F.linear [out, in] / torch.mm [in, out] / oneDNN blocked")
     for r in rows:
         layouts = [r["floor_linear_ms"], r["floor_packed_ms"], r["floor_onednn_ms"]]

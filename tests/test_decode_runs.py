@@ -29,8 +29,8 @@ from engine.model.decode_inputs import decode_inputs
 from engine.model.run_inputs import RunInputs
 from engine.model.step_upload import StepUpload
 from engine.speculative import SpeculativeConfig
-from helpers import (crowd_paths, assert_pools_whole, calls_by_request, collect, finish_path_faults, run_all, small_config,
-                     stream_outcome)
+from helpers import (assert_pools_whole, calls_by_request, collect, crowd_paths, finish_path_faults, run_all,
+                     small_config, stream_outcome)
 from test_speculative_paths import TokenUnits
 from states import FinishReason
 
@@ -103,18 +103,21 @@ class TestSameOutput:
         assert ran == plain and engine.stats.decode_runs > 0
 
     @pytest.mark.asyncio
-    async def test_moe_checkpoint(self, tmp_path):
-        """An MoE checkpoint (its step observer sees each step's routing for the rows still running)."""
-        pm.write_checkpoint(tmp_path, "qwen3_moe", seed=0)
+    @pytest.mark.parametrize("family", ["qwen3_moe", "mistral"])
+    async def test_checkpoints(self, tmp_path, family):
+        """An MoE checkpoint (its step observer sees each step's routing for the rows still running), and
+        one with a sliding window of 8 that the runs' contexts pass (each step attends its own window)."""
+        pm.write_checkpoint(tmp_path, family, seed=0)
         prompts = [p[0:1] + p for p in pm.ID_PROMPTS]
         config = dict(model=str(tmp_path), max_context=128)
         plain = await _run(small_config(**config), prompts)
         async with Engine(small_config(decode_steps=3, **config)) as engine:
-            routed: list[int] = []
-            engine.loop.step_observers.append(lambda rows, out: routed.append(sum(s.num_tokens for s in rows) == out.routing[0].shape[0]))
+            routed: list[bool] = []
+            engine.loop.step_observers.append(lambda rows, out: out.routing and routed.append(
+                sum(s.num_tokens for s in rows) == out.routing[0].shape[0]))
             ran = await run_all(engine, prompts, pm.MAX_NEW)
         assert ran == plain and engine.stats.decode_runs > 0
-        assert routed and all(routed)
+        assert all(routed) and (bool(routed) if family == "qwen3_moe" else not routed)
 
     @pytest.mark.asyncio
     async def test_a_constrained_row_stops_the_run(self):

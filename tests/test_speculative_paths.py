@@ -19,8 +19,8 @@ import pytest
 
 from engine import Engine, SamplingParams
 from engine.speculative import SpeculativeConfig
-from helpers import (crowd_paths, CountingPool, assert_pools_whole, calls_by_request, collect, finish_path_faults, small_config,
-                     stream_outcome)
+from helpers import (CountingPool, assert_pools_whole, calls_by_request, collect, crowd_paths, finish_path_faults,
+                     small_config, stream_outcome)
 from resources import ResourceExhausted, ResourceHook
 from resources.request_slots import KV_SCOPE
 from states import FinishReason, Handle, RequestState

@@ -43,17 +43,12 @@ from states import Request
 DecodeInputs = tuple[Tensor, Tensor, PagedAttention, "Tensor | None"]
 
 
-def decode_inputs(seqs: Sequence[ScheduledSeq], fields: np.ndarray | None, *, upload: StepUpload, table: Tensor,
-                  host_table: np.ndarray | None, kv: KVBuffers, slot_of: Callable[[Request], int | None],
-                  layer_windows: tuple[int | None, ...], kernel: NativeKernels | None = None,
-                  next_ids: Sequence[int] | None = None) -> DecodeInputs | None:
-    """The inputs of a plain decode step (module docstring), or None when `seqs` is not one.
-    `fields`: the sampler's host fields (`SamplingBatch.fields`), uploaded with the rest;
-    `host_table`: the token table `table` itself as a host array, when it lives on the host (the
-    locations and pages are then read there and uploaded, not gathered on the device);
-    `next_ids`: the rows' token ids when the requests do not hold them yet (a decode run's later
-    steps, `engine.model.decode_run`: each row's token is the one the step before sampled)."""
-    ids: list[int] = []
+def plain_rows(seqs: Sequence[ScheduledSeq], slot_of: Callable[[Request], int | None], *,
+               ids: bool = True) -> tuple[list[int], list[int], list[int]] | None:
+    """A plain decode batch's token ids (each row's last token; empty with `ids` False), positions
+    and token-table slots; None when `seqs` is empty or not one (a row of several tokens, a draft,
+    a row that does not sample, a request without a slot)."""
+    tokens: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
     for s in seqs:
@@ -64,16 +59,31 @@ def decode_inputs(seqs: Sequence[ScheduledSeq], fields: np.ndarray | None, *, up
         if slot is None:
             return None
         start = s.start
-        if next_ids is None:
+        if ids:
             prompt = request.prompt_token_ids
-            ids.append(prompt[start] if start < len(prompt) else request.output_token_ids[start - len(prompt)])
+            tokens.append(prompt[start] if start < len(prompt) else request.output_token_ids[start - len(prompt)])
         positions.append(start)
         slots.append(slot)
+    return (tokens, positions, slots) if positions else None
+
+
+def decode_inputs(seqs: Sequence[ScheduledSeq], fields: np.ndarray | None, *, upload: StepUpload, table: Tensor,
+                  host_table: np.ndarray | None, kv: KVBuffers, slot_of: Callable[[Request], int | None],
+                  layer_windows: tuple[int | None, ...], kernel: NativeKernels | None = None,
+                  next_ids: Sequence[int] | None = None) -> DecodeInputs | None:
+    """The inputs of a plain decode step (module docstring), or None when `seqs` is not one.
+    `fields`: the sampler's host fields (`SamplingBatch.fields`), uploaded with the rest;
+    `host_table`: the token table `table` itself as a host array, when it lives on the host (the
+    locations and pages are then read there and uploaded, not gathered on the device);
+    `next_ids`: the rows' token ids when the requests do not hold them yet (a decode run's later
+    steps, `engine.model.decode_run`: each row's token is the one the step before sampled)."""
+    rows = plain_rows(seqs, slot_of, ids=next_ids is None)
+    if rows is None:
+        return None
+    ids, positions, slots = rows
     if next_ids is not None:
         ids = list(next_ids)
     n = len(positions)
-    if not n:
-        return None
     ps = kv.page_size
     longest = max(positions) + 1
     width = round_up(longest, ps)

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from engine.model.attention import PagedAttention
 from engine.model.batch import ScheduledSeq
-from engine.model.decode_inputs import DecodeInputs
+from engine.model.decode_inputs import DecodeInputs, plain_rows
 from engine.model.native_kernels import NativeKernels
 from engine.model.paged_attend import ContextBatch
 from engine.model.step_upload import StepUpload
@@ -65,22 +65,11 @@ class RunInputs:
               layer_windows: tuple[int | None, ...], kernel: NativeKernels | None = None) -> RunInputs | None:
         """The run's inputs uploaded, or None when `seqs` is not a plain decode batch (then
         `decode_inputs` says why not)."""
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        for s in seqs:
-            request = s.request
-            slot = slot_of(request)
-            if s.num_tokens != 1 or s.draft or not s.samples or slot is None:
-                return None
-            start = s.start
-            prompt = request.prompt_token_ids
-            ids.append(prompt[start] if start < len(prompt) else request.output_token_ids[start - len(prompt)])
-            positions.append(start)
-            slots.append(slot)
-        n = len(positions)
-        if not n:
+        plain = plain_rows(seqs, slot_of)
+        if plain is None:
             return None
+        ids, positions, slots = plain
+        n = len(positions)
         self = cls(kv, table, layer_windows, kernel, positions)
         ps = self.ps
         # step j of row r: position p_r + j, context p_r + j + 1; step-major ([steps, n]), in numpy
