@@ -9,7 +9,8 @@ while a run runs, a failed step inside a run, a deadline, retraction under page
 pressure, client disconnect, shutdown) each request acquires and releases once
 per admission, runs extended the slots through the machine, and every pool is
 whole once idle. A run's one upload gives each step the tensors `decode_inputs`
-would build for it. Streamed through a real server, the text is plain decoding's
+would build for it. A submission that arrives while a run runs on the step
+thread ends the run after one step. Streamed through a real server, the text is plain decoding's
 and `/metrics` counts the runs. Bad settings are refused before anything is built.
 """
 
@@ -29,8 +30,9 @@ from engine.model.decode_inputs import decode_inputs
 from engine.model.run_inputs import RunInputs
 from engine.model.step_upload import StepUpload
 from engine.speculative import SpeculativeConfig
-from helpers import (assert_pools_whole, calls_by_request, collect, crowd_paths, finish_path_faults, run_all,
-                     small_config, stream_outcome)
+from engine.testing import FaultInjector
+from helpers import (StepGate, assert_pools_whole, calls_by_request, collect, crowd_paths, finish_path_faults,
+                     run_all, small_config, stream_outcome)
 from test_speculative_paths import TokenUnits
 from states import FinishReason
 
@@ -243,6 +245,30 @@ async def test_every_finish_path_gives_every_slot_back():
     assert sum(c["extend"] for c in calls.values()) > 0
     assert hook.units.free == hook.units.capacity
     assert_pools_whole(engine)
+
+
+@pytest.mark.asyncio
+async def test_a_submission_ends_a_run_after_one_step():
+    """A run on the step thread asks the loop before each later step: a request submitted while the run's
+    third step is held is prefilled right after that step, not after the 13 steps left of the run."""
+    gate = StepGate(match=lambda ids: "a" in ids)
+    batches: list[list[str]] = []
+    async with Engine(small_config(decode_steps=16), faults=FaultInjector(stall_step=gate)) as engine:
+        engine.loop.step_observers.append(lambda rows, out: batches.append([s.request.request_id for s in rows]))
+        gate.allow(3)  # A's prefill and its run's first two steps; the run's third is held
+        first = engine.generate(PROMPT, SamplingParams(max_new_tokens=40, ignore_eos=True), request_id="a")
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(collect, first)
+            await gate.wait_entered()
+            while gate.passed < 3 or not gate.waiting:
+                await anyio.sleep(0.005)
+            second = engine.generate(PROMPT, SamplingParams(max_new_tokens=4, ignore_eos=True), request_id="b")
+            gate.open()
+            outputs = await collect(second)
+        assert outputs[-1].finish_reason is FinishReason.LENGTH
+    assert batches[:4] == [["a"]] * 4  # the prefill, then the run's three steps that ran
+    assert "b" in batches[4]  # its prefill came next
+    assert engine.stats.decode_runs > 0
 
 
 @pytest.mark.parametrize("overrides", [dict(decode_steps=0), dict(decode_steps=65),

@@ -166,14 +166,15 @@ class ModelRunner:
             with on_device(self.device):
                 return self.step_in_scope(seqs)
 
-    def run(self, seqs: Sequence[ScheduledSeq], steps: int) -> list[StepOutput]:
+    def run(self, seqs: Sequence[ScheduledSeq], steps: int, stop: Callable[[], bool] | None = None) -> list[StepOutput]:
         """A decode run: up to `steps` steps of the plain decode batch `seqs` back to back
-        (`engine.model.decode_run`), all in one inference-mode scope; each output in order."""
+        (`engine.model.decode_run`; `stop`: asked before each later step), all in one inference-mode
+        scope; each output in order."""
         with self._inference_mode:
             if self.device.type != "cuda":
-                return run_decode_steps(self, seqs, steps)
+                return run_decode_steps(self, seqs, steps, stop)
             with on_device(self.device):
-                return run_decode_steps(self, seqs, steps)
+                return run_decode_steps(self, seqs, steps, stop)
 
     def step_in_scope(self, seqs: Sequence[ScheduledSeq], next_ids: Sequence[int] | None = None, ahead: int = 0,
                       steps: int = 1) -> StepOutput:
@@ -338,5 +339,5 @@ class NoComputeRunner(ModelRunner):
             self.prepare(seqs)
         return StepOutput([((s.start + s.num_tokens) * 7 + 11) % 256 for s in seqs if s.samples])
 
-    def run(self, seqs: Sequence[ScheduledSeq], steps: int) -> list[StepOutput]:
+    def run(self, seqs: Sequence[ScheduledSeq], steps: int, stop: Callable[[], bool] | None = None) -> list[StepOutput]:
         return [self.step(seqs)]  # NOTE: a run of one: its plain step (the prefill role never decodes)

@@ -4,8 +4,9 @@ order (`EngineConfig.decode_steps`; the runner's side is
 `engine.model.decode_run`).
 
 A batch runs as a run only when every row is a decoding request's one next
-token and no request waits to be admitted: a run holds admissions back by
-its length, so a queue gets plain steps. Its length is at most
+token and no request waits to be admitted (a queue gets plain steps); a run
+on the loop's step thread ends after the step in which a submission or an
+abort arrives (`work_waiting`), so it holds an arrival back by one step. Its length is at most
 `decode_steps`, and no row may pass its `max_new_tokens` or the context
 bound within it. Before it starts, each row's handles are extended through
 the machine to cover every token the run computes (`StateMachine.extend`,
@@ -70,13 +71,17 @@ class DecodeRuns:
         self.stats.decode_runs += 1
         return steps
 
-    @staticmethod
-    def runner_call(runner: ModelRunner, steps: int) -> Callable[[list[ScheduledSeq]], list[StepOutput]]:
+    def runner_call(self, runner: ModelRunner, steps: int) -> Callable[[list[ScheduledSeq]], list[StepOutput]]:
         """What runs a batch (on the loop's thread or its step thread): one step, or a run of `steps`
-        (`ModelRunner.run`), each output in order."""
+        (`ModelRunner.run`), each output in order, that ends early once work waits for the loop."""
         if steps == 1:
             return lambda batch: [runner.step(batch)]
-        return lambda batch: runner.run(batch, steps)
+        return lambda batch: runner.run(batch, steps, self.work_waiting)
+
+    def work_waiting(self) -> bool:
+        """Whether a submission or an abort waits for the loop (asked from the step thread: two
+        reads of lists the loop's thread appends to)."""
+        return bool(self.table.unstarted or self.table.aborts)
 
     def apply(self, batch: Sequence[ScheduledSeq], outputs: Sequence[StepOutput],
               apply_step: Callable[[Sequence[ScheduledSeq], StepOutput], None]) -> None:
