@@ -173,8 +173,8 @@ class EngineConfig:
     multi-step scheduling). Each later step takes the tokens the step before sampled; the
     loop applies and streams them after the run, so the host work between steps (about a
     tenth of a step at batch 1 on a CPU) is paid once per run. The price: tokens reach a
-    stream in bursts of up to this many (a submission or an abort that arrives ends a run on
-    the step thread after its current step), and a row that stops inside a run computes the
+    stream in bursts of up to this many (a submission, an abort or a landed transfer ends a
+    run on the step thread after its current step), and a row that stops inside a run computes the
     run's remaining tokens for nothing.
     Runs only while no request waits to be admitted. 1 (the default) = every step planned.
     Not with `speculative` (its verify steps already take several tokens) nor `hisparse`.

@@ -9,8 +9,8 @@ while a run runs, a failed step inside a run, a deadline, retraction under page
 pressure, client disconnect, shutdown) each request acquires and releases once
 per admission, runs extended the slots through the machine, and every pool is
 whole once idle. A run's one upload gives each step the tensors `decode_inputs`
-would build for it. A submission that arrives while a run runs on the step
-thread ends the run after one step. Streamed through a real server, the text is plain decoding's
+would build for it. A submission, or a transfer that lands, while a run runs on
+the step thread ends the run after one step. Streamed through a real server, the text is plain decoding's
 and `/metrics` counts the runs. Bad settings are refused before anything is built.
 """
 
@@ -24,14 +24,14 @@ import torch
 
 import engine.model.runner as runner_module
 import parity_models as pm
-from engine import Constraint, Engine, EngineConfig, HiSparseConfig, InvalidConfig, SamplingParams
+from engine import Constraint, Engine, EngineConfig, HiSparseConfig, InvalidConfig, RequestState, SamplingParams
 from engine.model.batch import ScheduledSeq
 from engine.model.decode_inputs import decode_inputs
 from engine.model.run_inputs import RunInputs
 from engine.model.step_upload import StepUpload
 from engine.speculative import SpeculativeConfig
 from engine.testing import FaultInjector
-from helpers import (StepGate, assert_pools_whole, calls_by_request, collect, crowd_paths, finish_path_faults,
+from helpers import (DEADLINE, StepGate, assert_pools_whole, calls_by_request, collect, crowd_paths, finish_path_faults,
                      run_all, small_config, stream_outcome)
 from test_speculative_paths import TokenUnits
 from states import FinishReason
@@ -269,6 +269,40 @@ async def test_a_submission_ends_a_run_after_one_step():
     assert batches[:4] == [["a"]] * 4  # the prefill, then the run's three steps that ran
     assert "b" in batches[4]  # its prefill came next
     assert engine.stats.decode_runs > 0
+
+
+@pytest.mark.asyncio
+async def test_a_landed_transfer_ends_a_run():
+    """The decode role: a request whose KV lands while another's run runs on the step thread joins the
+    batch after the step in which it landed (the fence's wake ends the run), not after the whole run;
+    alone, a request's runs are not cut short by anything else that goes on."""
+    gate = StepGate(match=lambda ids: "a" in ids)
+    batches: list[list[str]] = []
+    async with Engine(small_config(decode_steps=16, disaggregation="decode"),
+                      faults=FaultInjector(stall_step=gate)) as engine:
+        engine.loop.step_observers.append(lambda rows, out: batches.append([s.request.request_id for s in rows]))
+        gate.allow(3)  # A's run's first three steps; its fourth is held
+        first = engine.generate(PROMPT, SamplingParams(max_new_tokens=40, ignore_eos=True), request_id="a")
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(collect, first)
+            while gate.passed < 3 or not gate.waiting:
+                await anyio.sleep(0.005)
+            second = engine.generate(PROMPT, SamplingParams(max_new_tokens=4, ignore_eos=True), request_id="b")
+            gate.allow(1)  # the held step: B's submission ends the run after it; B is admitted, A runs again
+            with anyio.fail_after(DEADLINE):
+                while gate.passed < 4 or not gate.waiting:  # A's next run's first step is held
+                    await anyio.sleep(0.005)
+                while engine.requests_by_state().get(RequestState.TRANSFERRING) != 1 \
+                        or not engine.parts.prefill_client.idle:  # B's KV has landed meanwhile
+                    await anyio.sleep(0.005)
+            gate.open()
+            outputs = await collect(second)
+        assert outputs[-1].finish_reason is FinishReason.LENGTH
+    assert batches[:4] == [["a"]] * 4  # the run's four steps: the prefill was the prefill role's
+    first_b = next(i for i, rows in enumerate(batches) if "b" in rows)
+    assert first_b == 5, batches[: first_b + 1]  # the held step, then B's first decode step beside A
+    runs_alone = engine.stats.decode_run_steps
+    assert runs_alone >= 16  # A's runs once B was done ran whole
 
 
 @pytest.mark.parametrize("overrides", [dict(decode_steps=0), dict(decode_steps=65),

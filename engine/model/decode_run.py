@@ -12,9 +12,9 @@ through the machine before the run started (`engine.runtime.decode_runs`).
 The run stops early, after any step, when that step was not a plain decode
 step (a grammar's masks need the token applied first; an extension or an
 attention backend of its own; a step that started copies), when a row
-sampled no token, or when the loop has work waiting (a submission or an
-abort arrived while the run ran on the loop's step thread: it is taken in
-after one step, not after the whole run). The loop applies every step's output in order, as it would
+sampled no token, or when the loop has work waiting (a submission, an abort
+or a landed transfer arrived while the run ran on the loop's step thread:
+it is taken in after one step, not after the whole run). The loop applies every step's output in order, as it would
 have one by one; tokens a row sampled after it finished are dropped there.
 """
 

@@ -5,8 +5,9 @@ order (`EngineConfig.decode_steps`; the runner's side is
 
 A batch runs as a run only when every row is a decoding request's one next
 token and no request waits to be admitted (a queue gets plain steps); a run
-on the loop's step thread ends after the step in which a submission or an
-abort arrives (`work_waiting`), so it holds an arrival back by one step. Its length is at most
+on the loop's step thread ends after the step in which a submission, an
+abort or anything else that wakes the loop (a transfer that landed) arrives
+(`work_waiting`), so it holds such work back by one step. Its length is at most
 `decode_steps`, and no row may pass its `max_new_tokens` or the context
 bound within it. Before it starts, each row's handles are extended through
 the machine to cover every token the run computes (`StateMachine.extend`,
@@ -41,10 +42,14 @@ S = RequestState
 
 class DecodeRuns:
     def __init__(self, *, gateway: RequestGateway, table: RequestTable, stats: EngineStats, steps: int,
-                 max_context: int) -> None:
+                 max_context: int, woken: Callable[[], bool] = lambda: False,
+                 watch: Callable[[], object] = lambda: None) -> None:
         self.gateway = gateway
         self.table = table
         self.stats = stats
+        #: whether the loop was woken since its iteration began (a fence completed, a request arrived);
+        #: `watch()` has every pending fence that signals wake the loop (`loop_waker.fence_wait`)
+        self.woken, self.watch = woken, watch
         #: the most model steps one decode run takes (1: every step is planned by the loop)
         self.steps = steps
         self.max_context = max_context
@@ -69,6 +74,7 @@ class DecodeRuns:
                     self.gateway.rollback(earlier.request, earlier.request.kv_len + 1)
                 return 1
         self.stats.decode_runs += 1
+        self.watch()  # NOTE: a fence that completes during the run (a transfer landing) ends it early
         return steps
 
     def runner_call(self, runner: ModelRunner, steps: int) -> Callable[[list[ScheduledSeq]], list[StepOutput]]:
@@ -79,9 +85,10 @@ class DecodeRuns:
         return lambda batch: runner.run(batch, steps, self.work_waiting)
 
     def work_waiting(self) -> bool:
-        """Whether a submission or an abort waits for the loop (asked from the step thread: two
-        reads of lists the loop's thread appends to)."""
-        return bool(self.table.unstarted or self.table.aborts)
+        """Whether work waits for the loop: a submission, an abort, or anything that woke it (a
+        landed transfer's fence, say). Asked from the step thread: reads of lists the loop's
+        thread appends to and of an event's flag."""
+        return bool(self.table.unstarted or self.table.aborts) or self.woken()
 
     def apply(self, batch: Sequence[ScheduledSeq], outputs: Sequence[StepOutput],
               apply_step: Callable[[Sequence[ScheduledSeq], StepOutput], None]) -> None:

@@ -111,7 +111,8 @@ class RuntimeLoop:
                                draft_tokens=config.speculative.num_tokens if config.speculative else 0,
                                max_context=max_context)
         self.runs = DecodeRuns(gateway=self.gateway, table=self.table, stats=self.stats, max_context=max_context,
-                               steps=1 if self.speculative else config.decode_steps)
+                               steps=1 if self.speculative else config.decode_steps, woken=lambda: self._wake.is_set(),
+                               watch=lambda: fence_wait(self.table.requests(), self.waker, self.machine.clock()))
         # issue 21: deadlines and sessions, both seen on a timer even without traffic
         self.deadlines = DeadlineTimer()
         self.sessions = SessionManager(parts.sessions, self.gateway, max_context=max_context,
@@ -295,11 +296,11 @@ class RuntimeLoop:
         if self.closing:  # shutdown owns the requests now
             await self._wait(None)
             return
-        refused = self.gateway.intake()
-        if refused is not None:
+        if self.runs.steps > 1:  # NOTE: a wake from now on (a landed transfer, a submission) ends a decode run
+            self._wake = anyio.Event()
+        if (refused := self.gateway.intake()) is not None:
             self.planner.check_starvation(refused)
-        timed_out = self._timers()  # issue 21
-        reaped = self.gateway.release_finished()
+        timed_out, reaped = self._timers(), self.gateway.release_finished()  # issue 21: timers
         if not self.table:
             self._idle_event.set()
             if self.idle:
