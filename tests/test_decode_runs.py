@@ -71,6 +71,31 @@ class TestSameOutput:
         assert stats.decode_run_steps <= stats.decode_runs * steps
 
     @pytest.mark.asyncio
+    async def test_logprobs_on_every_row(self):
+        """Every row asks for logprobs (the sampler needs no fields: the run's one upload serves every
+        step): each token's logprob and alternatives, streamed, are plain decoding's."""
+        params = [SamplingParams(max_new_tokens=n, ignore_eos=True, logprobs=2) for n in (13, 22)]
+
+        async def streamed(config: EngineConfig) -> tuple[list, Engine]:
+            async with Engine(config) as engine:
+                got: list[list] = [[], []]
+
+                async def one(i: int) -> None:
+                    async for out in engine.generate(PROMPTS[i], params[i]):
+                        got[i].extend((x.token_id, round(x.logprob, 4), [(t, round(v, 4)) for t, v in x.top])
+                                      for x in out.logprobs or ())
+
+                async with anyio.create_task_group() as tg:
+                    for i in range(2):
+                        tg.start_soon(one, i)
+            return got, engine
+
+        plain, _ = await streamed(small_config())
+        ran, engine = await streamed(small_config(decode_steps=5))
+        assert ran == plain and [len(g) for g in ran] == [13, 22]
+        assert engine.stats.decode_run_steps > engine.stats.decode_runs > 0
+
+    @pytest.mark.asyncio
     async def test_rows_stopping_inside_a_run(self):
         """Rows that stop on a token inside a run drop out of its later steps; the others keep their
         own tokens (each later step's output is read by the row's place in the run's batch)."""

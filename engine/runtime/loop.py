@@ -107,9 +107,8 @@ class RuntimeLoop:
         self.planner = Planner(gateway=self.gateway, applier=self.applier, table=self.table, stats=self.stats,
                                scheduler=parts.scheduler, kv_pool=parts.kv_pool, role=parts.role,
                                starvation_timeout=config.starvation_timeout, clock=self.machine.clock,
-                               report=self.leak_watch.check_now,
-                               draft_tokens=config.speculative.num_tokens if config.speculative else 0,
-                               max_context=max_context)
+                               report=self.leak_watch.check_now, max_context=max_context,
+                               draft_tokens=config.speculative.num_tokens if config.speculative else 0)
         self.runs = DecodeRuns(gateway=self.gateway, table=self.table, stats=self.stats, max_context=max_context,
                                steps=1 if self.speculative else config.decode_steps, woken=lambda: self._wake.is_set(),
                                watch=lambda: fence_wait(self.table.requests(), self.waker, self.machine.clock()))
@@ -378,9 +377,10 @@ class RuntimeLoop:
 
         NOTE: a model step in flight still reads its batch's tables and writes
         their KV pages, so no new step starts and the one in flight is awaited
-        before anything is released (it is the in-flight-step fence).
-        """
+        before anything is released (it is the in-flight-step fence); the wake
+        ends a decode run after its current step."""
         self.closing = True
+        self.wake()
         while self.step_running:
             await anyio.sleep(0.005)
         if self.errored is not None:
