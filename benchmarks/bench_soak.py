@@ -1,7 +1,7 @@
 """Soak: many short requests with aborts and disconnects; nothing may grow.
 
     python benchmarks/bench_soak.py [--requests 100000] [--tiny-requests 10000]
-                                    [--roles none decode] [--decode-requests N]
+                                    [--roles none decode] [--decode-requests N] [--decode-steps K]
                                     [--out bench-results/soak.json]
 
 Runs through the public API, each one engine for the whole run, per role
@@ -109,10 +109,11 @@ async def _client(engine: Engine, rng: random.Random, plan: str | None, prompt: 
 
 
 async def soak(model: str, total: int, clients: int, seed: int, warmup: int, device: str = "cpu",
-               role: str = "none") -> dict:
+               role: str = "none", decode_steps: int = 1) -> dict:
     # NOTE: about 4 pages per live request, so 64 clients press on 128 pages: admission queues, the cache evicts
     config = EngineConfig(model=model, device=device, page_size=16, num_kv_pages=128, max_running=clients, max_context=128,
-                          max_prefill_tokens=1024, leak_check="raise", use_entry_points=False, disaggregation=role)
+                          max_prefill_tokens=1024, leak_check="raise", use_entry_points=False, disaggregation=role,
+                          decode_steps=decode_steps)
     rng = random.Random(seed)
     prefixes = [[rng.randrange(256) for _ in range(32)] for _ in range(8)]
     reasons: Counter = Counter()
@@ -176,6 +177,9 @@ async def soak(model: str, total: int, clients: int, seed: int, warmup: int, dev
         "client_outcomes": dict(reasons),
         "engine_finishes": {f"{k}/{r}": v for (k, r), v in stats.finishes.items()},
         "retractions": stats.retractions,
+        "decode_steps": decode_steps,
+        "decode_runs": stats.decode_runs,
+        "decode_run_steps": stats.decode_run_steps,
         "rss_mib": {"start": start_rss, "after_warmup": warm_rss, "end": end_rss},
         "rss_growth_pct": 100 * (end_rss - warm_rss) / warm_rss,
         "internal_tables_at_end": tables,
@@ -199,6 +203,8 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--decode-steps", type=int, default=1,
+                        help="EngineConfig.decode_steps (decode runs: slots extended and given back every run)")
     parser.add_argument("--out", default="bench-results/soak.json")
     parser.add_argument("--device", default="cpu", help="torch device the engines run on: cpu (default), cuda, cuda:1 ... (docs/gpu.md)")
     args = parser.parse_args()
@@ -214,7 +220,8 @@ def main() -> None:
             # enough (they keep SAMPLE_WINDOW samples each, then stop growing)
             warmup = min(max(total // 20, 500, SAMPLE_WINDOW + 10_000), total // 2)
             print(f"load average {os.getloadavg()[0]:.2f} before {model}/{role}", flush=True)
-            result = anyio.run(soak, model, total, args.clients, args.seed, warmup, args.device, role)
+            result = anyio.run(soak, model, total, args.clients, args.seed, warmup, args.device, role,
+                               args.decode_steps)
             result["load_average"] = os.getloadavg()
             runs.append(result)
             rss = result["rss_mib"]
@@ -224,8 +231,8 @@ def main() -> None:
                   f" tables at end {nonzero or 'all zero'} ({len(result['internal_tables_at_end'])} tables);"
                   f" leak check {result['leak_check']} (checks run {result['idle_leak_checks']}, the prefill's"
                   f" {result['prefill_idle_leak_checks']})", flush=True)
-            print(f"       client outcomes {result['client_outcomes']}; engine finishes {result['engine_finishes']}",
-                  flush=True)
+            print(f"       client outcomes {result['client_outcomes']}; engine finishes {result['engine_finishes']}"
+                  f"; decode runs {result['decode_runs']} ({result['decode_run_steps']} steps)", flush=True)
     ok = all(r["leak_check"] == "pass" and r["rss_growth_pct"] < 5
              and not any(r["internal_tables_at_end"].values()) for r in runs)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
