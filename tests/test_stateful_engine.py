@@ -62,6 +62,8 @@ VARIANTS = {
     "decode": {"disaggregation": "decode"},
     "hisparse+decode": {"disaggregation": "decode",
                         "hisparse": HiSparseConfig(top_k=8, device_buffer_size=12, recent_window=4)},
+    "runs": {"decode_steps": 4},  # decode runs: slots extended for a run, given back when it ends early
+    "decode+runs": {"disaggregation": "decode", "decode_steps": 3},
 }
 _rng = random.Random(6)
 _SYSTEM = [_rng.randrange(256) for _ in range(10)]
