@@ -214,6 +214,13 @@ class StepGate:
         await anyio.to_thread.run_sync(self.entered.wait, DEADLINE)
         assert self.entered.is_set(), f"nothing reached the step gate in {DEADLINE}s"
 
+    async def wait_held(self, passed: int) -> None:
+        """Wait (without blocking the event loop, at most `DEADLINE`) until `passed` calls went
+        through the gate and the next one is held at it."""
+        with anyio.fail_after(DEADLINE):
+            while self.passed < passed or not self.waiting:
+                await anyio.sleep(0.005)
+
     def allow(self, n: int) -> None:
         with self._cond:
             self.permits += n

@@ -284,9 +284,7 @@ async def test_a_submission_ends_a_run_after_one_step():
         first = engine.generate(PROMPT, SamplingParams(max_new_tokens=40, ignore_eos=True), request_id="a")
         async with anyio.create_task_group() as tg:
             tg.start_soon(collect, first)
-            await gate.wait_entered()
-            while gate.passed < 3 or not gate.waiting:
-                await anyio.sleep(0.005)
+            await gate.wait_held(3)
             second = engine.generate(PROMPT, SamplingParams(max_new_tokens=4, ignore_eos=True), request_id="b")
             gate.open()
             outputs = await collect(second)
@@ -310,13 +308,11 @@ async def test_a_landed_transfer_ends_a_run():
         first = engine.generate(PROMPT, SamplingParams(max_new_tokens=40, ignore_eos=True), request_id="a")
         async with anyio.create_task_group() as tg:
             tg.start_soon(collect, first)
-            while gate.passed < 3 or not gate.waiting:
-                await anyio.sleep(0.005)
+            await gate.wait_held(3)
             second = engine.generate(PROMPT, SamplingParams(max_new_tokens=4, ignore_eos=True), request_id="b")
             gate.allow(1)  # the held step: B's submission ends the run after it; B is admitted, A runs again
+            await gate.wait_held(4)  # A's next run's first step is held
             with anyio.fail_after(DEADLINE):
-                while gate.passed < 4 or not gate.waiting:  # A's next run's first step is held
-                    await anyio.sleep(0.005)
                 while engine.requests_by_state().get(RequestState.TRANSFERRING) != 1 \
                         or not engine.parts.prefill_client.idle:  # B's KV has landed meanwhile
                     await anyio.sleep(0.005)
