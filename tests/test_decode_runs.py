@@ -33,7 +33,7 @@ from engine.speculative import SpeculativeConfig
 from engine.testing import FaultInjector
 from helpers import (DEADLINE, StepGate, assert_pools_whole, calls_by_request, collect, crowd_paths, finish_path_faults,
                      run_all, small_config, stream_outcome)
-from test_speculative_paths import TokenUnits
+from test_speculative_paths import ShortUnits, TokenUnits
 from states import FinishReason
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12] * 3, [40, 41, 42], list(range(60, 81)), [3, 3, 3, 3, 3, 3]]
@@ -270,6 +270,22 @@ async def test_every_finish_path_gives_every_slot_back():
     assert sum(c["extend"] for c in calls.values()) > 0
     assert hook.units.free == hook.units.capacity
     assert_pools_whole(engine)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("raises", [False, True], ids=["short", "faulty"])
+async def test_no_room_for_a_run_decodes_plainly(raises):
+    """A per-token pool short of room for a run (or a hook whose `extend` raises) costs the run, never
+    the request: plain steps, the same tokens, nobody retracted, and what grew is given back."""
+    async with Engine(small_config()) as plain_engine:
+        plain = (await plain_engine.complete(PROMPT, SamplingParams(max_new_tokens=16, ignore_eos=True))).token_ids
+    hook = ShortUnits(raises)
+    async with Engine(small_config(decode_steps=4, resources=[hook])) as engine:
+        out = await engine.complete(PROMPT, SamplingParams(max_new_tokens=16, ignore_eos=True))
+    assert out.token_ids == plain and out.finish_reason is FinishReason.LENGTH
+    assert engine.stats.decode_run_steps == 0 and engine.stats.retractions == 0
+    assert any(what == "extend" for _, what in hook.events) and any(what == "rollback" for _, what in hook.events)
+    assert hook.units.free == hook.units.capacity
 
 
 @pytest.mark.asyncio
