@@ -174,7 +174,7 @@ class DecodeGraphs:
 
     def replay(self, seqs: Sequence[ScheduledSeq], fields: np.ndarray | None, upload: StepUpload,
                slot_of: Callable[[Request], int | None], next_ids: Sequence[int] | None = None
-               ) -> tuple[Any, Any, Any, Any] | None:
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
         """A decode-only batch through its graph (the runner's path for one): the inputs, and the
         sampler's `fields` if any, in one upload straight into the static buffer, then the replay;
         (logits, greedy ids, routing, fields on the device). None: the batch does not fit a graph.

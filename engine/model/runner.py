@@ -215,8 +215,8 @@ class ModelRunner:
                 and masks is None):
             replayed = self.graphs.replay(seqs, batch.fields, self.upload, self.slot_of, next_ids)
             if replayed is not None:
-                logits, greedy, stacked, fields = replayed
-                out = self._finish(logits, batch, fields, stacked, greedy)
+                logits, graph_greedy, stacked, fields = replayed
+                out = self._finish(logits, batch, fields, stacked, graph_greedy)
                 if timed:
                     self._record(seqs, t0, t0)
                 self.last_plain = True
@@ -258,7 +258,7 @@ class ModelRunner:
                     and masks is None and plan is None)
         logits = self.model(ids, positions, attention, embeds, output_rows=rows, routing=routing,
                             apply_head=not verified)
-        greedy = None
+        greedy: torch.Tensor | None = None
         if verified:
             greedy = head.argmax(logits) if head is not None else None  # `logits`: the final hidden states
             logits = self.model.logits(logits) if greedy is None else logits
