@@ -100,6 +100,18 @@ class TestFenceWait:
 
         assert fence_wait(_waiting_on(Racing("kv_transfer", {"kv"})), lambda: None, 0.0) == 0.0
 
+    def test_a_fence_whose_subscribe_raises_is_polled(self):
+        """A faulty fence (a plugin's) is polled and logged; the look never raises into the loop (a decode
+        run's start subscribes too)."""
+
+        class Faulty(ManualFence):
+            def subscribe(self, waiter):
+                raise RuntimeError("a faulty subscribe")
+
+        with capture_logs() as logs:
+            assert fence_wait(_waiting_on(Faulty("kv_transfer", {"kv"}, armed=False)), lambda: None, 0.0) == POLL
+        assert any(entry["event"] == "fence.subscribe_failed" for entry in logs)
+
     def test_subscribes_the_waker_to_every_pending_fence(self):
         """Completing any pending fence calls the waker given to the loop's look."""
         fences = [ManualFence("kv_transfer", {"kv"}, armed=False) for _ in range(3)]

@@ -18,9 +18,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable
 
+import structlog
 from anyio.lowlevel import EventLoopToken
 
 from states import Request
+
+log = structlog.get_logger("kvlife.loop")
 
 #: seconds between looks while something the loop waits for cannot signal
 POLL = 0.005
@@ -84,7 +87,12 @@ def fence_wait(requests: Iterable[Request], waker: Callable[[], None], now: floa
             if fence.done():
                 continue
             subscribe = getattr(fence, "subscribe", None)
-            if subscribe is None or not subscribe(waker):
+            try:  # NOTE: a fence of a plugin's may be faulty: one that cannot subscribe is polled
+                subscribed = subscribe is not None and subscribe(waker)
+            except Exception as exc:  # noqa: BLE001 - never the loop's end
+                log.warning("fence.subscribe_failed", fence=repr(fence), error=repr(exc))
+                subscribed = False
+            if not subscribed:
                 if fence.done():  # NOTE: completed since it was looked at: no sleep, no lost wakeup
                     return 0.0
                 return POLL  # it cannot signal: poll
