@@ -28,6 +28,10 @@
    those K/V bytes once at the run's sum bandwidth (1 GiB): what no attention
    can beat (`engine_floor.py`). `--native-kernels` sets kvlife's
    `EngineConfig.native_kernels` (default "auto": its CPU kernels on).
+   `--kv-cache-dtype bfloat16` stores kvlife's KV cache in bfloat16 (the
+   model still computes in float32; transformers' cache stays float32, so
+   greedy ids may differ where two logits lie within that rounding: the
+   table counts them), and the K/V-read bound counts 2 bytes an element.
 5. Memory bandwidth, in the same run: a copy and a sum of a 64 MiB tensor
    (in the last-level cache here) and of a 1 GiB one.
 
@@ -106,14 +110,18 @@ class HFGenerate:
 
 
 # ------------------------------------------------------------------ kvlife
+#: bytes of one K or V element in each `--kv-cache-dtype` (the checkpoint is float32)
+KV_BYTES = {"auto": 4, "float32": 4, "float16": 2, "bfloat16": 2}
+
+
 def engine_config(directory: Path, batch: int, prompt_len: int, new_tokens: int, device: str = "cpu",
                   native_kernels: str = "auto", inline_step_ms: float | None = None,
-                  decode_steps: int = 1) -> EngineConfig:
+                  decode_steps: int = 1, kv_cache_dtype: str = "auto") -> EngineConfig:
     per_request = -(-(prompt_len + new_tokens) // PAGE) + 1
     return EngineConfig(model=str(directory), device=device, max_running=batch, num_kv_pages=batch * per_request + 2,
                         max_context=prompt_len + new_tokens + PAGE, max_prefill_tokens=4096,
                         prefix_cache=False, leak_check="raise", use_entry_points=False,
-                        native_kernels=native_kernels, decode_steps=decode_steps,
+                        native_kernels=native_kernels, decode_steps=decode_steps, kv_cache_dtype=kv_cache_dtype,
                         **({} if inline_step_ms is None else {"inline_step_ms": inline_step_ms}))
 
 
@@ -171,7 +179,7 @@ async def bench_batch(args, directory: Path, hf: HFGenerate, floor: Floor, batch
     async with contextlib.AsyncExitStack() as stack:
         engines = {who: await stack.enter_async_context(Engine(engine_config(
             directory, batch, args.prompt_len, n, args.device, args.native_kernels, args.inline_step_ms,
-            args.decode_steps if who == "runs" else 1))) for who in kvlife}
+            args.decode_steps if who == "runs" else 1, args.kv_cache_dtype))) for who in kvlife}
         for engine in engines.values():
             await kvlife_run(engine, prompts[:1], 2)  # warm-up, every engine
         hf.run(prompts[:1], 2)
@@ -185,7 +193,7 @@ async def bench_batch(args, directory: Path, hf: HFGenerate, floor: Floor, batch
                     wall_n, ids = hf.run(prompts, n)
                     run["hf"] = {"wall_1_s": wall_1, "wall_s": wall_n, "ids": ids}
                 elif who == "floor":
-                    run["floor"] = floor.run(batch, args.prompt_len + n // 2)
+                    run["floor"] = floor.run(batch, args.prompt_len + n // 2, kv_bytes=KV_BYTES[args.kv_cache_dtype])
                 else:
                     one = await kvlife_run(engines[who], prompts, 1)
                     run[who] = await kvlife_run(engines[who], prompts, n)
@@ -330,6 +338,9 @@ def main(argv: list[str] | None = None) -> dict:
                         help="EngineConfig.inline_step_ms for kvlife (default: the engine's; 0: tokens alone decide)")
     parser.add_argument("--decode-steps", type=int, default=1,
                         help="EngineConfig.decode_steps for kvlife (default 1: every step planned; K: decode runs)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=sorted(KV_BYTES),
+                        help="EngineConfig.kv_cache_dtype for kvlife (auto: float32, the model's; bfloat16 halves the "
+                             "K/V bytes a step reads, and the floor's K/V-read bound follows)")
     parser.add_argument("--native-kernels", default="auto", choices=["auto", "on", "off"],
                         help="EngineConfig.native_kernels for kvlife (docs/models.md)")
     parser.add_argument("--quick", action="store_true", help="batches 1 and 8, 2 repeats, 16 new tokens (smoke run)")
@@ -354,7 +365,7 @@ def main(argv: list[str] | None = None) -> dict:
                "workload": {"model": ANCHOR, "dtype": "float32", "prompt_len": args.prompt_len,
                             "new_tokens": args.new_tokens, "repeat": args.repeat, "threads": args.threads,
                             "native_kernels": args.native_kernels, "inline_step_ms": args.inline_step_ms,
-                            "decode_steps": args.decode_steps,
+                            "decode_steps": args.decode_steps, "kv_cache_dtype": args.kv_cache_dtype,
                             "floor_weight_bytes": floor.nbytes},
                "rows": rows}
     return write_results(args.out, results)

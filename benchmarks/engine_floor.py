@@ -104,7 +104,9 @@ class Floor:
             best.append(statistics.median(times[3:]))
         return 1e3 * min(best)
 
-    def run(self, batch: int, context: int, steps: int = 30) -> dict:
+    def run(self, batch: int, context: int, steps: int = 30, kv_bytes: int = 4) -> dict:
+        """The floor's step at `batch`, torch's attention over `context` tokens of contiguous K/V, and
+        the time to read that K/V once (`kv_bytes` per element: 4 for float32, 2 for a bfloat16 cache)."""
         x = torch.randn(batch, self.hidden, device=self.device)
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         out = {}
@@ -126,8 +128,8 @@ class Floor:
         out["step_ms"] = min(out[f"{name}_ms"] for name, _ in variants)
         with torch.inference_mode():
             out["attention_ms"] = self.attention(batch, context, steps)
-        head_dim = self.hidden // ANCHOR["num_attention_heads"]  # K and V of every layer, float32
+        head_dim = self.hidden // ANCHOR["num_attention_heads"]  # K and V of every layer
         kv_heads, layers = ANCHOR["num_key_value_heads"], ANCHOR["num_hidden_layers"]
-        out["kv_bytes"] = 2 * layers * batch * context * kv_heads * head_dim * 4
+        out["kv_bytes"] = 2 * layers * batch * context * kv_heads * head_dim * kv_bytes
         out["kv_read_ms"] = out["kv_bytes"] / (self.read_gbps * 1e6)  # the bytes once, at the run's sum bandwidth
         return out

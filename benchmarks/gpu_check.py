@@ -13,6 +13,8 @@ token's logprob, by:
     cpu bf16                      bf16 rounding on the host, for scale
     device fp32 / bf16 with decode runs (`decode_steps=4`; graphs on / off)
                                   runs must not change what the steps compute
+    device / cpu fp32 with a bf16 KV cache (`kv_cache_dtype`)
+                                  the device's rounding of the cache against the host's
 
 and the first token's logprob differences are reported. Then one engine per
 case decodes a batch while every step runs under torch's sync debug mode: the
@@ -66,10 +68,12 @@ def prompts(case: str) -> list[list[int]]:
     return [[(13 * i + 7 * j) % 250 + 1 for j in range(length + 3 * i)] for i in range(6)]
 
 
-def config(case: str, device: str, dtype: str, graphs: bool, decode_steps: int = 1) -> EngineConfig:
+def config(case: str, device: str, dtype: str, graphs: bool, decode_steps: int = 1,
+           kv_cache_dtype: str = "auto") -> EngineConfig:
     return EngineConfig(**CASES[case], device=device, dtype=dtype, cuda_graphs=graphs, page_size=16,
                         num_kv_pages=256, max_running=8, max_context=512, max_prefill_tokens=256,
-                        prefix_cache=False, use_entry_points=False, leak_check="raise", decode_steps=decode_steps)
+                        prefix_cache=False, use_entry_points=False, leak_check="raise", decode_steps=decode_steps,
+                        kv_cache_dtype=kv_cache_dtype)
 
 
 async def decode(cfg: EngineConfig, batch: list[list[int]]) -> dict:
@@ -115,6 +119,9 @@ def parity(case: str, device: str) -> dict:
     if case != "hisparse":  # decode runs: the same steps, several per plan (HiSparse refuses them)
         runs["dev_fp32_graphs_runs"] = config(case, device, "float32", True, decode_steps=4)
         runs["dev_bf16_eager_runs"] = config(case, device, "bfloat16", False, decode_steps=4)
+        # a float32 model over a bfloat16 KV cache (HiSparse refuses it too)
+        runs["dev_fp32_kvbf16"] = config(case, device, "float32", True, kv_cache_dtype="bfloat16")
+        runs["cpu_fp32_kvbf16"] = config(case, "cpu", "float32", False, kv_cache_dtype="bfloat16")
     out = {name: anyio.run(decode, cfg, batch) for name, cfg in runs.items()}
     result = {
         "fp32_device_vs_cpu": compare(out["dev_fp32_graphs"], out["cpu_fp32"]),
@@ -125,6 +132,7 @@ def parity(case: str, device: str) -> dict:
     if "dev_fp32_graphs_runs" in out:
         result["runs_vs_steps"] = min(compare(out["dev_fp32_graphs_runs"], out["dev_fp32_graphs"])["equal_sequences"],
                                       compare(out["dev_bf16_eager_runs"], out["dev_bf16_eager"])["equal_sequences"])
+        result["kv_bf16_device_vs_cpu"] = compare(out["dev_fp32_kvbf16"], out["cpu_fp32_kvbf16"])
     graphs_used = case == "hisparse" or out["dev_bf16_graphs"]["graphs"]["replays"] > 0 or device == "cpu"
     result["ok"] = bool(
         result["fp32_device_vs_cpu"]["equal_sequences"] >= MIN_FP32_EQUAL
@@ -132,6 +140,7 @@ def parity(case: str, device: str) -> dict:
         and result["bf16_graphs_vs_eager"]["equal_sequences"] >= MIN_GRAPHS_EQUAL
         and result["bf16_device_vs_cpu"]["first_logprob_gap"] <= MAX_BF16_LOGPROB_GAP
         and result.get("runs_vs_steps", 1.0) >= MIN_GRAPHS_EQUAL
+        and result.get("kv_bf16_device_vs_cpu", {}).get("first_logprob_gap", 0.0) <= MAX_BF16_LOGPROB_GAP
         and graphs_used)
     return result
 
@@ -272,13 +281,13 @@ def render(results: dict) -> str:
     lines = [f"GPU check on {info.get('device')} (torch {info['torch']}, CUDA {info.get('cuda')}), "
              f"load {info['load_at_start']} at start", "",
              "| case | fp32 dev=cpu seqs | fp32 1st-logprob gap | bf16 graphs=eager seqs | bf16 dev-cpu 1st gap "
-             "| decode runs = steps seqs | graphs captured / replays "
+             "| decode runs = steps seqs | kv bf16 dev=cpu seqs / 1st gap | graphs captured / replays "
              "| syncs per decode step: debug mode max / profile per step / allowed | pageable copies | ok |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for case, entry in results["cases"].items():
         p, s = entry.get("parity", {}), entry.get("syncs", {})
         if "error" in p:
-            lines.append(f"| {case} | error: {p['error'][:80]} | | | | | | | | no |")
+            lines.append(f"| {case} | error: {p['error'][:80]} | | | | | | | | | no |")
             continue
         graphs = p["graphs"]["dev_bf16_graphs"]
         on = s.get("graphs_on", {})
@@ -287,11 +296,13 @@ def render(results: dict) -> str:
         per_step = profile.get("syncs_per_step") if isinstance(profile, dict) else None
         profiled = "-" if per_step is None else f"{per_step:.2f}"
         ok = p.get("ok") and s.get("ok", True)
+        kv = p.get("kv_bf16_device_vs_cpu")
+        kv_cell = "-" if kv is None else f"{kv['equal_sequences']:.2f} / {kv['first_logprob_gap']:.3f}"
         lines.append(
             f"| {case} | {p['fp32_device_vs_cpu']['equal_sequences']:.2f} | "
             f"{p['fp32_device_vs_cpu']['first_logprob_gap']:.2e} | {p['bf16_graphs_vs_eager']['equal_sequences']:.2f} | "
             f"{p['bf16_device_vs_cpu']['first_logprob_gap']:.3f} | "
-            f"{'-' if 'runs_vs_steps' not in p else format(p['runs_vs_steps'], '.2f')} | "
+            f"{'-' if 'runs_vs_steps' not in p else format(p['runs_vs_steps'], '.2f')} | {kv_cell} | "
             f"{graphs['captured']} / {graphs['replays']} | "
             f"{on.get('syncs_per_decode_step_max', '-')} / {profiled} / {s.get('allowed_per_decode_step', '-')} | "
             f"{pageable} | "

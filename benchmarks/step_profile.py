@@ -2,7 +2,7 @@
 small ops around them, and attention, replayed in one process.
 
     python benchmarks/step_profile.py [--batches 1 8 32 128] [--context 160] [--steps 60]
-        [--weight-layout auto] [--native-kernels auto] [--threads 1] [--device cpu] [--out bench-results/step_profile.json] [--ops]
+        [--weight-layout auto] [--native-kernels auto] [--kv-cache-dtype float32] [--threads 1] [--device cpu] [--out bench-results/step_profile.json] [--ops]
 
 The anchor model of `bench_engine.py` (the same config and seed, built by
 kvlife with random weights, no transformers needed), packed as the engine
@@ -55,13 +55,14 @@ class _Queries:
         return q
 
 
-def _decode_step(model: LlamaModel, batch: int, context: int, kernel: NativeKernels | None):
+def _decode_step(model: LlamaModel, batch: int, context: int, kernel: NativeKernels | None,
+                 kv_dtype: torch.dtype = torch.float32):
     """The step's inputs and a function running it (the forward and the argmax)."""
     gen = torch.Generator().manual_seed(batch)
     device = model.device
     per = -(-context // PAGE)
     kv = KVBuffers(num_layers=ANCHOR.num_layers, num_pages=batch * per + 1, page_size=PAGE,
-                   num_kv_heads=ANCHOR.num_kv_heads, head_dim=ANCHOR.head_dim, dtype=torch.float32, device=device)
+                   num_kv_heads=ANCHOR.num_kv_heads, head_dim=ANCHOR.head_dim, dtype=kv_dtype, device=device)
     for layer in range(ANCHOR.num_layers):
         kv.k[layer].copy_(torch.randn(kv.k[layer].shape, generator=gen))
         kv.v[layer].copy_(torch.randn(kv.v[layer].shape, generator=gen))
@@ -116,8 +117,8 @@ def _ms(fn, steps: int, device: torch.device) -> float:
 
 
 def profile_batch(model: LlamaModel, batch: int, context: int, steps: int, ops: bool,
-                  kernel: NativeKernels | None = None) -> dict:
-    step, without_attention = _decode_step(model, batch, context, kernel)
+                  kernel: NativeKernels | None = None, kv_dtype: torch.dtype = torch.float32) -> dict:
+    step, without_attention = _decode_step(model, batch, context, kernel, kv_dtype)
     floor = _floor(model, batch)
     replays = []
     for _ in range(3):
@@ -150,6 +151,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--ops", action="store_true", help="also print torch.profiler's top ops of one step")
     parser.add_argument("--native-kernels", default="auto", choices=["auto", "on", "off"],
                         help="EngineConfig.native_kernels: kvlife's CPU kernels for attention, norms and RoPE")
+    parser.add_argument("--kv-cache-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="the dtype of the K/V buffers (EngineConfig.kv_cache_dtype; the model stays float32)")
     add_device_option(parser)
     parser.add_argument("--out", default="bench-results/step_profile.json")
     args = parser.parse_args(argv)
@@ -163,15 +166,17 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     with torch.inference_mode():
         for batch in args.batches:
-            rows.append(profile_batch(model, batch, args.context, args.steps, args.ops, kernel))
-    print(f"\nweight layout {model.weight_layout}, native kernels {'on' if kernel else 'off'}, context {args.context}; ms per step, median of 3 replays; "
+            rows.append(profile_batch(model, batch, args.context, args.steps, args.ops, kernel,
+                                      getattr(torch, args.kv_cache_dtype)))
+    print(f"\nweight layout {model.weight_layout}, native kernels {'on' if kernel else 'off'}, K/V {args.kv_cache_dtype}, "
+          f"context {args.context}; ms per step, median of 3 replays; "
           f"load at end {loadavg()}")
     print(f"{'batch':>5} | {'step':>8} | {'floor':>8} | {'small ops':>9} | {'attention':>9} | x floor")
     for r in rows:
         print(f"{r['batch']:>5} | {r['step_ms']:>8.2f} | {r['floor_ms']:>8.2f} | {r['small_ops_ms']:>9.2f} | "
               f"{r['attention_ms']:>9.2f} | {r['floor_ms'] / r['step_ms']:.2f}")
     results = {"machine": info, "weight_layout": model.weight_layout, "native_kernels": kernel is not None,
-               "context": args.context, "rows": rows}
+               "context": args.context, "kv_cache_dtype": args.kv_cache_dtype, "rows": rows}
     return write_results(args.out, results)
 
 

@@ -178,6 +178,14 @@ class EngineConfig:
     run's remaining tokens for nothing.
     Runs only while no request waits to be admitted. 1 (the default) = every step planned.
     Not with `speculative` (its verify steps already take several tokens) nor `hisparse`.
+    `kv_cache_dtype`: the dtype of the KV cache's pages, "auto" (the default: the model's
+    dtype), "float32", "float16" or "bfloat16". A float32 model with a bfloat16 cache (like
+    vLLM's ``--kv-cache-dtype``) holds twice the tokens in the same memory and reads half the
+    bytes per decode step; the model still computes in float32, each new K and V row is
+    rounded to bfloat16 when stored and read back as float32 (the native CPU attention kernel
+    widens each row it reads in place). Outputs then differ from a float32 cache's by that rounding. Both
+    ends of a prefill/decode link must store the same dtype (the handshake refuses a mismatch).
+    Not with `hisparse` unless "auto". A speculative draft model's own KV keeps its dtype.
     """
 
     model: str = attrs.field(default="tiny")
@@ -187,6 +195,9 @@ class EngineConfig:
     cuda_graphs: bool = attrs.field(default=True, validator=is_bool(), kw_only=True)
     #: "auto": float32 for the built-in models, a checkpoint's own torch_dtype
     dtype: str = attrs.field(default="auto", validator=one_of("auto", "float32", "float16", "bfloat16"))
+    #: the dtype the KV cache is stored in ("auto": the model's); see `kv_cache_dtype` above
+    kv_cache_dtype: str = attrs.field(default="auto", validator=one_of("auto", "float32", "float16", "bfloat16"),
+                                      kw_only=True)
     seed: int = attrs.field(default=0, validator=int_at_least(0))
     page_size: int = attrs.field(default=16, validator=int_at_least(1))
     num_kv_pages: int = attrs.field(default=1024, validator=int_at_least(2))
@@ -262,6 +273,8 @@ class EngineConfig:
         require(self.decode_steps == 1 or (self.speculative is None and self.hisparse is None), InvalidConfig,
                 f"{p}.decode_steps", "1 when speculative or hisparse is set (they run decode steps of their own)",
                 self.decode_steps)
+        require(self.kv_cache_dtype == "auto" or self.hisparse is None, InvalidConfig, f"{p}.kv_cache_dtype",
+                "'auto' when hisparse is set (its host pool and index keep the model's dtype)", self.kv_cache_dtype)
         require(isinstance(self.structured, StructuredConfig), InvalidConfig, f"{p}.structured",
                 "an engine.StructuredConfig", self.structured)
         require(self.remote_prefill is None or isinstance(self.remote_prefill, RemotePrefillSettings), InvalidConfig,

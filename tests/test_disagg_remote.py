@@ -148,12 +148,16 @@ class TestFailures:
         assert_child_whole(report)
 
     @pytest.mark.asyncio
-    @pytest.mark.parametrize("mismatch, cause", [({"secret": "not-the-secret"}, "auth"),
-                                                 ({"page_size": 8}, "incompatible")], ids=["secret", "record"])
-    async def test_refused_peer_never_gets_a_job(self, prefill, points, mismatch, cause):
-        """A wrong secret or a mismatched compatibility record is refused at connect time, with a clear
-        error; no job is ever sent, and with every peer refusing, a request fails TRANSFER_FAILED at once."""
-        rid = f"refused-{cause}"
+    @pytest.mark.parametrize("mismatch, cause, why", [
+        ({"secret": "not-the-secret"}, "auth", ""),
+        ({"page_size": 8}, "incompatible", "page_size 8 here, 4 there"),
+        ({"kv_cache_dtype": "bfloat16"}, "incompatible", "dtype 'bfloat16' here, 'float32' there")],
+        ids=["secret", "record", "kv-dtype"])
+    async def test_refused_peer_never_gets_a_job(self, prefill, points, mismatch, cause, why):
+        """A wrong secret or a mismatched compatibility record (a page size, or the KV cache's dtype: the
+        pages' bytes mean other values) is refused at connect time, with a clear error; no job is ever
+        sent, and with every peer refusing, a request fails TRANSFER_FAILED at once."""
+        rid = f"refused-{cause}-{len(why)}"
         with structlog.testing.capture_logs() as logs:
             async with Engine(remote_config(prefill.address, **{"secret": SECRET, **mismatch})) as engine:
                 started = time.monotonic()
@@ -163,7 +167,7 @@ class TestFailures:
         assert final.finish_reason is FinishReason.TRANSFER_FAILED and elapsed < 1.0 and "refused" in final.error
         assert refused.get(cause, 0) >= 1 and not points.has(f"job/{rid}")
         errors = [e for e in logs if e["event"] == "transfer.refused"]
-        assert errors and (cause == "auth" or "page_size 8 here, 4 there" in errors[0]["error"])
+        assert errors and why in errors[0]["error"]
         report = await anyio.to_thread.run_sync(prefill.debug)
         assert report["transfer"]["refused"].get(cause, 0) >= 1
         assert_child_whole(report)

@@ -1,7 +1,8 @@
 """kvlife's native CPU kernels (`engine.model.native_kernels`): the library
 builds here and is reused from its cache; decode attention equals a float64
 softmax (pages or token locations, grouped heads, windows, rows split over
-threads); RMSNorm with the residual add and RoPE equal torch's ops (RoPE bit
+threads), over float32 K/V buffers and over bfloat16 ones (new rows stored
+rounded as torch rounds them, bit for bit); RMSNorm with the residual add and RoPE equal torch's ops (RoPE bit
 for bit); an engine uses them by default and gives the same greedy ids as
 with torch's ops alone; `EngineConfig.native_kernels` refuses what it cannot
 do before anything is allocated; a compiler that fails leaves "auto" on
@@ -78,19 +79,64 @@ def test_it_equals_the_naive_softmax(group, window):
     torch.testing.assert_close(by_locations.double(), expected, atol=1e-5, rtol=1e-5)
 
 
-def test_rows_split_over_threads_give_the_same_bits(monkeypatch):
-    """With every call split over two threads, each row is computed as on one thread: equal bits."""
-    k_buf, v_buf, pages, _, kv_lens, q, _ = _decode_rows([9, 30, 2, 17, 25], 2, seed=3)
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("window", [None, 1, 5, 40])
+def test_it_equals_the_naive_softmax_over_bfloat16_buffers(group, window):
+    """bfloat16 K/V buffers (float32 queries): the float64 softmax over the same bfloat16 values,
+    upcast, to float32 rounding; the tolerance tells them from the float32 values they were rounded from."""
+    lens = [1, 4, 5, 13, 37, 20]
+    k32, v32, pages, locations, kv_lens, q, meta = _decode_rows(lens, group, seed=group * 10 + (window or 0) + 1)
+    k_buf, v_buf = k32.bfloat16(), v32.bfloat16()
+    expected = naive_attention(q, k_buf, v_buf, meta, window)
     kernels = _kernels()
-    single = kernels.decode_attention(q, k_buf, v_buf, pages, PAGE, kv_lens, None)
+    assert kernels.takes_attention(q, k_buf)
+    by_pages = kernels.decode_attention(q, k_buf, v_buf, pages, PAGE, kv_lens, window)
+    by_locations = kernels.decode_attention(q, k_buf, v_buf, locations, 1, kv_lens, window)
+    assert by_pages.dtype == by_locations.dtype == torch.float32
+    torch.testing.assert_close(by_pages.double(), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(by_locations.double(), expected, atol=1e-5, rtol=1e-5)
+    unrounded = naive_attention(q, k32, v32, meta, window)
+    assert not torch.allclose(by_pages.double(), unrounded, atol=1e-5, rtol=1e-5)
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.int16 if x.element_size() == 2 else torch.int32)
+
+
+def _assert_same_bits(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal bits for every number; a NaN where (and only where) `expected` has one."""
+    nan = expected.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(_bits(got)[~nan], _bits(expected)[~nan])
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_rows_split_over_threads_give_the_same_bits(monkeypatch, kv_dtype):
+    """With every call split over two threads, each row is computed (and its new K/V stored) as on
+    one thread: equal bits, over float32 and bfloat16 buffers."""
+    lens = [9, 30, 2, 17, 25]
+    k_buf, v_buf, pages, _, kv_lens, q, _ = _decode_rows(lens, 2, seed=3)
+    k_buf, v_buf = k_buf.to(kv_dtype), v_buf.to(kv_dtype)
+    new = torch.randn(2, len(lens), KV_HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(4))
+    out_locs = torch.stack([pages[b, (n - 1) // PAGE] * PAGE + (n - 1) % PAGE for b, n in enumerate(lens)])
+    kernels = _kernels()
+
+    def attend() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        k, v = k_buf.clone(), v_buf.clone()
+        plain = kernels.decode_attention(q, k_buf, v_buf, pages, PAGE, kv_lens, None)
+        return plain, kernels.decode_attention(q, k, v, pages, PAGE, kv_lens, None, (new[0], new[1], out_locs)), k, v
+
+    single = attend()
     monkeypatch.setattr(native_kernels, "PARALLEL_MIN_TOKENS", 0)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        split = kernels.decode_attention(q, k_buf, v_buf, pages, PAGE, kv_lens, None)
+        split = attend()
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(single, split)
+    assert not torch.equal(single[2], k_buf)  # the store wrote
+    for one, two in zip(single, split):
+        assert torch.equal(_bits(one), _bits(two))
 
 
 def test_attention_stores_the_new_rows_first():
@@ -110,13 +156,59 @@ def test_attention_stores_the_new_rows_first():
     assert not kernels.takes_store(new_k.transpose(1, 2), new_v, out_locs)  # heads not contiguous
 
 
+def test_bfloat16_buffers_store_the_new_rows_rounded_as_torch_rounds():
+    """Into bfloat16 buffers, each row's new float32 K/V are stored as ``.to(torch.bfloat16)`` stores them,
+    bit for bit: to nearest, ties to even, overflow to infinity, subnormals, infinities (a NaN stays
+    a NaN); each row then attends what was stored, as over buffers written by index_copy_."""
+    lens = [6, 1, 19, 12]
+    k32, v32, pages, _, kv_lens, q, meta = _decode_rows(lens, 2, seed=12)
+    k_buf, v_buf = k32.bfloat16(), v32.bfloat16()
+    qkv = torch.randn(len(lens), 3, KV_HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(13)) * 3
+    ties = [1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 2**-130 + 2**-134, 2**-130 + 3 * 2**-134]  # to even
+    rounded = [1 + 2**-8 + 2**-20, 1 - 2**-10, 3.4028234663852886e38, 1e-40, -0.0, 0.1, 1e30]
+    nans = torch.tensor([0x7FC00000, 0x7F800001], dtype=torch.int32).view(torch.float32)  # the 2nd: 0x7F80 + 1
+    specials = torch.cat([torch.tensor(ties + rounded + [float("inf"), float("-inf")]), nans])
+    qkv[0, 1].view(-1)[: len(specials)] = specials  # row 0's K head 0: its heads 0 and 1 give NaN
+    qkv[2, 2].view(-1)[: len(specials) - 2] = specials[:-2]  # row 2's V: no NaN, but infinities
+    new_k, new_v = qkv[:, 1], qkv[:, 2]
+    assert torch.equal(new_k[0].view(-1)[:5].bfloat16().float(),
+                       torch.tensor([1.0, 1 + 2**-6, -1.0, 2**-130, 2**-130 + 2**-132]))
+    out_locs = torch.stack([pages[b, (n - 1) // PAGE] * PAGE + (n - 1) % PAGE for b, n in enumerate(lens)])
+    kernels = _kernels()
+    assert kernels.takes_attention(q, k_buf) and kernels.takes_store(new_k, new_v, out_locs)
+    k_ref = k_buf.clone().index_copy_(0, out_locs, new_k.to(torch.bfloat16))
+    v_ref = v_buf.clone().index_copy_(0, out_locs, new_v.to(torch.bfloat16))
+    expected = kernels.decode_attention(q, k_ref, v_ref, pages, PAGE, kv_lens, None)
+    got = kernels.decode_attention(q, k_buf, v_buf, pages, PAGE, kv_lens, None, (new_k, new_v, out_locs))
+    assert k_buf.dtype == v_buf.dtype == torch.bfloat16
+    _assert_same_bits(k_buf, k_ref)
+    _assert_same_bits(v_buf, v_ref)
+    assert k_buf[out_locs[0]].isnan().sum() == 2 and v_buf[out_locs[2]].isinf().sum() == 3  # inf, -inf, max
+    _assert_same_bits(got, expected)
+    assert got[0, :2].isnan().all() and not got[0, 2:].isnan().any()  # heads 0 and 1 read KV head 0's NaN
+    assert not got[1:].isnan().any()
+    finite = [1, 3]  # rows 0 and 2 attend a NaN and infinities
+    torch.testing.assert_close(got[finite].double(), naive_attention(q, k_ref, v_ref, meta)[finite],
+                               atol=1e-5, rtol=1e-5)
+
+
 def test_they_take_float32_on_the_cpu_only():
-    """Attention checks its dtypes; the norm and RoPE check layouts (`install` refuses a model that is
-    not float32 on a CPU, so their inputs are float32 rows)."""
-    k_buf, _, _, _, _, q, _ = _decode_rows([3], 1, seed=0)
+    """Attention checks its dtypes (float32 queries; float32 or bfloat16 K/V, never float16, and a call
+    with K and V of different dtypes raises); the norm and RoPE check layouts (`install` refuses a model
+    that is not float32 on a CPU, so their inputs are float32 rows)."""
+    k_buf, v_buf, pages, _, kv_lens, q, _ = _decode_rows([3], 1, seed=0)
     assert NativeKernels.takes_attention(q, k_buf)
+    assert NativeKernels.takes_attention(q, k_buf.bfloat16())  # a bfloat16 cache under a float32 model
     assert not NativeKernels.takes_attention(q.bfloat16(), k_buf.bfloat16())
+    assert not NativeKernels.takes_attention(q.bfloat16(), k_buf)
+    assert not NativeKernels.takes_attention(q, k_buf.half())
+    assert not NativeKernels.takes_attention(q, k_buf.double())
     assert not NativeKernels.takes_attention(q, k_buf[:, :1])  # a buffer that is not contiguous
+    assert not NativeKernels.takes_attention(q, k_buf.bfloat16()[:, :1])
+    with pytest.raises(ValueError, match="float16"):
+        _kernels().decode_attention(q, k_buf.half(), v_buf.half(), pages, PAGE, kv_lens, None)
+    with pytest.raises(ValueError, match="differ"):
+        _kernels().decode_attention(q, k_buf.bfloat16(), v_buf, pages, PAGE, kv_lens, None)
     x = torch.randn(3, 8)
     assert NativeKernels.takes_norm(x) and NativeKernels.takes_norm(x, x)
     assert not NativeKernels.takes_norm(x[:, ::2]) and not NativeKernels.takes_norm(x, x.t().contiguous().t())

@@ -79,6 +79,7 @@ ENGINE_OPTIONS: list[tuple[str, type, str]] = [
     ("model", str, "'tiny', 'tiny-moe', 'null' (no compute) or a checkpoint directory"),
     ("device", str, "torch device, e.g. cpu or cuda"),
     ("dtype", str, "float32, float16 or bfloat16"),
+    ("kv_cache_dtype", str, "dtype the KV cache is stored in: auto (the model's), float32, float16 or bfloat16"),
     ("seed", int, "seed of the built-in model's weights"),
     ("page_size", int, "tokens per KV page"),
     ("num_kv_pages", int, "KV pages in the pool (page 0 is reserved)"),

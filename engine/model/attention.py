@@ -281,12 +281,15 @@ class PagedAttention:
                                            (k, v, self._out_locs))
         # NOTE: padded rows may all write location 0 in one step; which one
         # wins is unspecified, and harmless, since location 0 is never context.
-        k_buf.index_copy_(0, self._out_locs, k if k.dtype == k_buf.dtype else k.to(k_buf.dtype))
-        v_buf.index_copy_(0, self._out_locs, v if v.dtype == v_buf.dtype else v.to(v_buf.dtype))
+        if k.dtype != k_buf.dtype:  # a cache in its own dtype (kv_cache_dtype): attend what was stored
+            k, v = k.to(k_buf.dtype), v.to(v_buf.dtype)
+        k_buf.index_copy_(0, self._out_locs, k)
+        v_buf.index_copy_(0, self._out_locs, v)
         if self._fresh is not None:
             chunks, width = self._fresh
             shape = (chunks, width, -1, q.shape[2])
-            out = attend_fresh(q.view(shape), k.view(shape), v.view(shape), window, self._fresh_masks)
+            out = attend_fresh(q.view(shape), k.view(shape).to(q.dtype), v.view(shape).to(q.dtype), window,
+                               self._fresh_masks)
             return out.reshape(q.shape)
         decode, prefill, rows = self._decode, self._prefill, self._decode_rows
         if prefill is None:  # NOTE: the common case, every row decodes: no scatter into `out`

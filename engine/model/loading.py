@@ -5,7 +5,8 @@ no-compute runner) or a local checkpoint directory.
 ``EngineConfig.dtype="auto"`` (the default) means float32 for the built-in
 models and the checkpoint's own ``torch_dtype`` for a directory. The returned
 `ModelConfig.dtype` is always the dtype the weights were loaded in, which is
-what the KV buffers follow. The model comes back packed in
+what the KV buffers follow unless ``EngineConfig.kv_cache_dtype`` names
+another (`kv_cache_dtype`). The model comes back packed in
 ``EngineConfig.weight_layout`` (`LlamaModel.pack`).
 """
 
@@ -23,6 +24,11 @@ from engine.model.native_kernels import NativeKernels, kernels_for
 from engine.model.tokenizer import ByteTokenizer, Tokenizer
 
 BUILTIN_MODELS = {"tiny": ModelConfig.tiny, "tiny-moe": ModelConfig.tiny_moe, "null": ModelConfig.tiny}
+
+
+def kv_cache_dtype(config: EngineConfig, model_config: ModelConfig) -> torch.dtype:
+    """The dtype the KV buffers store: ``config.kv_cache_dtype``, or the model's for "auto"."""
+    return model_config.torch_dtype if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
 
 
 def load_model(config: EngineConfig, device: torch.device) -> tuple[ModelConfig, LlamaModel, Tokenizer]:

@@ -11,7 +11,12 @@ after its bfloat16 matmul about 25. Five kernels (`native/*.cpp`, built by
 
 - `NativeKernels.decode_attention`: every decode row (one new token) over its
   paged K/V, read once in place, page by page, with an online softmax in
-  float32 and the next reads prefetched (`native/decode_attention.cpp`);
+  float32 and the next reads prefetched (`native/decode_attention.cpp`); the
+  K/V buffers may hold float32 or bfloat16 (``EngineConfig.kv_cache_dtype``):
+  bfloat16 is widened to float32 as it is read (a shift, one K or V row at a
+  time into scratch that stays in L1; nothing is gathered), and the step's new
+  float32 K/V rows are rounded to bfloat16 (to nearest even, as
+  ``.to(torch.bfloat16)``) as they are stored;
 - `NativeKernels.rms_norm`: the residual add and the norm in one pass;
 - `NativeKernels.rope_`: RoPE in place, rounded as transformers' ops round;
 - `NativeKernels.silu_mul_`: SwiGLU's activation and product in place;
@@ -19,9 +24,10 @@ after its bfloat16 matmul about 25. Five kernels (`native/*.cpp`, built by
   search and float32 rescoring (`native/greedy_verify.cpp`).
 
 They take float32 tensors on the CPU (`kernels_for` hands them only to such
-models); `takes_*` say whether a call's layout qualifies, and the caller uses
-torch otherwise. Outputs equal torch's up to float32 rounding (the tests
-hold them against float64 references and torch). `kernels_for` resolves
+models; attention's K/V buffers float32 or bfloat16); `takes_*` say whether a
+call's layout qualifies, and the caller uses torch otherwise. Outputs equal
+torch's up to float32 rounding (the tests hold them against float64 references
+and torch). `kernels_for` resolves
 `EngineConfig.native_kernels`; `engine.model.loading.install_native_kernels`
 hands them to a model's fused path (the reference path never uses them).
 """
@@ -44,14 +50,19 @@ PARALLEL_MIN_TOKENS = 4096
 
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
+#: the K/V buffer dtypes `NativeKernels.decode_attention` reads
+_KV_DTYPES = (torch.float32, torch.bfloat16)
+
 
 class NativeKernels:
     """The loaded library's kernels (module docstring)."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._attention = library.kvlife_decode_attention_f32
-        self._attention.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64,
-                                    _I64, _F32, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR]
+        self._attention = library.kvlife_decode_attention_f32  # float32 K/V buffers
+        self._attention_bf16 = library.kvlife_decode_attention_bf16kv  # bfloat16 K/V buffers, same arguments
+        for fn in (self._attention, self._attention_bf16):
+            fn.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _F32,
+                           _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR]
         self._norm = library.kvlife_rms_norm_f32
         self._norm.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _F32, _PTR, _I64]
         self._rope = library.kvlife_rope_f32
@@ -60,7 +71,7 @@ class NativeKernels:
         self._silu_mul.argtypes = [_PTR, _I64, _I64, _I64]
         self._verify = library.kvlife_verified_argmax
         self._verify.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _F32, _F32, _I64, _I64, _PTR]
-        for fn in (self._attention, self._norm, self._rope, self._silu_mul, self._verify):
+        for fn in (self._attention, self._attention_bf16, self._norm, self._rope, self._silu_mul, self._verify):
             fn.restype = ctypes.c_int
 
     # NOTE: `kernels_for` hands them only to float32 models on a CPU, so the checks below are of
@@ -70,15 +81,16 @@ class NativeKernels:
     # ----------------------------------------------------------- attention
     @staticmethod
     def takes_attention(q: Tensor, k_buf: Tensor) -> bool:
-        """Whether queries `q` over the buffer `k_buf` qualify (the caller checked the rest of
-        the plan: decode rows, page or token columns)."""
-        return q.dtype == torch.float32 and k_buf.dtype == torch.float32 and q.stride(-1) == 1 \
+        """Whether float32 queries `q` over the buffer `k_buf` (float32 or bfloat16, contiguous)
+        qualify (the caller checked the rest of the plan: decode rows, page or token columns)."""
+        return q.dtype == torch.float32 and k_buf.dtype in _KV_DTYPES and q.stride(-1) == 1 \
             and k_buf.is_contiguous() and q.device.type == "cpu"
 
     @staticmethod
     def takes_store(k: Tensor, v: Tensor, out_locs: Tensor) -> bool:
-        """Whether `decode_attention` can store the step's new `k` and `v` ``[B, KVH, D]`` at
-        `out_locs` itself (rows of any stride, each row's heads contiguous)."""
+        """Whether `decode_attention` can store the step's new float32 `k` and `v` ``[B, KVH, D]``
+        at `out_locs` itself (rows of any stride, each row's heads contiguous), whatever the
+        buffers' dtype (a bfloat16 buffer gets them rounded, as ``.to(torch.bfloat16)``)."""
         dim = k.shape[-1]
         return (k.stride(-1) == 1 and k.stride(1) == dim and v.stride(-1) == 1 and v.stride(1) == dim
                 and out_locs.dtype == torch.int64 and out_locs.is_contiguous())
@@ -87,10 +99,20 @@ class NativeKernels:
                          kv_lens: Tensor, window: int | None,
                          store: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
         """`q` ``[B, H, D]`` (one query per row, at position ``kv_lens[b] - 1``) over the
-        contexts in `k_buf` and `v_buf` ``[locations, KVH, D]`` (contiguous): row b's token j
-        at ``columns[b, j // unit] * unit + j % unit``; the last `window` tokens only when
-        given; returns ``[B, H, D]``. `store` ``(k, v, out_locs)``: first write each row's new
-        K and V ``[B, KVH, D]`` at its location (`takes_store` says whether they qualify)."""
+        contexts in `k_buf` and `v_buf` ``[locations, KVH, D]`` (contiguous, both float32 or both
+        bfloat16; bfloat16 is widened to float32 as it is read): row b's token j at
+        ``columns[b, j // unit] * unit + j % unit``; the last `window` tokens only when given;
+        returns float32 ``[B, H, D]``. `store` ``(k, v, out_locs)``: first write each row's new
+        float32 K and V ``[B, KVH, D]`` at its location, rounded to bfloat16 (to nearest even)
+        in a bfloat16 buffer (`takes_store` says whether they qualify)."""
+        if k_buf.dtype == torch.float32:
+            attention = self._attention
+        elif k_buf.dtype == torch.bfloat16:
+            attention = self._attention_bf16
+        else:
+            raise ValueError(f"the native decode attention kernel takes float32 or bfloat16 K/V, not {k_buf.dtype}")
+        if v_buf.dtype != k_buf.dtype:  # the kernel would read (and store into) it as k_buf's type
+            raise ValueError(f"the native decode attention kernel's K and V differ: {k_buf.dtype}, {v_buf.dtype}")
         rows, heads, head_dim = q.shape
         if columns.dtype != torch.int64 or columns.stride(-1) != 1:
             columns = columns.to(torch.int64).contiguous()
@@ -106,10 +128,10 @@ class NativeKernels:
             k, v, out_locs = store
             new_k, new_k_row, new_v, new_v_row, locs = k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), \
                 out_locs.data_ptr()
-        _check(self._attention(q.data_ptr(), q_row, q_head, k_buf.data_ptr(), v_buf.data_ptr(),
-                               columns.data_ptr(), columns.stride(0), unit, kv_lens.data_ptr(), rows, heads,
-                               k_buf.shape[1], head_dim, window or 0, head_dim**-0.5, out.data_ptr(), threads,
-                               new_k, new_k_row, new_v, new_v_row, locs), "decode attention", q)
+        _check(attention(q.data_ptr(), q_row, q_head, k_buf.data_ptr(), v_buf.data_ptr(),
+                         columns.data_ptr(), columns.stride(0), unit, kv_lens.data_ptr(), rows, heads,
+                         k_buf.shape[1], head_dim, window or 0, head_dim**-0.5, out.data_ptr(), threads,
+                         new_k, new_k_row, new_v, new_v_row, locs), "decode attention", q)
         return out
 
     # ---------------------------------------------------------------- norm

@@ -30,7 +30,7 @@ from engine.errors import InvalidConfig
 from engine.model.attention import PagedAttention
 from engine.model.native_kernels import kernels_for
 from engine.model.llama import LlamaModel
-from engine.model.loading import load_model
+from engine.model.loading import kv_cache_dtype, load_model
 from engine.model.model_config import ModelConfig
 from engine.model.runner import AttentionFactory, ModelRunner, NoComputeRunner
 from engine.model.tokenizer import Tokenizer
@@ -115,7 +115,7 @@ def assemble(config: EngineConfig, *, device: torch.device, bundle: ModelBundle,
     decode_kernel = kernels_for(config.native_kernels, device, model_config.torch_dtype)
     kv_buffers = KVBuffers(num_layers=model_config.num_layers, num_pages=config.num_kv_pages,
                            page_size=config.page_size, num_kv_heads=model_config.num_kv_heads,
-                           head_dim=model_config.head_dim, dtype=model_config.torch_dtype, device=device)
+                           head_dim=model_config.head_dim, dtype=kv_cache_dtype(config, model_config), device=device)
     kv_pool = KVPool(num_pages=config.num_kv_pages, page_size=config.page_size, max_running=config.max_running,
                      max_context=max_context, device=device, prefix_cache=config.prefix_cache)
     ctx = BuildContext(config, device, model_config, model, tokenizer, max_context, kv_buffers, kv_pool, faults,

@@ -1,5 +1,5 @@
 // Decode attention over paged K/V, read in place: kvlife's CPU kernel
-// (engine/model/native_attention.py builds, loads and calls it; docs/models.md).
+// (engine/model/native_kernels.py loads and calls it; docs/models.md).
 //
 // One query token per row b. Its context is kv_lens[b] tokens; token j sits at
 // location columns[b, j / unit] * unit + j % unit of the layer's K and V
@@ -8,28 +8,72 @@
 // query (at position kv_lens[b] - 1) sees only the last W tokens. Query head h
 // reads KV head h / (heads / kv_heads).
 //
+// The K/V buffers hold float32 or bfloat16 (Bf16: a float32's top 16 bits), one
+// template (attend_rows<Kv>); a bfloat16 K or V row is widened to float32 as it
+// is read (a shift per element, vectorized, into one row of scratch that stays
+// in L1: once per token, not once per query head of its group), and the step's
+// new float32 rows are rounded to bfloat16 as they are stored (to nearest even,
+// as torch's .to(bfloat16)). Queries, outputs, new rows and all arithmetic are
+// float32 either way; the float32 instantiation reads its buffers directly.
+//
 // Per row, one pass over the context 16 tokens at a time with an online softmax
 // in float32 (attend_rows), the reads prefetched ahead (ReadPlan). Nothing is
-// gathered; the scratch is H x 16 floats and the token list. No library beyond
-// the C++ standard one: the file compiles in about a second and is loaded with
-// ctypes, which releases the GIL for the call.
+// gathered; the scratch is H x 16 floats, the token list and (over bfloat16) one
+// widened K/V row. No library beyond the C++ standard one: the file compiles in
+// about a second and is loaded with ctypes, which releases the GIL for the call.
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "exp.h"
 
 namespace {
 
+using Bf16 = uint16_t;  // bfloat16 storage: the top 16 bits of a float32
+
+// a bfloat16 as float32: its bits shifted into a float32's top half
+inline float widen(Bf16 x) {
+    const uint32_t bits = static_cast<uint32_t>(x) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+// a float32 rounded to bfloat16 as torch's CPU conversion (at::vec's cvtfp32_bf16) rounds:
+// to nearest, ties to even (infinities and overflow to infinity included); a NaN becomes 0xFFFF
+inline Bf16 narrow(float x) {
+    uint32_t bits;
+    std::memcpy(&bits, &x, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0xffffu;
+    return static_cast<Bf16>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+// a K or V row of n elements as float32: the row itself, or the bfloat16 row widened into `wide`
+inline const float* as_floats(const float* row, int64_t, float*) { return row; }
+inline const float* as_floats(const Bf16* row, int64_t n, float* wide) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) wide[i] = widen(row[i]);
+    return wide;
+}
+
+// the step's new float32 row stored as Kv: copied, or rounded to bfloat16
+inline void store_row(float* to, const float* from, int64_t n) { std::memcpy(to, from, sizeof(float) * n); }
+inline void store_row(Bf16* to, const float* from, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) to[i] = narrow(from[i]);
+}
+
+template <typename Kv>
 struct Problem {
     const float* q;           // [B, H, D], row stride q_row, head stride q_head, element stride 1
     int64_t q_row, q_head;
-    const float* k;           // [N, KVH, D] contiguous
-    const float* v;
+    Kv* k;                    // [N, KVH, D] contiguous (written only by the store of new rows)
+    Kv* v;
     const int64_t* columns;   // [B, >= ceil(len / unit)], row stride col_row, element stride 1
     int64_t col_row, unit;
     const int64_t* kv_lens;   // [B]
@@ -44,8 +88,9 @@ struct Problem {
     const int64_t* out_locs;
 };
 
-inline void prefetch_row(const float* row, int64_t floats) {
-    for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(row + i, 0, 3);
+inline void prefetch_row(const void* row, int64_t bytes) {
+    const char* at = static_cast<const char*>(row);
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(at + i, 0, 3);
 }
 
 // Every token a thread reads, in order: its rows' (windowed) contexts back to back as
@@ -55,7 +100,8 @@ struct ReadPlan {
     std::vector<int64_t> where;   // token locations
     std::vector<int64_t> row_at;  // row first + r starts at where[row_at[r]]; row_at.back() == where.size()
 
-    ReadPlan(const Problem& p, int64_t first, int64_t last) : row_at(static_cast<size_t>(last - first + 1)) {
+    template <typename Kv>
+    ReadPlan(const Problem<Kv>& p, int64_t first, int64_t last) : row_at(static_cast<size_t>(last - first + 1)) {
         for (int64_t b = first; b < last; ++b) {
             row_at[b - first] = static_cast<int64_t>(where.size());
             const int64_t len = p.kv_lens[b];
@@ -78,25 +124,26 @@ struct ReadPlan {
 constexpr int64_t TOKEN_BLOCK = 16;
 constexpr int64_t PREFETCH_TOKENS = 16;  // measured in a decode step: 2x faster than none, 32 and 64 no better
 
-void attend_rows(const Problem& p, int64_t first, int64_t last) {
+template <typename Kv>
+void attend_rows(const Problem<Kv>& p, int64_t first, int64_t last) {
     const int64_t H = p.heads, D = p.head_dim, group = p.heads / p.kv_heads, stride = p.kv_heads * D;
+    const int64_t row_bytes = static_cast<int64_t>(sizeof(Kv)) * stride;
     const ReadPlan plan(p, first, last);
     const int64_t planned = plan.row_at.back();
     std::vector<float> scores(static_cast<size_t>(H * TOKEN_BLOCK)), acc(static_cast<size_t>(H * D));
     std::vector<float> totals(static_cast<size_t>(H)), tops(static_cast<size_t>(H));
     std::vector<int64_t> head_offset(static_cast<size_t>(H));
+    std::vector<float> wide(std::is_same_v<Kv, float> ? 0 : static_cast<size_t>(stride));  // a widened row
     for (int64_t h = 0; h < H; ++h) head_offset[h] = (h / group) * D;
     for (int64_t i = 0; i < std::min(planned, PREFETCH_TOKENS); ++i) {
-        prefetch_row(p.k + plan.where[i] * stride, stride);
-        prefetch_row(p.v + plan.where[i] * stride, stride);
+        prefetch_row(p.k + plan.where[i] * stride, row_bytes);
+        prefetch_row(p.v + plan.where[i] * stride, row_bytes);
     }
     for (int64_t b = first; b < last; ++b) {
         float* out = p.out + b * H * D;
         if (p.out_locs != nullptr) {  // the row's new token first: it is the last of its own context
-            std::memcpy(const_cast<float*>(p.k) + p.out_locs[b] * stride, p.new_k + b * p.new_k_row,
-                        sizeof(float) * stride);
-            std::memcpy(const_cast<float*>(p.v) + p.out_locs[b] * stride, p.new_v + b * p.new_v_row,
-                        sizeof(float) * stride);
+            store_row(p.k + p.out_locs[b] * stride, p.new_k + b * p.new_k_row, stride);
+            store_row(p.v + p.out_locs[b] * stride, p.new_v + b * p.new_v_row, stride);
         }
         const int64_t at = plan.row_at[b - first], n = plan.row_at[b - first + 1] - at;
         if (n == 0) {  // an empty context (never a decode row's): zeros
@@ -113,10 +160,10 @@ void attend_rows(const Problem& p, int64_t first, int64_t last) {
             for (int64_t i = 0; i < m; ++i) {
                 const int64_t ahead = at + lo + i + PREFETCH_TOKENS;
                 if (ahead < planned) {
-                    prefetch_row(p.k + plan.where[ahead] * stride, stride);
-                    prefetch_row(p.v + plan.where[ahead] * stride, stride);
+                    prefetch_row(p.k + plan.where[ahead] * stride, row_bytes);
+                    prefetch_row(p.v + plan.where[ahead] * stride, row_bytes);
                 }
-                const float* key = p.k + where[lo + i] * stride;
+                const float* key = as_floats(p.k + where[lo + i] * stride, stride, wide.data());
                 for (int64_t h = 0; h < H; ++h) {
                     const float* qh = qb + h * p.q_head;
                     const float* kh = key + head_offset[h];
@@ -146,7 +193,7 @@ void attend_rows(const Problem& p, int64_t first, int64_t last) {
                 totals[h] += total;
             }
             for (int64_t i = 0; i < m; ++i) {
-                const float* value = p.v + where[lo + i] * stride;
+                const float* value = as_floats(p.v + where[lo + i] * stride, stride, wide.data());
                 for (int64_t h = 0; h < H; ++h) {
                     const float w = scores[h * TOKEN_BLOCK + i];
                     const float* vh = value + head_offset[h];
@@ -163,6 +210,33 @@ void attend_rows(const Problem& p, int64_t first, int64_t last) {
     }
 }
 
+// checks the arguments, then the rows on `threads` threads (row ranges; each row as on one thread)
+template <typename Kv>
+int decode_attention(const float* q, int64_t q_row, int64_t q_head, Kv* k, Kv* v, const int64_t* columns,
+                     int64_t col_row, int64_t unit, const int64_t* kv_lens, int64_t rows, int64_t heads,
+                     int64_t kv_heads, int64_t head_dim, int64_t window, float scale, float* out, int64_t threads,
+                     const float* new_k, int64_t new_k_row, const float* new_v, int64_t new_v_row,
+                     const int64_t* out_locs) {
+    if (rows < 0 || heads <= 0 || kv_heads <= 0 || heads % kv_heads != 0 || head_dim <= 0 || unit <= 0) return 1;
+    const Problem<Kv> p{q, q_row, q_head, k, v, columns, col_row, unit, kv_lens, heads, kv_heads, head_dim, window,
+                        scale, out, new_k, new_v, new_k_row, new_v_row, out_locs};
+    const int64_t parts = std::max<int64_t>(1, std::min(threads, rows));
+    if (parts == 1) {
+        attend_rows(p, 0, rows);
+        return 0;
+    }
+    std::vector<std::thread> workers;
+    workers.reserve(static_cast<size_t>(parts - 1));
+    const int64_t per = (rows + parts - 1) / parts;
+    for (int64_t t = 1; t < parts; ++t) {
+        const int64_t first = t * per, last = std::min(rows, first + per);
+        if (first < last) workers.emplace_back(attend_rows<Kv>, std::cref(p), first, last);
+    }
+    attend_rows(p, 0, std::min(rows, per));
+    for (auto& w : workers) w.join();
+    return 0;
+}
+
 }  // namespace
 
 extern "C" {
@@ -175,24 +249,19 @@ int kvlife_decode_attention_f32(const float* q, int64_t q_row, int64_t q_head, f
                                 int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t window,
                                 float scale, float* out, int64_t threads, const float* new_k, int64_t new_k_row,
                                 const float* new_v, int64_t new_v_row, const int64_t* out_locs) {
-    if (rows < 0 || heads <= 0 || kv_heads <= 0 || heads % kv_heads != 0 || head_dim <= 0 || unit <= 0) return 1;
-    const Problem p{q, q_row, q_head, k, v, columns, col_row, unit, kv_lens, heads, kv_heads, head_dim, window,
-                    scale, out, new_k, new_v, new_k_row, new_v_row, out_locs};
-    const int64_t parts = std::max<int64_t>(1, std::min(threads, rows));
-    if (parts == 1) {
-        attend_rows(p, 0, rows);
-        return 0;
-    }
-    std::vector<std::thread> workers;
-    workers.reserve(static_cast<size_t>(parts - 1));
-    const int64_t per = (rows + parts - 1) / parts;
-    for (int64_t t = 1; t < parts; ++t) {
-        const int64_t first = t * per, last = std::min(rows, first + per);
-        if (first < last) workers.emplace_back(attend_rows, std::cref(p), first, last);
-    }
-    attend_rows(p, 0, std::min(rows, per));
-    for (auto& w : workers) w.join();
-    return 0;
+    return decode_attention(q, q_row, q_head, k, v, columns, col_row, unit, kv_lens, rows, heads, kv_heads, head_dim,
+                            window, scale, out, threads, new_k, new_k_row, new_v, new_v_row, out_locs);
+}
+
+// The same over bfloat16 K/V buffers (k, v: the bits, [N, KVH, D]); q, out, new_k and new_v are float32,
+// and the new rows are rounded to bfloat16 as they are stored.
+int kvlife_decode_attention_bf16kv(const float* q, int64_t q_row, int64_t q_head, uint16_t* k, uint16_t* v,
+                                   const int64_t* columns, int64_t col_row, int64_t unit, const int64_t* kv_lens,
+                                   int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t window,
+                                   float scale, float* out, int64_t threads, const float* new_k, int64_t new_k_row,
+                                   const float* new_v, int64_t new_v_row, const int64_t* out_locs) {
+    return decode_attention(q, q_row, q_head, k, v, columns, col_row, unit, kv_lens, rows, heads, kv_heads, head_dim,
+                            window, scale, out, threads, new_k, new_k_row, new_v, new_v_row, out_locs);
 }
 
 }  // extern "C"

@@ -1,0 +1,120 @@
+"""A KV cache stored in another dtype than the model's (`EngineConfig.kv_cache_dtype`).
+
+A float32 model with a bfloat16 cache: the buffers take half the bytes; greedy
+ids and logprobs equal the dense reference whose K/V are rounded through
+bfloat16 (and not the unrounded one: the test tells the two apart), with
+torch's attention forms and with the native CPU kernel, over whole prompts,
+chunked prompts and decode steps; a prompt whose prefix the cache already
+holds gives the logprobs of the same prompt computed fresh (a fresh prompt
+attends its K/V as stored, not as computed); the decode role with its
+in-process prefill gives the single engine's tokens. Every pool is whole once
+idle. Bad settings are refused before anything is built; the CLI takes the
+flag. (A prefill server whose cache dtype differs is refused at connect time:
+tests/test_disagg_remote.py.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import Engine, EngineConfig, HiSparseConfig, InvalidConfig, SamplingParams
+from engine.cli.main import build_parser
+from engine.cli.options import engine_config_from_args
+from engine.model.dense_reference import dense_forward
+from helpers import assert_pools_whole, collect, small_config
+
+#: a whole prompt (one fresh chunk), one longer than max_prefill_tokens (chunked), a short one
+PROMPTS = [list(range(30, 70)), [(7 * i) % 250 + 3 for i in range(150)], [9, 8, 7]]
+GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=0)
+
+
+CACHED: list[int] = []  # each prompt's num_cached_tokens in the latest `_greedy`
+
+
+async def _greedy(config: EngineConfig, prompts=PROMPTS) -> tuple[list[list[int]], list[list[float]], Engine]:
+    ids, logprobs = [], []
+    CACHED.clear()
+    async with Engine(config) as engine:
+        for prompt in prompts:
+            outputs = await collect(engine.generate(prompt, GREEDY))
+            entries = [e for o in outputs for e in o.logprobs or ()]
+            ids.append(outputs[-1].token_ids)
+            logprobs.append([e.logprob for e in entries])
+            CACHED.append(outputs[-1].num_cached_tokens)
+        assert_pools_whole(engine)
+    return ids, logprobs, engine
+
+
+def _reference(engine: Engine, prompt: list[int], tokens: list[int], kv_dtype: torch.dtype | None) -> tuple[list, list]:
+    """The dense reference's greedy ids over the engine's output and their log probabilities."""
+    logits = dense_forward(engine.parts.model, prompt + tokens, kv_dtype=kv_dtype)[len(prompt) - 1:-1]
+    logprobs = torch.log_softmax(logits.double(), -1)
+    return logits.argmax(-1).tolist(), [float(logprobs[i, t]) for i, t in enumerate(tokens)]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kernels", ["off", "auto"])
+async def test_a_bfloat16_cache_equals_the_reference_rounded_through_it(kernels):
+    """Greedy ids equal the reference with bfloat16-rounded K/V, and the logprobs sit near it, ten times
+    nearer than to the unrounded reference's (so the comparison sees the rounding). Not within float32
+    rounding: a K element one float32 ulp apart before the cast (the engine's fused projections against
+    the reference's) may round to the neighbouring bfloat16."""
+    ids, logprobs, engine = await _greedy(small_config(kv_cache_dtype="bfloat16", native_kernels=kernels,
+                                                       prefix_cache=False))
+    assert engine.parts.kv_buffers.k[0].dtype == torch.bfloat16
+    rounded, unrounded = [], []
+    for prompt, got_ids, got_lp in zip(PROMPTS, ids, logprobs):
+        want_ids, want_lp = _reference(engine, prompt, got_ids, torch.bfloat16)
+        assert got_ids == want_ids
+        rounded += [abs(g - w) for g, w in zip(got_lp, want_lp)]
+        unrounded += [abs(g - w) for g, w in zip(got_lp, _reference(engine, prompt, got_ids, None)[1])]
+    assert max(rounded) < 5e-4
+    assert sum(rounded) * 5 < sum(unrounded), (sum(rounded), sum(unrounded))
+
+
+@pytest.mark.asyncio
+async def test_the_native_kernel_and_torch_give_the_same_tokens():
+    """Decode attention through the native kernel (which stores and reads bfloat16 itself) and through
+    torch's forms: the same ids, the same logprobs up to a bfloat16 rounding of K/V that the kernels'
+    float32 ulps may flip (as against the reference, above)."""
+    off_ids, off_lp, _ = await _greedy(small_config(kv_cache_dtype="bfloat16", native_kernels="off"))
+    on_ids, on_lp, _ = await _greedy(small_config(kv_cache_dtype="bfloat16", native_kernels="auto"))
+    assert on_ids == off_ids
+    assert max(abs(a - b) for x, y in zip(on_lp, off_lp) for a, b in zip(x, y)) < 5e-4
+
+
+@pytest.mark.asyncio
+async def test_a_cached_prefix_gives_the_fresh_prompts_logprobs():
+    """The same prompt twice: first attended fresh (its K/V never read back), then over its cached prefix
+    (read back from the bfloat16 pages). The same logprobs, as a float32 cache gives."""
+    prompt = PROMPTS[0]
+    ids, logprobs, _ = await _greedy(small_config(kv_cache_dtype="bfloat16", native_kernels="off"), [prompt, prompt])
+    assert CACHED[0] == 0 and CACHED[1] >= 32
+    assert ids[0] == ids[1]
+    assert max(abs(a - b) for a, b in zip(*logprobs)) < 2e-5
+
+
+@pytest.mark.asyncio
+async def test_half_the_bytes_and_the_decode_role_gives_the_single_engines_tokens():
+    """The bfloat16 buffers take half the float32 ones' bytes; the decode role (in-process prefill, the
+    KV handed over in bfloat16) gives the single engine's tokens; every pool whole on both."""
+    async with Engine(small_config()) as plain:
+        full = plain.parts.kv_buffers.nbytes
+    single, _, engine = await _greedy(small_config(kv_cache_dtype="bfloat16"))
+    assert engine.parts.kv_buffers.nbytes * 2 == full
+    decode, _, _ = await _greedy(small_config(kv_cache_dtype="bfloat16", disaggregation="decode"))
+    assert decode == single
+
+
+def test_bad_settings_are_refused_before_anything_is_built():
+    with pytest.raises(InvalidConfig, match="kv_cache_dtype"):
+        EngineConfig(kv_cache_dtype="float8")
+    with pytest.raises(InvalidConfig, match="kv_cache_dtype.*hisparse"):
+        EngineConfig(kv_cache_dtype="bfloat16", hisparse=HiSparseConfig(top_k=32))
+    assert EngineConfig(kv_cache_dtype="auto", hisparse=HiSparseConfig(top_k=32)).kv_cache_dtype == "auto"
+
+
+def test_the_cli_takes_the_flag():
+    args = build_parser().parse_args(["generate", "--kv-cache-dtype", "bfloat16", "hi"])
+    assert engine_config_from_args(args).kv_cache_dtype == "bfloat16"
