@@ -1,9 +1,10 @@
 """Disaggregation benchmark: a decode engine (this process) and prefill servers started
 with the real command (`kvlife serve --disaggregation prefill`), on 127.0.0.1.
 
-    python benchmarks/bench_disagg.py [--quick] [--out bench-results/disagg.json]
+    python benchmarks/bench_disagg.py [--quick] [--parts transfer workload failures] [--job-tokens 2048]
+        [--out bench-results/disagg.json]
 
-1. Transfer throughput: N jobs of P tokens of KV (the null model: no compute,
+1. Transfer throughput: N jobs of P tokens of KV (`--job-tokens`, 2048: 8 MiB a job; the null model: no compute,
    the tiny model's shapes), submitted at once, from submission to landed in
    the decode's pages (the real path: frames, the prefill runtime, gloo),
    against a bare gloo send/recv of the same bytes, one message per job,
@@ -327,6 +328,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smaller workloads (a smoke run)")
     parser.add_argument("--out", default="bench-results/disagg.json")
     parser.add_argument("--chunk-mib", type=float, default=16.0, help="max_chunk_bytes of the transfer part, MiB")
+    parser.add_argument("--job-tokens", type=int, default=2048,
+                        help="tokens of KV per job of the transfer part (the tiny model's shapes: 4 KiB a token)")
     parser.add_argument("--rounds", type=int, default=15, help="rounds of the transfer part (each path and bare gloo)")
     parser.add_argument("--parts", nargs="+", default=["transfer", "workload", "failures"])
     parser.add_argument("--cap", type=float, default=90.0, help="failures: seconds a request may take to answer")
@@ -343,7 +346,7 @@ def main() -> None:
     load_before = os.getloadavg()
     quick = args.quick
     chunk = int(args.chunk_mib * (1 << 20))
-    transfer = anyio.run(bench_transfer, 8 if quick else 16, 2048, 2 if quick else args.rounds, chunk) \
+    transfer = anyio.run(bench_transfer, 8 if quick else 16, args.job_tokens, 2 if quick else args.rounds, chunk) \
         if "transfer" in args.parts else None
     workload = anyio.run(bench_workload, 16 if quick else 32, 256, 16 if quick else 32) \
         if "workload" in args.parts else None

@@ -295,6 +295,33 @@ class TestFaults:
         assert answer.status_code == 503 and answer.headers["retry-after"] == "2"
         assert "cannot be reached" in answer.json()["error"]["message"]
 
+    @pytest.mark.asyncio
+    async def test_a_passed_through_route_the_engine_server_never_answers_is_a_504(self):
+        """The engine's server takes the connection and never answers: past the pass-through client's
+        timeout the front answers 504 (the engine's process did not answer in time), not a hang or a 200."""
+        import httpx
+
+        from engine import Engine
+        from engine.serve.api_front import front_app
+        from engine.serve.remote_engine import EngineDescription, RemoteEngine
+        from engine.serve.uvicorn_runner import bind_socket
+        from helpers import small_config
+
+        silent = bind_socket("127.0.0.1", 0)  # listening: the kernel completes the connection, nobody reads
+        silent.listen(8)
+        try:
+            remote = RemoteEngine(EngineDescription.of(Engine(small_config())), None)  # no bridge: never used
+            base = f"http://127.0.0.1:{silent.getsockname()[1]}"
+            async with httpx.AsyncClient(base_url=base, timeout=0.3) as passer:
+                app = front_app(remote, ServerSettings(), passer)
+                async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://front") as client:
+                    with anyio.fail_after(10):
+                        answer = await client.get("/health_generate")
+        finally:
+            silent.close()
+        assert answer.status_code == 504
+        assert "did not answer in time" in answer.json()["error"]["message"]
+
 
 class TestForward:
     """`RequestStream.forward`, which the bridge reads the engine's streams with."""

@@ -31,9 +31,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from engine.logging import configure_logging
-from engine.serve.auth import APIKeyMiddleware
 from engine.serve.context import ServerContext
-from engine.serve.http_errors import HTTPError, error_handlers
+from engine.serve.http_errors import HTTPError
 from engine.serve.remote_engine import EngineDescription, RemoteEngine
 from engine.serve.routes_generation import generation_routes
 from engine.serve.settings import ServerSettings
@@ -88,13 +87,8 @@ def front_app(remote: RemoteEngine, settings: ServerSettings, client: httpx.Asyn
     404 and 405 included) answered by the engine's server, status, headers and body as it gave them."""
     ctx = ServerContext.build(remote, settings)
     methods = ["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"]
-    app = Starlette(routes=[*generation_routes(ctx),
-                            Route("/{path:path}", _passed_on(client, settings.retry_after_s), methods=methods)],
-                    exception_handlers=error_handlers())
-    if settings.api_key is not None:
-        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
-    app.state.kvlife = ctx
-    return app
+    return ctx.app([*generation_routes(ctx),
+                    Route("/{path:path}", _passed_on(client, settings.retry_after_s), methods=methods)])
 
 
 async def run_front(handoff: FrontHandoff) -> int:

@@ -1,5 +1,6 @@
 """What every route of one app shares: the engine, the settings, the prompt limits, the chat
-template, the in-flight count and the draining flag; and reading a bounded JSON body."""
+template, the in-flight count and the draining flag; reading a bounded JSON body; and the app
+around the routes (kvlife's error answers, the API key check, the context on its state)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,15 @@ import time
 from typing import Any
 
 import attrs
+from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
+from starlette.routing import BaseRoute
 
+from engine.serve.auth import APIKeyMiddleware
 from engine.serve.chat_template import ChatTemplate
 from engine.serve.failures import GenerationFailed
-from engine.serve.http_errors import HTTPError
+from engine.serve.http_errors import HTTPError, error_handlers
 from engine.serve.schemas import Limits, parse_json
 from engine.serve.settings import ServerSettings
 
@@ -35,6 +39,16 @@ class ServerContext:
                                    model_name=settings.served_model_name)
         max_inflight = settings.max_inflight or engine.config.max_running + engine.config.max_queued
         return cls(engine, settings, limits, ChatTemplate.for_model(engine.config.model), max_inflight)
+
+    def app(self, routes: list[BaseRoute]) -> Starlette:
+        """The ASGI app of `routes` over this context: errors as kvlife's JSON, the API key checked
+        when the settings have one, this context as ``app.state.kvlife`` (`serve` sets its
+        `draining` on SIGTERM)."""
+        app = Starlette(routes=routes, exception_handlers=error_handlers())
+        if self.settings.api_key is not None:
+            app.add_middleware(APIKeyMiddleware, api_key=self.settings.api_key)
+        app.state.kvlife = self
+        return app
 
     def unavailable(self, message: str) -> HTTPError:
         return HTTPError(503, message, headers={"Retry-After": str(self.settings.retry_after_s)})

@@ -54,9 +54,7 @@ from starlette.applications import Starlette
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import EngineDead, InvalidConfig
-from engine.serve.auth import APIKeyMiddleware
 from engine.serve.context import ServerContext
-from engine.serve.http_errors import error_handlers
 from engine.serve.routes_generation import generation_routes
 from engine.serve.routes_ops import ops_routes
 from engine.serve.routes_routers import router_routes
@@ -78,13 +76,8 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> Starle
     """The ASGI app serving `engine` (which the caller runs, inside `async with engine`)."""
     settings = settings or ServerSettings()
     ctx = ServerContext.build(engine, settings)
-    app = Starlette(routes=[*generation_routes(ctx), *ops_routes(ctx), *session_routes(ctx), *token_routes(ctx),
-                            *router_routes(ctx)],
-                    exception_handlers=error_handlers())
-    if settings.api_key is not None:
-        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
-    app.state.kvlife = ctx  # NOTE: `serve` sets ctx.draining on SIGTERM
-    return app
+    return ctx.app([*generation_routes(ctx), *ops_routes(ctx), *session_routes(ctx), *token_routes(ctx),
+                    *router_routes(ctx)])
 
 
 @contextlib.asynccontextmanager
