@@ -99,6 +99,25 @@ def test_it_equals_the_naive_softmax_over_bfloat16_buffers(group, window):
     assert not torch.allclose(by_pages.double(), unrounded, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("head_dim", [1, 20, 64, 72])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_it_equals_the_naive_softmax_for_any_head_dim(head_dim, kv_dtype):
+    """Head dims other than 16 (the kernel's vector width: a part of one, several, several and a part),
+    grouped heads, a window, over both buffer dtypes."""
+    gen = torch.Generator().manual_seed(head_dim)
+    lens, kv_heads, group = [1, 16, 17, 40], 2, 2
+    k_buf = torch.randn(sum(lens) + 3, kv_heads, head_dim, generator=gen).to(kv_dtype)
+    v_buf = torch.randn(sum(lens) + 3, kv_heads, head_dim, generator=gen).to(kv_dtype)
+    order = (torch.randperm(sum(lens), generator=gen) + 3).tolist()
+    locs = [torch.tensor([order.pop() for _ in range(n)]) for n in lens]
+    locations = torch.stack([torch.cat([loc, loc.new_zeros(max(lens) - len(loc))]) for loc in locs])
+    q = torch.randn(len(lens), kv_heads * group, head_dim, generator=gen)
+    meta = AttentionMetadata.from_locations(locs, [1] * len(lens))
+    for window in (None, 19):
+        got = _kernels().decode_attention(q, k_buf, v_buf, locations, 1, torch.tensor(lens), window)
+        torch.testing.assert_close(got.double(), naive_attention(q, k_buf, v_buf, meta, window), atol=1e-5, rtol=1e-5)
+
+
 def _bits(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.int16 if x.element_size() == 2 else torch.int32)
 

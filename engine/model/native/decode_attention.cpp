@@ -19,8 +19,15 @@
 // Per row, one pass over the context 16 tokens at a time with an online softmax
 // in float32 (attend_rows), the reads prefetched ahead (ReadPlan). Nothing is
 // gathered; the scratch is H x 16 floats, the token list and (over bfloat16) one
-// widened K/V row. No library beyond the C++ standard one: the file compiles in
-// about a second and is loaded with ctypes, which releases the GIL for the call.
+// widened K/V row. Built with AVX-512 (F, BW, VL; -march=native on such a CPU),
+// attend_rows_avx512 runs instead: the same pass with a block's 16 scores of a head
+// computed as one vector (16 dot products summed vertically, then one transposing
+// reduction), exp over the 16 at once, the values summed in registers and the
+// prefetches spread over the block's loops (in a decode step at batch 128 it is
+// about 1.5-2x faster over bfloat16 K/V; float32 K/V is near the memory's rate
+// either way). No library beyond the C++ standard one (and <immintrin.h> there):
+// the file compiles in about a second and is loaded with ctypes, which releases
+// the GIL for the call.
 
 #include <algorithm>
 #include <cmath>
@@ -31,6 +38,13 @@
 #include <vector>
 
 #include "exp.h"
+
+// AVX-512 (F, BW, VL: -march=native on a CPU that has them) takes the blocked path below
+// (attend_rows_avx512); any other build the portable loops (attend_rows)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define KVLIFE_DECODE_AVX512 1
+#endif
 
 namespace {
 
@@ -210,6 +224,10 @@ void attend_rows(const Problem<Kv>& p, int64_t first, int64_t last) {
     }
 }
 
+#ifdef KVLIFE_DECODE_AVX512
+#include "decode_attention_avx512.h"
+#endif  // KVLIFE_DECODE_AVX512
+
 // checks the arguments, then the rows on `threads` threads (row ranges; each row as on one thread)
 template <typename Kv>
 int decode_attention(const float* q, int64_t q_row, int64_t q_head, Kv* k, Kv* v, const int64_t* columns,
@@ -221,8 +239,13 @@ int decode_attention(const float* q, int64_t q_row, int64_t q_head, Kv* k, Kv* v
     const Problem<Kv> p{q, q_row, q_head, k, v, columns, col_row, unit, kv_lens, heads, kv_heads, head_dim, window,
                         scale, out, new_k, new_v, new_k_row, new_v_row, out_locs};
     const int64_t parts = std::max<int64_t>(1, std::min(threads, rows));
+#ifdef KVLIFE_DECODE_AVX512
+    void (*attend)(const Problem<Kv>&, int64_t, int64_t) = attend_rows_avx512<Kv>;
+#else
+    void (*attend)(const Problem<Kv>&, int64_t, int64_t) = attend_rows<Kv>;
+#endif
     if (parts == 1) {
-        attend_rows(p, 0, rows);
+        attend(p, 0, rows);
         return 0;
     }
     std::vector<std::thread> workers;
@@ -230,9 +253,9 @@ int decode_attention(const float* q, int64_t q_row, int64_t q_head, Kv* k, Kv* v
     const int64_t per = (rows + parts - 1) / parts;
     for (int64_t t = 1; t < parts; ++t) {
         const int64_t first = t * per, last = std::min(rows, first + per);
-        if (first < last) workers.emplace_back(attend_rows<Kv>, std::cref(p), first, last);
+        if (first < last) workers.emplace_back(attend, std::cref(p), first, last);
     }
-    attend_rows(p, 0, std::min(rows, per));
+    attend(p, 0, std::min(rows, per));
     for (auto& w : workers) w.join();
     return 0;
 }
