@@ -73,6 +73,7 @@ class TestDiscovery:
         assert server["tp_size"] == server["dp_size"] == 1 and server["disaggregation_mode"] == "null"
         assert server["max_running_requests"] == engine.config.max_running
         assert server["page_size"] == engine.config.page_size and server["kv_events"] is None
+        assert server["kv_cache_dtype"] == engine.config.kv_cache_dtype == "auto"
 
     @pytest.mark.asyncio
     async def test_flush_cache(self):

@@ -66,7 +66,7 @@ def server_info(ctx: ServerContext) -> dict[str, Any]:
         "max_running_requests": config.max_running, "max_queued_requests": config.max_queued,
         "max_prefill_tokens": config.max_prefill_tokens, "context_length": ctx.limits.max_context,
         "page_size": config.page_size, "max_total_num_tokens": config.num_kv_pages * config.page_size,
-        "prefix_cache": config.prefix_cache,
+        "prefix_cache": config.prefix_cache, "kv_cache_dtype": config.kv_cache_dtype,
         "kv_events": None if publisher is None else {"endpoint": publisher.endpoint,
                                                      "replay_endpoint": publisher.replay_endpoint,
                                                      "topic": publisher.config.topic,
