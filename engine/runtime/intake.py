@@ -120,6 +120,10 @@ class RequestIntake:
         if not token_ids:
             raise InvalidRequest("prompt", "non-empty", prompt)
         vocab = self.model_config.vocab_size
+        # NOTE: plain ints in range (the common case) checked at C speed, about half the per-token
+        # cost of the loop below, which names the first bad id (and takes int subclasses but bool)
+        if set(map(type, token_ids)) == {int} and min(token_ids) >= 0 and max(token_ids) < vocab:
+            return token_ids
         bad = [t for t in token_ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab)]
         if bad:
             raise InvalidRequest("prompt", f"token ids in [0, {vocab})", bad[0])
