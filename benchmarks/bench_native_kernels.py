@@ -1,7 +1,7 @@
 """kvlife's native CPU kernels against torch's ops, one decode step of the anchor model, in one process.
 
     python benchmarks/bench_native_kernels.py [--batches 1 8 32 128] [--context 160] [--rounds 7]
-        [--steps 30] [--threads 1] [--out bench-results/native_kernels.json]
+        [--steps 30] [--threads 1] [--kv-cache-dtype float32] [--out bench-results/native_kernels.json]
 
 The anchor model of `bench_engine.py` (built by kvlife with random weights,
 packed as the engine packs it), one decode step of B sequences of
@@ -16,6 +16,8 @@ the table prints medians and ranges over rounds, and whether the two
 steps' greedy ids were equal. Beside it, the decode attention of one layer
 alone (the same rows and pages, hot in cache after the first call): the
 kernel against torch's form for that batch (`engine.model.paged_attend`).
+`--kv-cache-dtype bfloat16`: the K/V buffers in bfloat16 (`EngineConfig.kv_cache_dtype`; the
+model stays float32), in the step and in the attention alone.
 Prints a table, writes JSON.
 """
 
@@ -41,12 +43,13 @@ from engine.model.paged_attend import attend  # noqa: E402
 from resources.kv_buffers import KVBuffers  # noqa: E402
 
 
-def _attention_alone(kernels: NativeKernels, batch: int, context: int, steps: int) -> dict:
+def _attention_alone(kernels: NativeKernels, batch: int, context: int, steps: int,
+                     kv_dtype: torch.dtype = torch.float32) -> dict:
     """ms of one layer's decode attention: the kernel, and torch's form for this batch."""
     gen = torch.Generator().manual_seed(batch)
     per = -(-context // PAGE)
     kv = KVBuffers(num_layers=1, num_pages=batch * per + 1, page_size=PAGE, num_kv_heads=ANCHOR.num_kv_heads,
-                   head_dim=ANCHOR.head_dim, dtype=torch.float32, device="cpu")
+                   head_dim=ANCHOR.head_dim, dtype=kv_dtype, device="cpu")
     kv.k[0].normal_(generator=gen)
     kv.v[0].normal_(generator=gen)
     pages = (torch.randperm(batch * per, generator=gen) + 1).view(batch, per)
@@ -58,13 +61,14 @@ def _attention_alone(kernels: NativeKernels, batch: int, context: int, steps: in
     out = {}
     for name, kernel in (("torch", None), ("native", kernels)):
         out[f"{name}_ms"] = _ms(lambda: attend(q, kv.k[0], kv.v[0], plan, None, kernel), steps, kv.k[0].device)
-    out["kv_mib"] = 2 * batch * context * ANCHOR.num_kv_heads * ANCHOR.head_dim * 4 / 2**20
+    out["kv_mib"] = 2 * batch * context * ANCHOR.num_kv_heads * ANCHOR.head_dim * kv.k[0].element_size() / 2**20
     return out
 
 
 def bench_batch(model: LlamaModel, kernels: NativeKernels, batch: int, args: argparse.Namespace) -> dict:
-    on_step, _ = _decode_step(model, batch, args.context, kernels)
-    off_step, _ = _decode_step(model, batch, args.context, None)
+    kv_dtype = getattr(torch, args.kv_cache_dtype)
+    on_step, _ = _decode_step(model, batch, args.context, kernels, kv_dtype)
+    off_step, _ = _decode_step(model, batch, args.context, None, kv_dtype)
     rounds = []
     for r in range(args.rounds):
         times = {}
@@ -80,7 +84,7 @@ def bench_batch(model: LlamaModel, kernels: NativeKernels, batch: int, args: arg
     return {"batch": batch, "rounds": rounds,
             "off_ms": median_range([r["off"] for r in rounds]), "on_ms": median_range([r["on"] for r in rounds]),
             "speedup": median_range([r["speedup"] for r in rounds]), "ids_equal": bool(torch.equal(*ids)),
-            "attention": _attention_alone(kernels, batch, args.context, args.steps)}
+            "attention": _attention_alone(kernels, batch, args.context, args.steps, kv_dtype)}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -90,6 +94,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--kv-cache-dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="the dtype of the K/V buffers (the model stays float32)")
     parser.add_argument("--out", default="bench-results/native_kernels.json")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -106,7 +112,8 @@ def main(argv: list[str] | None = None) -> dict:
             rows.append(bench_batch(model, kernels, batch, args))
             r = rows[-1]
             print(f"  batch {batch}: speedup {r['speedup']['median']:.2f}, load {loadavg()}", flush=True)
-    print(f"\ndecode step of the anchor model, context {args.context}, ms of thread CPU time, median (range) over "
+    print(f"\ndecode step of the anchor model, context {args.context}, K/V {args.kv_cache_dtype}, ms of thread CPU "
+          f"time, median (range) over "
           f"{args.rounds} rounds; load at end {loadavg()}")
     print(f"{'batch':>5} | {'torch ops':>20} | {'native kernels':>20} | {'speedup':>18} | ids equal | "
           f"attention, 1 layer: torch / native ms (K/V MiB)")
@@ -119,6 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{r['batch']:>5} | {fmt(r['off_ms']):>20} | {fmt(r['on_ms']):>20} | {fmt(r['speedup']):>18} | "
               f"{str(r['ids_equal']):>9} | {a['torch_ms']:.3f} / {a['native_ms']:.3f} ({a['kv_mib']:.1f})")
     return write_results(args.out, {"machine": info, "context": args.context, "rounds": args.rounds,
+                                    "kv_cache_dtype": args.kv_cache_dtype,
                                     "threads": args.threads, "rows": rows, "time": time.time()})
 
 
