@@ -7,8 +7,9 @@ torch's attention forms and with the native CPU kernel, over whole prompts,
 chunked prompts and decode steps; a prompt whose prefix the cache already
 holds gives the logprobs of the same prompt computed fresh (a fresh prompt
 attends its K/V as stored, not as computed); the decode role with its
-in-process prefill gives the single engine's tokens. Every pool is whole once
-idle. Bad settings are refused before anything is built; the CLI takes the
+in-process prefill gives the single engine's tokens, and so do speculative
+verify steps (prompt lookup, a draft model whose own KV stays float32) and
+decode runs over the bfloat16 pages. Every pool is whole once idle. Bad settings are refused before anything is built; the CLI takes the
 flag. (A prefill server whose cache dtype differs is refused at connect time:
 tests/test_disagg_remote.py.)
 """
@@ -22,7 +23,8 @@ from engine import Engine, EngineConfig, HiSparseConfig, InvalidConfig, Sampling
 from engine.cli.main import build_parser
 from engine.cli.options import engine_config_from_args
 from engine.model.dense_reference import dense_forward
-from helpers import assert_pools_whole, collect, small_config
+from engine.speculative import SpeculativeConfig
+from helpers import assert_pools_whole, collect, run_all, small_config
 
 #: a whole prompt (one fresh chunk), one longer than max_prefill_tokens (chunked), a short one
 PROMPTS = [list(range(30, 70)), [(7 * i) % 250 + 3 for i in range(150)], [9, 8, 7]]
@@ -105,6 +107,24 @@ async def test_half_the_bytes_and_the_decode_role_gives_the_single_engines_token
     assert engine.parts.kv_buffers.nbytes * 2 == full
     decode, _, _ = await _greedy(small_config(kv_cache_dtype="bfloat16", disaggregation="decode"))
     assert decode == single
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("spec", [SpeculativeConfig(num_tokens=3),
+                                  SpeculativeConfig(method="draft_model", draft_model="tiny", num_tokens=3)],
+                         ids=["ngram", "draft"])
+async def test_speculation_and_decode_runs_over_a_bfloat16_cache_give_its_plain_tokens(spec):
+    """Verify steps (several queries a row over the bfloat16 pages), a draft model's own float32 KV beside
+    it, and decode runs: the plain bfloat16 engine's greedy ids; every pool whole."""
+    repetitive = [[5, 6, 7, 8, 9, 10] * 6, PROMPTS[0]]
+    outputs, engines = [], []
+    for extra in ({}, {"speculative": spec}, {"decode_steps": 4}):  # no logprobs: a row asking them never speculates
+        async with Engine(small_config(kv_cache_dtype="bfloat16", **extra)) as engine:
+            outputs.append(await run_all(engine, repetitive, 16))
+            assert_pools_whole(engine)
+        engines.append(engine)
+    assert outputs[1] == outputs[2] == outputs[0]
+    assert engines[1].stats.spec_draft_tokens > 0 and engines[2].stats.decode_runs > 0
 
 
 def test_bad_settings_are_refused_before_anything_is_built():
