@@ -13,8 +13,9 @@ after its bfloat16 matmul about 25. Five kernels (`native/*.cpp`, built by
   paged K/V, read once in place, page by page, with an online softmax in
   float32 and the next reads prefetched (`native/decode_attention.cpp`); the
   K/V buffers may hold float32 or bfloat16 (``EngineConfig.kv_cache_dtype``):
-  bfloat16 is widened to float32 as it is read (a shift, one K or V row at a
-  time into scratch that stays in L1; nothing is gathered), and the step's new
+  bfloat16 is widened to float32 as it is read (a shift: in registers on the
+  AVX-512 path, `native/decode_attention_avx512.h`; in the portable loops one
+  K or V row at a time into scratch that stays in L1; nothing is gathered), and the step's new
   float32 K/V rows are rounded to bfloat16 (to nearest even, as
   ``.to(torch.bfloat16)``) as they are stored;
 - `NativeKernels.rms_norm`: the residual add and the norm in one pass;
