@@ -141,21 +141,11 @@ void attend_rows_avx512(const Problem<Kv>& p, int64_t first, int64_t last) {
     const Kv* head_values[16];
     Ahead ahead;
     ahead.lines = (row_bytes + 63) / 64;
-    for (int64_t i = 0; i < std::min(planned, PREFETCH_TOKENS); ++i) {
-        prefetch_row(p.k + plan.where[i] * stride, row_bytes);
-        prefetch_row(p.v + plan.where[i] * stride, row_bytes);
-    }
+    prefetch_start(p, plan, stride);
     for (int64_t b = first; b < last; ++b) {
         float* out = p.out + b * H * D;
-        if (p.out_locs != nullptr) {  // the row's new token first: it is the last of its own context
-            store_row(p.k + p.out_locs[b] * stride, p.new_k + b * p.new_k_row, stride);
-            store_row(p.v + p.out_locs[b] * stride, p.new_v + b * p.new_v_row, stride);
-        }
         const int64_t at = plan.row_at[b - first], n = plan.row_at[b - first + 1] - at;
-        if (n == 0) {  // an empty context (never a decode row's): zeros
-            std::fill(out, out + H * D, 0.0f);
-            continue;
-        }
+        if (!start_row(p, b, n, stride)) continue;
         const int64_t* where = plan.where.data() + at;
         const float* qb = p.q + b * p.q_row;
         for (int64_t h = 0; h < H; ++h)
