@@ -9,7 +9,11 @@ holds gives the logprobs of the same prompt computed fresh (a fresh prompt
 attends its K/V as stored, not as computed); the decode role with its
 in-process prefill gives the single engine's tokens, and so do speculative
 verify steps (prompt lookup, a draft model whose own KV stays float32) and
-decode runs over the bfloat16 pages. Every pool is whole once idle. Bad settings are refused before anything is built; the CLI takes the
+decode runs over the bfloat16 pages. Each of torch's attention forms (SDPA,
+the value bags, the blocks) reads float16 and bfloat16 pages under float32
+queries as the float64 softmax over the stored values does (the blocks form
+raised on them; the bags weighed them in bfloat16). Every pool is whole once
+idle. Bad settings are refused before anything is built; the CLI takes the
 flag. (A prefill server whose cache dtype differs is refused at connect time:
 tests/test_disagg_remote.py.)
 """
@@ -22,9 +26,13 @@ import torch
 from engine import Engine, EngineConfig, HiSparseConfig, InvalidConfig, SamplingParams
 from engine.cli.main import build_parser
 from engine.cli.options import engine_config_from_args
+from engine.model import paged_attend
+from engine.model.attention import AttentionMetadata, PagedAttention
 from engine.model.dense_reference import dense_forward
 from engine.speculative import SpeculativeConfig
 from helpers import assert_pools_whole, collect, run_all, small_config
+from naive_attention import naive_attention
+from resources.kv_buffers import KVBuffers
 
 #: a whole prompt (one fresh chunk), one longer than max_prefill_tokens (chunked), a short one
 PROMPTS = [list(range(30, 70)), [(7 * i) % 250 + 3 for i in range(150)], [9, 8, 7]]
@@ -125,6 +133,33 @@ async def test_speculation_and_decode_runs_over_a_bfloat16_cache_give_its_plain_
         engines.append(engine)
     assert outputs[1] == outputs[2] == outputs[0]
     assert engines[1].stats.spec_draft_tokens > 0 and engines[2].stats.decode_runs > 0
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("form", ["sdpa", "bags", "blocks"])
+def test_every_attention_form_reads_a_narrower_cache(kv_dtype, form, monkeypatch):
+    """Decode rows and prefill chunks of float32 queries over float16 or bfloat16 pages, in each of
+    torch's forms (the bags form hands such a cache to SDPA: its weights would take the cache's
+    dtype): the new rows stored rounded, and the output the float64 softmax over the stored values."""
+    if form == "bags":
+        monkeypatch.setattr(paged_attend, "BAG_MIN_TOKENS", 0)
+    if form == "blocks":
+        monkeypatch.setattr(paged_attend, "GATHER_BUDGET", 2048)  # a block of a few pages at a time
+    gen = torch.Generator().manual_seed(3)
+    kv = KVBuffers(num_layers=1, num_pages=64, page_size=4, num_kv_heads=2, head_dim=8, dtype=kv_dtype, device="cpu")
+    kv.k[0].copy_(torch.randn(kv.k[0].shape, generator=gen))
+    kv.v[0].copy_(torch.randn(kv.v[0].shape, generator=gen))
+    locations = torch.randperm(kv.num_tokens - 4, generator=gen) + 4
+    shapes = [(1, 30), (1, 7), (5, 12), (1, 50)]  # (new tokens, cached tokens): decode rows and a chunk
+    starts = [sum(q + old for q, old in shapes[:i]) for i in range(len(shapes))]
+    meta = AttentionMetadata.from_locations([locations[s: s + q + old] for s, (q, old) in zip(starts, shapes)],
+                                            [q for q, _ in shapes])
+    q = torch.randn(meta.num_tokens, 4, 8, generator=gen)
+    k, v = (torch.randn(meta.num_tokens, 2, 8, generator=gen) for _ in range(2))
+    out = PagedAttention(kv, meta).attend(0, q, k, v)
+    assert torch.equal(kv.k[0][meta.out_locs], k.to(kv_dtype)) and torch.equal(kv.v[0][meta.out_locs], v.to(kv_dtype))
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), naive_attention(q, kv.k[0], kv.v[0], meta), atol=2e-5, rtol=2e-5)
 
 
 def test_bad_settings_are_refused_before_anything_is_built():

@@ -12,6 +12,7 @@ one of four forms per call, or hands decode rows to kvlife's native CPU kernel
     sdpa        the gathered K/V fit `GATHER_BUDGET`    K and V, once        none when a causal or
                 (every prefill batch; small decodes)                         full form says it
     bags        CPU decode of >= `BAG_MIN_TOKENS`       K only               additive, per row
+                (K/V in the queries' dtype)
     blocks      the gathered K/V would not fit          a block at a time    per block
 
 - **sdpa**: `scaled_dot_product_attention` over the gathered K/V, with no
@@ -189,7 +190,8 @@ def attend(q: Tensor, k_buf: Tensor, v_buf: Tensor, batch: ContextBatch, window:
     if batch.width * per_column > GATHER_BUDGET:
         return _blocks(q, k_buf, v_buf, batch, window, max(1, GATHER_BUDGET // (per_column * batch.unit)))
     if q_len == 1:
-        if q.device.type == "cpu" and rows * batch.width >= BAG_MIN_TOKENS:
+        # NOTE: the bags weigh the values in their own dtype: not over a cache narrower than the queries
+        if q.device.type == "cpu" and rows * batch.width >= BAG_MIN_TOKENS and v_buf.dtype == q.dtype:
             return _bags(q[:, 0], k_buf, v_buf, batch, window)[:, None]
         return _sdpa_decode(q[:, 0], k_buf, v_buf, batch, window)[:, None]
     return _sdpa_prefill(q, k_buf, v_buf, batch, window)
@@ -316,7 +318,7 @@ def _blocks(q: Tensor, k_buf: Tensor, v_buf: Tensor, batch: ContextBatch, window
         probs = torch.exp(scores - base)
         correction = torch.exp(running_max - base)
         total = total * correction + probs.sum(-1, keepdim=True)
-        acc = acc * correction + torch.matmul(_same_dtype(probs, v_buf.dtype), values).float()
+        acc = acc * correction + torch.matmul(_same_dtype(probs, values.dtype), values).float()
         running_max = new_max
     out = (acc / total.clamp_min(torch.finfo(torch.float32).tiny)).to(q.dtype)
     return out.view(rows, kv_heads, group, q_len, head_dim).permute(0, 3, 1, 2, 4).reshape(rows, q_len, heads, head_dim)
