@@ -1,10 +1,11 @@
 """Disaggregation benchmark: a decode engine (this process) and prefill servers started
 with the real command (`kvlife serve --disaggregation prefill`), on 127.0.0.1.
 
-    python benchmarks/bench_disagg.py [--quick] [--parts transfer workload failures] [--job-tokens 2048]
+    python benchmarks/bench_disagg.py [--quick] [--parts transfer workload failures] [--job-tokens 2048 [8192 ...]]
         [--out bench-results/disagg.json]
 
-1. Transfer throughput: N jobs of P tokens of KV (`--job-tokens`, 2048: 8 MiB a job; the null model: no compute,
+1. Transfer throughput: N jobs of P tokens of KV (`--job-tokens`, 2048: 8 MiB a job; several sizes: this part once
+   per size, in turn; the null model: no compute,
    the tiny model's shapes), submitted at once, from submission to landed in
    the decode's pages (the real path: frames, the prefill runtime, gloo),
    against a bare gloo send/recv of the same bytes, one message per job,
@@ -328,8 +329,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smaller workloads (a smoke run)")
     parser.add_argument("--out", default="bench-results/disagg.json")
     parser.add_argument("--chunk-mib", type=float, default=16.0, help="max_chunk_bytes of the transfer part, MiB")
-    parser.add_argument("--job-tokens", type=int, default=2048,
-                        help="tokens of KV per job of the transfer part (the tiny model's shapes: 4 KiB a token)")
+    parser.add_argument("--job-tokens", type=int, nargs="+", default=[2048],
+                        help="tokens of KV per job of the transfer part (the tiny model's shapes: 4 KiB a token); "
+                             "several: the transfer part once per size, in turn")
     parser.add_argument("--rounds", type=int, default=15, help="rounds of the transfer part (each path and bare gloo)")
     parser.add_argument("--parts", nargs="+", default=["transfer", "workload", "failures"])
     parser.add_argument("--cap", type=float, default=90.0, help="failures: seconds a request may take to answer")
@@ -346,23 +348,23 @@ def main() -> None:
     load_before = os.getloadavg()
     quick = args.quick
     chunk = int(args.chunk_mib * (1 << 20))
-    transfer = anyio.run(bench_transfer, 8 if quick else 16, args.job_tokens, 2 if quick else args.rounds, chunk) \
-        if "transfer" in args.parts else None
+    by_size = [anyio.run(bench_transfer, 8 if quick else 16, tokens, 2 if quick else args.rounds, chunk)
+               for tokens in args.job_tokens] if "transfer" in args.parts else []
     workload = anyio.run(bench_workload, 16 if quick else 32, 256, 16 if quick else 32) \
         if "workload" in args.parts else None
     failures = [anyio.run(bench_failure, how, prefills, 16, 1024, args.cap)
                 for how, prefills in (("kill", 1), ("stop", 1), ("kill", 2))] if "failures" in args.parts else []
     load_after = os.getloadavg()
-    _report(transfer, workload, failures, load_before, load_after)
+    _report(by_size, workload, failures, load_before, load_after)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"device": args.device, "transfer": transfer, "workload": workload, "failures": failures, "link": LINK,
+        json.dump({"device": args.device, "transfer": by_size[0] if by_size else None, "transfer_by_size": by_size,
+                   "workload": workload, "failures": failures, "link": LINK,
                    "load_before": load_before, "load_after": load_after, "cpus": os.cpu_count()}, f, indent=2)
 
 
-def _report(transfer, workload, failures, load_before, load_after) -> None:
-    t = transfer
-    if t is not None:
+def _report(by_size, workload, failures, load_before, load_after) -> None:
+    for t in by_size:
         bare_cpu = t["bare_cpu_ms_per_job"]
         print(f"transfer: {t['jobs']} jobs x {t['job_bytes'] / 2**20:.0f} MiB in {t['chunk_bytes'] / 2**20:g} MiB "
               f"chunks, bare gloo {t['bare_GBps']:.2f} GB/s (CPU ms per job: receiver {bare_cpu[0]:.2f}, sender "
