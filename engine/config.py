@@ -149,7 +149,8 @@ class EngineConfig:
     thread instead of the loop's step thread (`engine.runtime.step_thread`; the hop
     there and back costs 0.1-0.4 ms, about 10% of a small decode step); larger steps,
     and every step under fault injection, run on the step thread so the loop keeps
-    answering meanwhile. 0 = always the thread. `inline_step_ms`: on a CPU, a step
+    answering meanwhile. 0 = always the thread. A decode run (`decode_steps`) always
+    takes the thread. `inline_step_ms`: on a CPU, a step
     expected to end within this many milliseconds (its tokens times the seconds per
     token of the recent larger steps) runs inline too: there the hand-offs and the two
     threads' contention for the GIL cost more than the loop's answering during the step

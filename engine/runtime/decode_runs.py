@@ -4,10 +4,12 @@ order (`EngineConfig.decode_steps`; the runner's side is
 `engine.model.decode_run`).
 
 A batch runs as a run only when every row is a decoding request's one next
-token and no request waits to be admitted (a queue gets plain steps); a run
-on the loop's step thread ends after the step in which a submission, an
-abort or anything else that wakes the loop (a transfer that landed) arrives
-(`work_waiting`), so it holds such work back by one step. Its length is at most
+token and no request waits to be admitted (a queue gets plain steps). A run
+always takes the loop's step thread, however short (`RuntimeLoop`: its one
+hand-off is shared by its steps, and the loop keeps answering meanwhile),
+and ends after the step in which a submission, an abort or anything else
+that wakes the loop (a transfer that landed) arrives (`work_waiting`), so it
+holds such work back by one step. Its length is at most
 `decode_steps`, and no row may pass its `max_new_tokens` or the context
 bound within it. Before it starts, each row's handles are extended through
 the machine to cover every token the run computes (`StateMachine.extend`,

@@ -18,6 +18,11 @@ or were inlined by this rule. Before any such step has been timed, only the
 token count decides. A step much larger than those timed is expected to
 take longer per token than it will, so it is not inlined by mistake.
 
+The rule is for single steps. A decode run (`EngineConfig.decode_steps`)
+always takes the thread, and the rule learns nothing from it: a run's time
+follows its rows and steps, not its tokens (16 steps of one row cost about
+16 single steps, far more than 16 tokens of a prefill chunk).
+
 Under fault injection every step runs on the thread (an injected stall
 must block that thread, never the loop); `RuntimeLoop` passes zeros then.
 """

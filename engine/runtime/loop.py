@@ -316,15 +316,18 @@ class RuntimeLoop:
         steps = self.runs.plan(batch)  # NOTE: 1 unless decode_steps > 1 (engine.runtime.decode_runs)
         self.step_running = True
         finished = self.stats.finished_total
-        tokens, started = sum(s.num_tokens for s in batch) * steps, time.perf_counter()
+        tokens, started = sum(s.num_tokens for s in batch), time.perf_counter()
         outputs: list[StepOutput] = []
-        try:  # NOTE: a short step costs less than the hand-offs to the step thread (inline_rule)
+        try:  # NOTE: a short step costs less than the hand-offs to the step thread (inline_rule); a decode run
+            # always takes the thread (its one hand-off is shared by its steps), so the loop answers during it
             call = self.runs.runner_call(self.runner, steps)
-            outputs = call(batch) if self.inline.inline(tokens) else await self.step_thread.run(call, batch)
+            inline = steps == 1 and self.inline.inline(tokens)
+            outputs = call(batch) if inline else await self.step_thread.run(call, batch)
         except Exception as exc:  # the batch fails, the engine keeps serving
             self.applier.fail_step(batch, exc)
         else:
-            self.inline.observe(tokens * len(outputs) // steps, time.perf_counter() - started)
+            if steps == 1:  # NOTE: the rule learns seconds per token from single steps (a run's are its rows')
+                self.inline.observe(tokens, time.perf_counter() - started)
             self.runs.apply(batch, outputs, self.applier.apply_step)
         finally:
             self.step_running = False
