@@ -17,7 +17,6 @@ and `/metrics` counts the runs. Bad settings are refused before anything is buil
 from __future__ import annotations
 
 import json
-import threading
 
 import anyio
 import pytest
@@ -309,40 +308,6 @@ async def test_a_submission_ends_a_run_after_one_step():
     assert batches[:4] == [["a"]] * 4  # the prefill, then the run's three steps that ran
     assert "b" in batches[4]  # its prefill came next
     assert engine.stats.decode_runs > 0
-
-
-def _trace_threads(monkeypatch, runner) -> dict[str, set[int]]:
-    """The threads the runner's `run` and `step` are called on."""
-    where: dict[str, set[int]] = {"run": set(), "step": set()}
-    for name in where:
-        call = getattr(runner, name)
-
-        def traced(*args, _call=call, _name=name, **kwargs):
-            where[_name].add(threading.get_ident())
-            return _call(*args, **kwargs)
-        monkeypatch.setattr(runner, name, traced)
-    return where
-
-
-@pytest.mark.asyncio
-async def test_a_run_never_runs_on_the_loops_thread(monkeypatch):
-    """A decode run takes the step thread however short it is expected to be (its one hand-off is shared
-    by its steps), so the loop keeps answering while it runs and a submission ends it after one step; on
-    a CPU a batch-1 run of 16 steps used to be expected from the prefill's seconds per token, ran inline
-    and held the loop for all 16. A plain decode step of one token still runs inline."""
-    loop_thread = threading.get_ident()
-    async with Engine(small_config(decode_steps=16)) as engine:
-        where = _trace_threads(monkeypatch, engine.parts.runner)
-        out = await engine.complete(PROMPT, SamplingParams(max_new_tokens=40, ignore_eos=True))
-        assert len(out.token_ids) == 40 and engine.stats.decode_runs >= 2
-        assert where["run"] and loop_thread not in where["run"]
-        assert_pools_whole(engine)
-    async with Engine(small_config()) as plain:
-        where = _trace_threads(monkeypatch, plain.parts.runner)
-        assert (await plain.complete(PROMPT, SamplingParams(max_new_tokens=8, ignore_eos=True))).token_ids == \
-            out.token_ids[:8]
-        assert loop_thread in where["step"] and not where["run"]
-        assert_pools_whole(plain)
 
 
 @pytest.mark.asyncio

@@ -14,7 +14,7 @@ import pytest
 from engine import Engine, SamplingParams
 from engine.runtime.inline_rule import InlineRule
 from engine.runtime.step_thread import StepThread
-from helpers import DEADLINE, small_config
+from helpers import DEADLINE, assert_pools_whole, small_config
 
 BACKENDS = ["asyncio", "trio"]
 TAG: contextvars.ContextVar[str] = contextvars.ContextVar("TAG", default="unset")
@@ -155,6 +155,15 @@ class TestInlineRule:
             rule.observe(64, 0.064)
         assert rule.per_token_s == pytest.approx(0.001, rel=0.01) and rule.inline(20) and not rule.inline(21)
 
+    def test_a_decode_run_never_runs_inline_and_teaches_nothing(self):
+        """A run of 16 steps of one row (16 tokens) is never inlined, however cheap its tokens look, and
+        its time per token (a whole step's per row) does not enter the average."""
+        rule = InlineRule(32, 0.020)
+        rule.observe(64, 0.0064)  # 0.1 ms a token
+        assert rule.inline(16) and not rule.inline(16, steps=16) and not rule.inline(1, steps=2)
+        rule.observe(64, 0.5, steps=16)  # a run of 64 rows: ~0.5 s, 8 ms a token
+        assert rule.per_token_s == pytest.approx(0.0001)
+
     def test_a_zero_budget_leaves_it_to_the_tokens(self):
         rule = InlineRule(0, 0.0)
         rule.observe(64, 0.001)
@@ -197,3 +206,41 @@ async def asyncio_gather(engine: Engine, prompts: list[list[int]], params: Sampl
         for i in range(len(prompts)):
             tg.start_soon(one, i)
     return outs
+
+
+#: 19 tokens: one prefill step, then the decode rows (runs, where the engine has them)
+RUN_PROMPT = [5, 6, 7, 8, 9, 10, 11, 12] * 2 + [5, 6, 7]
+
+
+def _trace_threads(monkeypatch, runner) -> dict[str, set[int]]:
+    """The threads the runner's `run` and `step` are called on."""
+    where: dict[str, set[int]] = {"run": set(), "step": set()}
+    for name in where:
+        call = getattr(runner, name)
+
+        def traced(*args, _call=call, _name=name, **kwargs):
+            where[_name].add(threading.get_ident())
+            return _call(*args, **kwargs)
+        monkeypatch.setattr(runner, name, traced)
+    return where
+
+
+@pytest.mark.asyncio
+async def test_a_run_never_runs_on_the_loops_thread(monkeypatch):
+    """A decode run takes the step thread however short it is expected to be (its one hand-off is shared
+    by its steps), so the loop keeps answering while it runs and a submission ends it after one step; on
+    a CPU a batch-1 run of 16 steps used to be expected from the prefill's seconds per token, ran inline
+    and held the loop for all 16. A plain decode step of one token still runs inline."""
+    loop_thread = threading.get_ident()
+    async with Engine(small_config(decode_steps=16)) as engine:
+        where = _trace_threads(monkeypatch, engine.parts.runner)
+        out = await engine.complete(RUN_PROMPT, SamplingParams(max_new_tokens=40, ignore_eos=True))
+        assert len(out.token_ids) == 40 and engine.stats.decode_runs >= 2
+        assert where["run"] and loop_thread not in where["run"]
+        assert_pools_whole(engine)
+    async with Engine(small_config()) as plain:
+        where = _trace_threads(monkeypatch, plain.parts.runner)
+        assert (await plain.complete(RUN_PROMPT, SamplingParams(max_new_tokens=8, ignore_eos=True))).token_ids == \
+            out.token_ids[:8]
+        assert loop_thread in where["step"] and not where["run"]
+        assert_pools_whole(plain)

@@ -42,15 +42,19 @@ class InlineRule:
         #: recent seconds per token of the steps above `tokens` (None: none timed yet)
         self.per_token_s: float | None = None
 
-    def inline(self, num_tokens: int) -> bool:
+    def inline(self, num_tokens: int, steps: int = 1) -> bool:
+        """Whether a batch of `num_tokens` tokens runs inline: never as a decode run (`steps` > 1)."""
+        if steps > 1:
+            return False
         if num_tokens <= self.tokens:
             return True
         per_token = self.per_token_s
         return per_token is not None and num_tokens * per_token <= self.budget_s
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        """A step of `num_tokens` tokens took `seconds` (wall time, hand-offs included)."""
-        if self.budget_s <= 0 or num_tokens <= self.tokens:
+    def observe(self, num_tokens: int, seconds: float, steps: int = 1) -> None:
+        """A step of `num_tokens` tokens took `seconds` (wall time, hand-offs included); a decode run
+        (`steps` > 1) teaches nothing."""
+        if self.budget_s <= 0 or num_tokens <= self.tokens or steps > 1:
             return
         sample = seconds / num_tokens
         per_token = self.per_token_s

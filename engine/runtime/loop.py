@@ -318,16 +318,13 @@ class RuntimeLoop:
         finished = self.stats.finished_total
         tokens, started = sum(s.num_tokens for s in batch), time.perf_counter()
         outputs: list[StepOutput] = []
-        try:  # NOTE: a short step costs less than the hand-offs to the step thread (inline_rule); a decode run
-            # always takes the thread (its one hand-off is shared by its steps), so the loop answers during it
+        try:  # NOTE: a short step costs less than the hand-offs to the step thread (inline_rule); a run takes it
             call = self.runs.runner_call(self.runner, steps)
-            inline = steps == 1 and self.inline.inline(tokens)
-            outputs = call(batch) if inline else await self.step_thread.run(call, batch)
+            outputs = call(batch) if self.inline.inline(tokens, steps) else await self.step_thread.run(call, batch)
         except Exception as exc:  # the batch fails, the engine keeps serving
             self.applier.fail_step(batch, exc)
         else:
-            if steps == 1:  # NOTE: the rule learns seconds per token from single steps (a run's are its rows')
-                self.inline.observe(tokens, time.perf_counter() - started)
+            self.inline.observe(tokens, time.perf_counter() - started, steps)
             self.runs.apply(batch, outputs, self.applier.apply_step)
         finally:
             self.step_running = False
