@@ -5,7 +5,7 @@ order (`EngineConfig.decode_steps`; the runner's side is
 
 A batch runs as a run only when every row is a decoding request's one next
 token and no request waits to be admitted (a queue gets plain steps). A run
-always takes the loop's step thread, however short (`RuntimeLoop`: its one
+always takes the loop's step thread, however short (`inline_rule`: its one
 hand-off is shared by its steps, and the loop keeps answering meanwhile),
 and ends after the step in which a submission, an abort or anything else
 that wakes the loop (a transfer that landed) arrives (`work_waiting`), so it
