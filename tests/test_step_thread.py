@@ -228,19 +228,22 @@ def _trace_threads(monkeypatch, runner) -> dict[str, set[int]]:
 @pytest.mark.asyncio
 async def test_a_run_never_runs_on_the_loops_thread(monkeypatch):
     """A decode run takes the step thread however short it is expected to be (its one hand-off is shared
-    by its steps), so the loop keeps answering while it runs and a submission ends it after one step; on
-    a CPU a batch-1 run of 16 steps used to be expected from the prefill's seconds per token, ran inline
-    and held the loop for all 16. A plain decode step of one token still runs inline."""
+    by its steps), so the loop keeps answering while it runs (test_decode_runs: work that arrives ends it
+    after one step); on a CPU a batch-1 run of 16 steps used to be expected from the prefill's seconds per
+    token, ran inline and held the loop for all 16. A plain engine's one-token steps still run inline,
+    with the same greedy ids."""
     loop_thread = threading.get_ident()
     async with Engine(small_config(decode_steps=16)) as engine:
         where = _trace_threads(monkeypatch, engine.parts.runner)
         out = await engine.complete(RUN_PROMPT, SamplingParams(max_new_tokens=40, ignore_eos=True))
         assert len(out.token_ids) == 40 and engine.stats.decode_runs >= 2
         assert where["run"] and loop_thread not in where["run"]
+        await engine.wait_idle(DEADLINE)
         assert_pools_whole(engine)
     async with Engine(small_config()) as plain:
         where = _trace_threads(monkeypatch, plain.parts.runner)
         assert (await plain.complete(RUN_PROMPT, SamplingParams(max_new_tokens=8, ignore_eos=True))).token_ids == \
             out.token_ids[:8]
         assert loop_thread in where["step"] and not where["run"]
+        await plain.wait_idle(DEADLINE)
         assert_pools_whole(plain)
