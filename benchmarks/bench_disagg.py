@@ -9,10 +9,14 @@ with the real command (`kvlife serve --disaggregation prefill`), on 127.0.0.1.
    the tiny model's shapes), submitted at once, from submission to landed in
    the decode's pages (the real path: frames, the prefill runtime, gloo),
    against a bare gloo send/recv of the same bytes, one message per job,
-   between two processes. Two real paths, each with its own prefill server:
+   between two processes, each job from a buffer of its own into a buffer of
+   its own (as each job's KV leaves and lands in pages of its own). Also
+   reported: the ratio against bare gloo through one buffer reused by every
+   job on each side (cache-warm: faster on a small machine; the baseline
+   before stop 34). Two real paths, each with its own prefill server:
    "direct" (the default: sent from the prefill's KV pages, received into
    the decode's) and "staged" (both sides through staging: a gather and a
-   scatter more, the path before the direct one). Rounds of the three
+   scatter more, the path before the direct one). Rounds of the four
    alternate (`--rounds`, 15), and each ratio is the median of the per-round
    ratios (with its quartiles: single rounds swing 2x on a loaded machine).
    Also the CPU time each side spent per job during the rounds (all threads
@@ -34,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import os
 import random
@@ -51,6 +54,8 @@ import torch
 from engine import Engine, EngineConfig, SamplingParams
 from engine.disagg.link.settings import RemotePrefill
 from engine.logging import configure_logging
+
+from bare_gloo import BareGloo
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 LINK = dict(keepalive=0.25, first_timeout=20.0, chunk_slack=1.0, connect_timeout=20.0, reconnect_interval=0.2)
@@ -131,13 +136,16 @@ async def _run(engine: Engine, prompts: list[list[int]], params: SamplingParams)
 #: the transfer part's paths: the default (each side sends from / receives into its pages where it can), and
 #: every job through staging on both sides (a gather on the prefill, a scatter on the decode: the path before)
 PATHS = {"direct": None, "staged": 1 << 62}
+#: the bare gloo baselines: each job from and into memory of its own, as a transfer moves them (the ratio's
+#: baseline), and every job from and into one buffer, cache-warm on both sides (the baseline before stop 34)
+BARE = {"bare": True, "bare_reused": False}
 
 
 async def bench_transfer(jobs: int, tokens: int, rounds: int, chunk_bytes: int) -> dict:
     """Rounds of each path and of bare gloo, alternating, so each ratio compares the same moment."""
     fields = _engine_fields("null", tokens, 1, jobs)
     prefills: dict[str, Prefill] = {}
-    bare = None
+    bares: dict[str, BareGloo] = {}
     try:
         async with contextlib.AsyncExitStack() as stack:
             engines = {}
@@ -147,15 +155,17 @@ async def bench_transfer(jobs: int, tokens: int, rounds: int, chunk_bytes: int) 
                 config = _remote(fields, prefills[name].address, max_chunk_bytes=chunk_bytes, **link)
                 engines[name] = await stack.enter_async_context(Engine(config))
             nbytes = tokens * _bytes_per_token(engines["direct"])
-            bare = _BareGloo(jobs, nbytes, rounds + 1)
+            for name, distinct in BARE.items():
+                bares[name] = BareGloo(jobs, nbytes, rounds + 1, distinct=distinct)
             params = SamplingParams(max_new_tokens=1, ignore_eos=True)
             for engine in engines.values():
                 await _run(engine, _prompts(2, tokens, 0), params)  # warm-up
-            bare.round()
+            for bare in bares.values():
+                bare.round()
             real: dict[str, list[float]] = {name: [] for name in PATHS}
-            plain = []
+            plain: dict[str, list[float]] = {name: [] for name in BARE}
             #: CPU seconds spent in the rounds: (decode or receiver, prefill or sender), per path and bare
-            cpu = {name: [0.0, 0.0] for name in (*PATHS, "bare")}
+            cpu = {name: [0.0, 0.0] for name in (*PATHS, *BARE)}
             for r in range(rounds):
                 for name, engine in engines.items():
                     client = engine.parts.prefill_client
@@ -168,26 +178,36 @@ async def bench_transfer(jobs: int, tokens: int, rounds: int, chunk_bytes: int) 
                     moved = client.stats.snapshot()["bytes"] - before
                     assert moved == jobs * nbytes, "every job moved its KV"
                     real[name].append(moved / wall)
-                spent = _cpu_s(), _cpu_s(bare.child.pid)
-                plain.append(bare.round())
-                cpu["bare"][0] += _cpu_s() - spent[0]
-                cpu["bare"][1] += _cpu_s(bare.child.pid) - spent[1]
+                for name, bare in bares.items():
+                    spent = _cpu_s(), _cpu_s(bare.child.pid)
+                    plain[name].append(bare.round())
+                    cpu[name][0] += _cpu_s() - spent[0]
+                    cpu[name][1] += _cpu_s(bare.child.pid) - spent[1]
             for engine in engines.values():
                 engine.check_memory()
     finally:
         for prefill in prefills.values():
             prefill.close()
-        if bare is not None:
+        for bare in bares.values():
             bare.close()
     per_job = {name: [round(c * 1000 / (rounds * jobs), 2) for c in spent] for name, spent in cpu.items()}
-    paths = {name: {"GBps": statistics.median(got) / 1e9,
-                    "ratio": statistics.median([g / b for g, b in zip(got, plain)]),
-                    "ratios": [g / b for g, b in zip(got, plain)], "cpu_ms_per_job": per_job[name]}
-             for name, got in real.items()}
+
+    def against(got: list[float], base: list[float]) -> tuple[float, list[float]]:
+        ratios = [g / b for g, b in zip(got, base)]
+        return statistics.median(ratios), ratios
+
+    paths = {}
+    for name, got in real.items():
+        ratio, ratios = against(got, plain["bare"])
+        reused, _ = against(got, plain["bare_reused"])
+        paths[name] = {"GBps": statistics.median(got) / 1e9, "ratio": ratio, "ratios": ratios,
+                       "ratio_vs_reused": reused, "cpu_ms_per_job": per_job[name]}
     return {"jobs": jobs, "tokens": tokens, "job_bytes": nbytes, "chunk_bytes": chunk_bytes,
-            "real_GBps": paths["direct"]["GBps"], "bare_GBps": statistics.median(plain) / 1e9,
-            "ratio": paths["direct"]["ratio"], "ratios": paths["direct"]["ratios"], "paths": paths,
-            "bare_cpu_ms_per_job": per_job["bare"]}
+            "real_GBps": paths["direct"]["GBps"], "bare_GBps": statistics.median(plain["bare"]) / 1e9,
+            "bare_reused_GBps": statistics.median(plain["bare_reused"]) / 1e9,
+            "ratio": paths["direct"]["ratio"], "ratios": paths["direct"]["ratios"],
+            "ratio_vs_reused": paths["direct"]["ratio_vs_reused"], "paths": paths,
+            "bare_cpu_ms_per_job": per_job["bare"], "bare_reused_cpu_ms_per_job": per_job["bare_reused"]}
 
 
 def _cpu_s(pid: int | None = None) -> float:
@@ -202,50 +222,6 @@ def _cpu_s(pid: int | None = None) -> float:
 def _bytes_per_token(engine: Engine) -> int:
     kv = engine.parts.kv_buffers
     return sum(t[0].numel() * t.element_size() for t in (*kv.k, *kv.v))
-
-
-class _BareGloo:
-    """The same bytes in the same messages over a bare gloo pair: a child sends, this process receives."""
-
-    def __init__(self, messages: int, nbytes: int, rounds: int) -> None:
-        self.messages, self.nbytes = messages, nbytes
-        self.store = torch.distributed.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=60),
-                                                wait_for_workers=False)
-        self.child = subprocess.Popen([sys.executable, __file__, "--bare-sender", str(self.store.port),
-                                       str(messages), str(nbytes), str(rounds)],
-                                      env=dict(os.environ, OMP_NUM_THREADS="1"))
-        self.pg = _bare_group(self.store, 1)
-        self.buf = torch.empty(nbytes, dtype=torch.uint8)
-        self.go = torch.zeros(1, dtype=torch.int64)
-
-    def round(self) -> float:
-        """Bytes per second of one round (the receiver's clock, from its go to the last byte)."""
-        started = time.perf_counter()
-        self.pg.send([self.go], 0, 0).wait()
-        for _ in range(self.messages):
-            self.pg.recv([self.buf], 0, 1).wait()
-        return self.messages * self.nbytes / (time.perf_counter() - started)
-
-    def close(self) -> None:
-        self.child.wait(60)
-
-
-def _bare_group(store, rank: int):
-    options = torch.distributed.ProcessGroupGloo._Options()
-    options._timeout = datetime.timedelta(seconds=60)
-    options._devices = [torch.distributed.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-    return torch.distributed.ProcessGroupGloo(torch.distributed.PrefixStore("bare/", store), rank, 2, options)
-
-
-def _bare_sender(port: int, messages: int, nbytes: int, rounds: int) -> None:
-    store = torch.distributed.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=60))
-    pg = _bare_group(store, 0)
-    buf = torch.ones(nbytes, dtype=torch.uint8)
-    go = torch.zeros(1, dtype=torch.int64)
-    for _ in range(rounds):
-        pg.recv([go], 1, 0).wait()
-        for _ in range(messages):
-            pg.send([buf], 1, 1).wait()
 
 
 # ------------------------------------------------------------- 2. TTFT and e2e
@@ -335,14 +311,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15, help="rounds of the transfer part (each path and bare gloo)")
     parser.add_argument("--parts", nargs="+", default=["transfer", "workload", "failures"])
     parser.add_argument("--cap", type=float, default=90.0, help="failures: seconds a request may take to answer")
-    parser.add_argument("--bare-sender", nargs=4, type=int, help=argparse.SUPPRESS)
     parser.add_argument("--device", default="cpu", help="torch device the engines run on: cpu (default), cuda, cuda:1 ... (docs/gpu.md)")
     args = parser.parse_args()
     global DEVICE
     DEVICE = args.device
-    if args.bare_sender:
-        _bare_sender(*args.bare_sender)
-        return
     torch.set_num_threads(1)
     configure_logging("error")
     load_before = os.getloadavg()
@@ -365,15 +337,17 @@ def main() -> None:
 
 def _report(by_size, workload, failures, load_before, load_after) -> None:
     for t in by_size:
-        bare_cpu = t["bare_cpu_ms_per_job"]
+        bare_cpu, reused_cpu = t["bare_cpu_ms_per_job"], t["bare_reused_cpu_ms_per_job"]
         print(f"transfer: {t['jobs']} jobs x {t['job_bytes'] / 2**20:.0f} MiB in {t['chunk_bytes'] / 2**20:g} MiB "
               f"chunks, bare gloo {t['bare_GBps']:.2f} GB/s (CPU ms per job: receiver {bare_cpu[0]:.2f}, sender "
-              f"{bare_cpu[1]:.2f})")
+              f"{bare_cpu[1]:.2f}); through one reused buffer {t['bare_reused_GBps']:.2f} GB/s (receiver "
+              f"{reused_cpu[0]:.2f}, sender {reused_cpu[1]:.2f})")
         for name, path in t["paths"].items():
             quartiles = statistics.quantiles(path["ratios"], n=4) if len(path["ratios"]) > 1 else [path["ratio"]] * 3
             decode, prefill = path["cpu_ms_per_job"]
             print(f"  {name:>7} path {path['GBps']:.2f} GB/s  ratio {path['ratio']:.2f} (quartiles {quartiles[0]:.2f}"
-                  f"-{quartiles[2]:.2f}); CPU ms per job: decode {decode:.2f}, prefill {prefill:.2f}")
+                  f"-{quartiles[2]:.2f}; {path['ratio_vs_reused']:.2f} against the reused buffer); CPU ms per job: "
+                  f"decode {decode:.2f}, prefill {prefill:.2f}")
             print(f"          per round: {', '.join(f'{r:.2f}' for r in path['ratios'])}")
     w = workload
     if w is not None:
