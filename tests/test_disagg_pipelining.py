@@ -240,9 +240,10 @@ class _Waits:
         return self.work.wait(timeout)
 
 
-def test_a_chunk_is_waited_for_from_its_last_message_once_each():
-    """`Pair.wait_all` waits for the last message first (the others are done by then: one wake-up per chunk),
-    then each other once (a second wait on a gloo work would run to its timeout); every message lands."""
+def test_a_gloo_chunk_is_waited_for_by_the_last_message_of_each_group():
+    """Over gloo, `Pair.wait_all` waits only for the last control and the last data message (one socket per
+    group, written and read in order: when the last has landed, every one before it has); once it returns,
+    every message has landed."""
     store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10), wait_for_workers=False)
     pairs: dict[int, Pair] = {}
 
@@ -256,15 +257,18 @@ def test_a_chunk_is_waited_for_from_its_last_message_once_each():
         t.start()
     for t in threads:
         t.join()
-    sent = [torch.full((1000,), float(i + 1)) for i in range(3)]
-    got = [torch.zeros(1000) for _ in range(3)]
+    ctl_sent = [torch.full((8,), float(-i - 1)) for i in range(2)]
+    ctl_got = [torch.zeros(8) for _ in range(2)]
+    sent = [torch.full((1 << 18,), float(i + 1)) for i in range(3)]
+    got = [torch.zeros(1 << 18) for _ in range(3)]
     order: list[int] = []
-    receives = [_Waits(pairs[1].post_recv_data(t), i, order) for i, t in enumerate(got)]
-    sends = [pairs[0].post_send_data(t) for t in sent]
-    pairs[1].wait_all(receives, 5.0)  # NOTE: a second wait on one of them would raise its timeout
-    pairs[0].wait_all(sends, 5.0)
-    assert order == [2, 0, 1]
-    assert all(torch.equal(a, b) for a, b in zip(sent, got))
+    receives = [_Waits(pairs[1].post_recv_ctl(t), i, order) for i, t in enumerate(ctl_got)]
+    receives += [_Waits(pairs[1].post_recv_data(t), 2 + i, order) for i, t in enumerate(got)]
+    sends = [pairs[0].post_send_ctl(t) for t in ctl_sent] + [pairs[0].post_send_data(t) for t in sent]
+    pairs[1].wait_all(receives, 5.0, ctl=2)
+    assert sorted(order) == [1, 4]  # the last control message and the last data message
+    assert all(torch.equal(a, b) for a, b in zip(sent + ctl_sent, got + ctl_got))
+    pairs[0].wait_all(sends, 5.0, ctl=2)
 
 
 async def test_the_bootstrap_store_is_polled_less_once_quiet(monkeypatch):

@@ -219,8 +219,17 @@ class Pair:
 
     def wait_all(self, works: list[dist.Work], timeout: float, *, ctl: int = 0) -> None:
         """Wait for the works of one chunk's messages, all within `timeout` from now; the first `ctl` of
-        them are control messages (gloo's wait even with NCCL chunks)."""
+        them are control messages (gloo's wait even with NCCL chunks). Over gloo only the last of each
+        group is waited for (see the note); with NCCL chunks, each."""
         deadline = time.monotonic() + timeout
+        if not self.nccl:
+            # NOTE: a gloo group's messages to one peer complete in the order they were posted (one socket,
+            # written and read in order), and a failure fails every later one: once the last of each group
+            # has completed, all of them have, so only those two are waited for (a wait costs a call into
+            # c10d and its lock even when its work is done)
+            for i in sorted({ctl - 1, len(works) - 1} - {-1}, reverse=True):
+                self._wait(works[i], deadline - time.monotonic())
+            return
         # NOTE: the last first: a pair's messages complete in the order they were posted, so the others are
         # done by then and their waits return at once (one wake-up of this thread per chunk, not one per
         # message). Each work is waited for once: a second wait on a gloo work waits for its timeout.

@@ -238,7 +238,7 @@ class KVLayout:
 
     @property
     def bytes_per_token_layer(self) -> int:
-        return 2 * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
     def chunk_shape(self, chunk: Chunk) -> tuple[int, ...]:
         return (chunk.num_layers, 2, chunk.count, self.num_kv_heads, self.head_dim)
