@@ -127,7 +127,9 @@ class KVSendHook(ResourceHook):
     def release(self, request: Request, handle: Handle[SendRecord]) -> None:
         record = handle.payload
         staging = self.sender.staging
-        staged, record.staged = record.staged, []
+        # NOTE: `views` closes over the staged buffers: dropped with them, so a buffer the pool does not
+        # keep is freed now, not whenever the garbage collector reaches a cycle that holds the record
+        staged, record.staged, record.views = record.staged, [], None
         if staging is not None:
             for _chunk, buf in staged:
                 staging.give(record.owner, buf, reuse=record.reusable)
