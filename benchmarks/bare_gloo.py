@@ -14,11 +14,15 @@ import time
 
 import torch
 
+#: the most memory a side's distinct buffers take (the benchmark's largest jobs: 16 x 125 MiB)
+DISTINCT_BYTES = 1 << 30
+
 
 class BareGloo:
     """The same bytes in the same messages over a bare gloo pair: a child sends, this process receives.
     `distinct`: each message of a round from a buffer of its own into a buffer of its own (as each job's
-    KV comes from and lands in pages of its own); else all through one buffer on each side."""
+    KV comes from and lands in pages of its own; at most `DISTINCT_BYTES` a side, then reused in turn);
+    else all through one buffer on each side."""
 
     def __init__(self, messages: int, nbytes: int, rounds: int, *, distinct: bool) -> None:
         self.messages, self.nbytes = messages, nbytes
@@ -28,7 +32,7 @@ class BareGloo:
                                        str(messages), str(nbytes), str(rounds), str(int(distinct))],
                                       env=dict(os.environ, OMP_NUM_THREADS="1"))
         self.pg = bare_group(self.store, 1)
-        self.bufs = _buffers(messages if distinct else 1, nbytes, 0)
+        self.bufs = _buffers(_count(messages, nbytes, distinct), nbytes, 0)
         self.go = torch.zeros(1, dtype=torch.int64)
 
     def round(self) -> float:
@@ -41,6 +45,11 @@ class BareGloo:
 
     def close(self) -> None:
         self.child.wait(60)
+
+
+def _count(messages: int, nbytes: int, distinct: bool | int) -> int:
+    """How many buffers a side cycles through."""
+    return max(1, min(messages, DISTINCT_BYTES // nbytes)) if distinct else 1
 
 
 def _buffers(n: int, nbytes: int, fill: int) -> list[torch.Tensor]:
@@ -57,7 +66,7 @@ def bare_group(store, rank: int):
 def bare_sender(port: int, messages: int, nbytes: int, rounds: int, distinct: int) -> None:
     store = torch.distributed.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=60))
     pg = bare_group(store, 0)
-    bufs = _buffers(messages if distinct else 1, nbytes, 1)
+    bufs = _buffers(_count(messages, nbytes, distinct), nbytes, 1)
     go = torch.zeros(1, dtype=torch.int64)
     for _ in range(rounds):
         pg.recv([go], 1, 0).wait()
