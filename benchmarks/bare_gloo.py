@@ -44,7 +44,12 @@ class BareGloo:
         return self.messages * self.nbytes / (time.perf_counter() - started)
 
     def close(self) -> None:
-        self.child.wait(60)
+        """Wait for the sender to finish its rounds; one left waiting (the benchmark stopped early) is killed."""
+        try:
+            self.child.wait(10)
+        except subprocess.TimeoutExpired:
+            self.child.kill()
+            self.child.wait()
 
 
 def _count(messages: int, nbytes: int, distinct: bool | int) -> int:
