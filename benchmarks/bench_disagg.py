@@ -21,7 +21,10 @@ with the real command (`kvlife serve --disaggregation prefill`), on 127.0.0.1.
    ratios (with its quartiles: single rounds swing 2x on a loaded machine).
    Also the CPU time each side spent per job during the rounds (all threads
    of the decode process and of the prefill server; of the bare receiver and
-   sender): on a machine with no idle core, the ratio follows it.
+   sender), each path's by thread group (the event loop, gloo's socket
+   threads, the rest: `proc_cpu.py`), and the cores busy (both sides' CPU
+   per second of the rounds): on a machine with no idle core, the ratio
+   follows the CPU per job.
 2. TTFT and end-to-end throughput of the tiny model on one workload: the single
    engine, the decode role with its in-process prefill worker, and decode + one
    remote prefill server.
@@ -56,6 +59,7 @@ from engine.disagg.link.settings import RemotePrefill
 from engine.logging import configure_logging
 
 from bare_gloo import BareGloo
+from proc_cpu import GROUPS, cpu_s, thread_cpu_s
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 LINK = dict(keepalive=0.25, first_timeout=20.0, chunk_slack=1.0, connect_timeout=20.0, reconnect_interval=0.2)
@@ -166,23 +170,31 @@ async def bench_transfer(jobs: int, tokens: int, rounds: int, chunk_bytes: int) 
             plain: dict[str, list[float]] = {name: [] for name in BARE}
             #: CPU seconds spent in the rounds: (decode or receiver, prefill or sender), per path and bare
             cpu = {name: [0.0, 0.0] for name in (*PATHS, *BARE)}
+            #: the same for each path by thread group (`proc_cpu.GROUPS`), and the rounds' wall seconds
+            by_thread = {name: ({g: 0.0 for g in GROUPS}, {g: 0.0 for g in GROUPS}) for name in PATHS}
+            walls = {name: 0.0 for name in (*PATHS, *BARE)}
             for r in range(rounds):
                 for name, engine in engines.items():
                     client = engine.parts.prefill_client
                     before = client.stats.snapshot()["bytes"]
                     prompts = _prompts(jobs, tokens, r + 1)
-                    spent = _cpu_s(), _cpu_s(prefills[name].proc.pid)
+                    pids = (None, prefills[name].proc.pid)
+                    spent = [thread_cpu_s(pid) for pid in pids]
                     wall, outs = await _run(engine, prompts, params)
-                    cpu[name][0] += _cpu_s() - spent[0]
-                    cpu[name][1] += _cpu_s(prefills[name].proc.pid) - spent[1]
+                    for side, pid in enumerate(pids):
+                        for group, seconds in thread_cpu_s(pid).items():
+                            by_thread[name][side][group] += seconds - spent[side][group]
+                            cpu[name][side] += seconds - spent[side][group]
+                    walls[name] += wall
                     moved = client.stats.snapshot()["bytes"] - before
                     assert moved == jobs * nbytes, "every job moved its KV"
                     real[name].append(moved / wall)
                 for name, bare in bares.items():
-                    spent = _cpu_s(), _cpu_s(bare.child.pid)
+                    spent = cpu_s(), cpu_s(bare.child.pid)
                     plain[name].append(bare.round())
-                    cpu[name][0] += _cpu_s() - spent[0]
-                    cpu[name][1] += _cpu_s(bare.child.pid) - spent[1]
+                    cpu[name][0] += cpu_s() - spent[0]
+                    cpu[name][1] += cpu_s(bare.child.pid) - spent[1]
+                    walls[name] += jobs * nbytes / plain[name][-1]
             for engine in engines.values():
                 engine.check_memory()
     finally:
@@ -191,6 +203,8 @@ async def bench_transfer(jobs: int, tokens: int, rounds: int, chunk_bytes: int) 
         for bare in bares.values():
             bare.close()
     per_job = {name: [round(c * 1000 / (rounds * jobs), 2) for c in spent] for name, spent in cpu.items()}
+    #: CPU seconds of both processes per wall second of the rounds (2.0: both cores of this VM, all the time)
+    cores = {name: round(sum(cpu[name]) / walls[name], 2) for name in walls}
 
     def against(got: list[float], base: list[float]) -> tuple[float, list[float]]:
         ratios = [g / b for g, b in zip(got, base)]
@@ -201,22 +215,16 @@ async def bench_transfer(jobs: int, tokens: int, rounds: int, chunk_bytes: int) 
         ratio, ratios = against(got, plain["bare"])
         reused, _ = against(got, plain["bare_reused"])
         paths[name] = {"GBps": statistics.median(got) / 1e9, "ratio": ratio, "ratios": ratios,
-                       "ratio_vs_reused": reused, "cpu_ms_per_job": per_job[name]}
+                       "ratio_vs_reused": reused, "cpu_ms_per_job": per_job[name], "cores_busy": cores[name],
+                       "cpu_ms_per_job_by_thread": [{g: round(c * 1000 / (rounds * jobs), 2) for g, c in side.items()}
+                                                    for side in by_thread[name]]}
     return {"jobs": jobs, "tokens": tokens, "job_bytes": nbytes, "chunk_bytes": chunk_bytes,
             "real_GBps": paths["direct"]["GBps"], "bare_GBps": statistics.median(plain["bare"]) / 1e9,
             "bare_reused_GBps": statistics.median(plain["bare_reused"]) / 1e9,
             "ratio": paths["direct"]["ratio"], "ratios": paths["direct"]["ratios"],
             "ratio_vs_reused": paths["direct"]["ratio_vs_reused"], "paths": paths,
-            "bare_cpu_ms_per_job": per_job["bare"], "bare_reused_cpu_ms_per_job": per_job["bare_reused"]}
-
-
-def _cpu_s(pid: int | None = None) -> float:
-    """CPU seconds (user + system, every thread) of this process, or of child `pid` (Linux)."""
-    if pid is None:
-        return time.process_time()
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            "bare_cpu_ms_per_job": per_job["bare"], "bare_reused_cpu_ms_per_job": per_job["bare_reused"],
+            "bare_cores_busy": cores["bare"], "bare_reused_cores_busy": cores["bare_reused"]}
 
 
 def _bytes_per_token(engine: Engine) -> int:
@@ -340,14 +348,17 @@ def _report(by_size, workload, failures, load_before, load_after) -> None:
         bare_cpu, reused_cpu = t["bare_cpu_ms_per_job"], t["bare_reused_cpu_ms_per_job"]
         print(f"transfer: {t['jobs']} jobs x {t['job_bytes'] / 2**20:.0f} MiB in {t['chunk_bytes'] / 2**20:g} MiB "
               f"chunks, bare gloo {t['bare_GBps']:.2f} GB/s (CPU ms per job: receiver {bare_cpu[0]:.2f}, sender "
-              f"{bare_cpu[1]:.2f}); through one reused buffer {t['bare_reused_GBps']:.2f} GB/s (receiver "
-              f"{reused_cpu[0]:.2f}, sender {reused_cpu[1]:.2f})")
+              f"{bare_cpu[1]:.2f}; cores busy {t['bare_cores_busy']:.2f}); through one reused buffer "
+              f"{t['bare_reused_GBps']:.2f} GB/s (receiver {reused_cpu[0]:.2f}, sender {reused_cpu[1]:.2f})")
         for name, path in t["paths"].items():
             quartiles = statistics.quantiles(path["ratios"], n=4) if len(path["ratios"]) > 1 else [path["ratio"]] * 3
             decode, prefill = path["cpu_ms_per_job"]
             print(f"  {name:>7} path {path['GBps']:.2f} GB/s  ratio {path['ratio']:.2f} (quartiles {quartiles[0]:.2f}"
                   f"-{quartiles[2]:.2f}; {path['ratio_vs_reused']:.2f} against the reused buffer); CPU ms per job: "
                   f"decode {decode:.2f}, prefill {prefill:.2f}")
+            threads = "; ".join(f"{side} " + ", ".join(f"{g} {ms:.2f}" for g, ms in groups.items())
+                                for side, groups in zip(("decode", "prefill"), path["cpu_ms_per_job_by_thread"]))
+            print(f"          by thread: {threads}; cores busy {path['cores_busy']:.2f}")
             print(f"          per round: {', '.join(f'{r:.2f}' for r in path['ratios'])}")
     w = workload
     if w is not None:
