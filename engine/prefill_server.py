@@ -60,6 +60,7 @@ from engine.runtime.features.roles import PrefillRole
 from engine.runtime.loop_waker import soon_on_loop
 from engine.runtime.prefill_runtime import PrefillRuntime
 from engine.testing import FaultInjector
+from engine.thread_names import named_thread
 from resources import ManualFence
 from resources.ledger import MemoryReport
 
@@ -139,8 +140,7 @@ class PrefillServer(anyio.AsyncContextManagerMixin):
         async with anyio.create_task_group() as tg:
             await tg.start(self.runtime.run)
             tg.start_soon(self._expire_jobs)
-            threading.Thread(target=self._accept_loop, args=(self.bootstrap,), name="kvlife-bootstrap",
-                             daemon=True).start()
+            named_thread(self._accept_loop, args=(self.bootstrap,), name="kvlife-bootstrap").start()
             log.info("transfer.prefill_started", host=self.settings.host, bootstrap_port=self.bootstrap_port,
                      boot=self.bootstrap.boot, model=self.record["model"])
             try:
@@ -293,8 +293,7 @@ class PrefillServer(anyio.AsyncContextManagerMixin):
                 log.warning("transfer.bootstrap_error", error=repr(exc))
                 done = []
             for handshake in done:
-                threading.Thread(target=self._build_link, args=(handshake,), daemon=True,
-                                 name=f"kvlife-pair-{handshake.pair_id}").start()
+                named_thread(self._build_link, args=(handshake,), name=f"kvlife-pair-{handshake.pair_id}").start()
             now = time.monotonic()
             if done or bootstrap.handshaking:
                 active = now

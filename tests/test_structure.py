@@ -182,7 +182,7 @@ def _layer(module: str) -> float | None:
         return 6.5  # the package's facade (engine/__init__.py): Engine and the public names
     sub = parts[1]
     if sub in ("config", "model", "errors", "outputs", "logging", "stream", "testing", "structured", "kv_events",
-               "speculative"):
+               "speculative", "thread_names"):
         return 3
     return {"disagg": 4, "runtime": 5, "engine": 6, "prefill_server": 6, "serve": 7, "cli": 7}[sub]
 

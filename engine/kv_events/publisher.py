@@ -35,6 +35,7 @@ import zmq
 from engine.kv_events.hashing import external, page_digest
 from engine.kv_events.settings import KVEventsConfig
 from engine.kv_events.wire import END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, seq_bytes
+from engine.thread_names import named_thread
 
 log = structlog.get_logger("kvlife.kv_events")
 _STORED, _REMOVED, _CLEARED, _MARK, _STOP = range(5)
@@ -74,7 +75,7 @@ class KVEventPublisher:
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         """Open the sockets on the publishing thread; OSError if one cannot bind or connect."""
-        self._thread = threading.Thread(target=self._run, name="kvlife-kv-events", daemon=True)
+        self._thread = named_thread(self._run, name="kvlife-kv-events")
         self._thread.start()
         self._ready.wait(30)
         if self._error is not None:

@@ -31,6 +31,7 @@ import anyio
 from anyio.lowlevel import EventLoopToken
 
 from engine.runtime.loop_waker import soon_on_loop
+from engine.thread_names import named_thread
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -68,7 +69,7 @@ class StepThread:
         token = self._token
         if self._thread is None:  # NOTE: a queue of its own: a closed thread may still read the old one
             self._jobs = queue.SimpleQueue()
-            self._thread = threading.Thread(target=self._serve, args=(self._jobs,), name=self.name, daemon=True)
+            self._thread = named_thread(self._serve, args=(self._jobs,), name=self.name)
             self._thread.start()
         done = self._event_type()
         box: list[object] = []

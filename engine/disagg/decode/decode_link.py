@@ -54,6 +54,7 @@ from engine.disagg.link.transport import LinkError, Pair, classify
 from engine.disagg.link.wire import (BYE, CANCEL, CANCELLED, OK, PING, RESULT, STATUS_NAMES, Chunk, KVLayout,
                                      MAX_JOBS, JOB_BATCH_BYTES, ProtocolError, decode_logprob, empty_header, encode_job,
                                      header, inline_runs, jobs_header)
+from engine.thread_names import named_thread
 
 log = structlog.get_logger("kvlife.transfer")
 __all__ = ["DecodeLink", "LinkJob", "RemoteTransferFailed"]
@@ -83,9 +84,9 @@ class DecodeLink(LinkWriting):
         self._out: queue.SimpleQueue = queue.SimpleQueue()
         self._writes: queue.SimpleQueue = queue.SimpleQueue()  # received chunks for the writing thread
         self._tags = itertools.count(1)
-        self._threads = [threading.Thread(target=self._send_loop, name=f"kvlife-send-{peer}#{epoch}", daemon=True),
-                         threading.Thread(target=self._recv_loop, name=f"kvlife-recv-{peer}#{epoch}", daemon=True),
-                         threading.Thread(target=self._write_loop, name=f"kvlife-write-{peer}#{epoch}", daemon=True)]
+        self._threads = [named_thread(self._send_loop, name=f"kvlife-send-{peer}#{epoch}"),
+                         named_thread(self._recv_loop, name=f"kvlife-recv-{peer}#{epoch}"),
+                         named_thread(self._write_loop, name=f"kvlife-write-{peer}#{epoch}")]
 
     def start(self) -> None:
         for thread in self._threads:

@@ -44,6 +44,7 @@ from engine.disagg.link.wire import (BYE, CANCEL, CANCELLED, FAILED, JOB, OK, PI
                                      ProtocolError, decode_job, empty_header, encode_logprob, header, job_index,
                                      result_frames)
 from engine.disagg.prefill.send import SendRecord
+from engine.thread_names import named_thread
 
 log = structlog.get_logger("kvlife.transfer")
 
@@ -114,8 +115,8 @@ class PrefillLink:
         self.cond = threading.Condition()
         self.up = True
         self._bye = False  # say goodbye before the sending thread stops
-        self._threads = [threading.Thread(target=self._recv_loop, name=f"kvlife-ctl-{name}", daemon=True),
-                         threading.Thread(target=self._send_loop, name=f"kvlife-answer-{name}", daemon=True)]
+        self._threads = [named_thread(self._recv_loop, name=f"kvlife-ctl-{name}"),
+                         named_thread(self._send_loop, name=f"kvlife-answer-{name}")]
 
     def start(self) -> None:
         for thread in self._threads:

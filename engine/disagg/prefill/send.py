@@ -41,6 +41,7 @@ from engine.disagg.decode.kv_transfer_hook import FirstToken, TransferJob
 from engine.disagg.link.staging import StagingPool
 from engine.disagg.link.messages import Piece
 from engine.disagg.link.wire import Chunk
+from engine.thread_names import named_thread
 from resources.fences import ManualFence
 from states import Fence
 
@@ -117,7 +118,7 @@ class SendQueue:
     def submit(self, work: Callable[[], None]) -> None:
         with self._lock:
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                self._thread = named_thread(self._run, name=self.name)
                 self._thread.start()
         self._queue.put(work)
 
