@@ -22,7 +22,8 @@ with the real command (`kvlife serve --disaggregation prefill`), on 127.0.0.1.
    Also the CPU time each side spent per job during the rounds (all threads
    of the decode process and of the prefill server; of the bare receiver and
    sender), each path's by thread group (the event loop, gloo's socket
-   threads, the rest: `proc_cpu.py`), and the cores busy (both sides' CPU
+   threads, the link's threads, the step thread, the rest: `proc_cpu.py`),
+   and the cores busy (both sides' CPU
    per second of the rounds): on a machine with no idle core, the ratio
    follows the CPU per job.
 2. TTFT and end-to-end throughput of the tiny model on one workload: the single
@@ -179,12 +180,12 @@ async def bench_transfer(jobs: int, tokens: int, rounds: int, chunk_bytes: int) 
                     before = client.stats.snapshot()["bytes"]
                     prompts = _prompts(jobs, tokens, r + 1)
                     pids = (None, prefills[name].proc.pid)
-                    spent = [thread_cpu_s(pid) for pid in pids]
+                    spent = [(cpu_s(pid), thread_cpu_s(pid)) for pid in pids]
                     wall, outs = await _run(engine, prompts, params)
                     for side, pid in enumerate(pids):
+                        cpu[name][side] += cpu_s(pid) - spent[side][0]
                         for group, seconds in thread_cpu_s(pid).items():
-                            by_thread[name][side][group] += seconds - spent[side][group]
-                            cpu[name][side] += seconds - spent[side][group]
+                            by_thread[name][side][group] += seconds - spent[side][1][group]
                     walls[name] += wall
                     moved = client.stats.snapshot()["bytes"] - before
                     assert moved == jobs * nbytes, "every job moved its KV"

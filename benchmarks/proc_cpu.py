@@ -1,10 +1,11 @@
 """CPU time of a process, whole or by thread, from /proc (Linux): what the transfer benchmark
 reads around each round to say where a job's CPU goes and whether the cores were the limit.
 
-Threads fall in three groups, by what the kernel knows of them: the process's main thread (its
-event loop: the decode engine's, or the prefill server's), gloo's socket threads (named
-``gloo_tcp_loop`` by gloo), and every other thread (kvlife's link threads, a step worker thread,
-anything else the process runs; Python does not name its threads for the kernel). A thread's
+Threads fall in groups by the names the kernel knows them by (kvlife gives its threads their names
+there too: `engine.thread_names`): the process's main thread (its event loop: the decode engine's,
+or the prefill server's), gloo's socket threads (``gloo_tcp_loop``), a link's threads (a decode's
+``kvlife-send-…``, ``kvlife-recv-…``, ``kvlife-write-…``; a prefill's ``kvlife-ctl-…``,
+``kvlife-answer-…``), the step thread (``kvlife-step``), and every other thread. A thread's
 time comes from its ``schedstat`` (nanoseconds on a CPU) where the kernel has it, else from its
 ``stat`` (user + system, in clock ticks); a process's whole time from its ``stat`` (ticks), or,
 for this process, `time.process_time`.
@@ -16,7 +17,9 @@ import os
 import time
 
 #: the thread groups, in the order the benchmark prints them
-GROUPS = ("loop", "gloo", "other")
+GROUPS = ("loop", "gloo", "link", "step", "other")
+#: the names (as the kernel keeps them: 15 bytes) of a link's threads
+LINK_THREADS = ("kvlife-send-", "kvlife-recv-", "kvlife-write-", "kvlife-ctl-", "kvlife-answer-")
 
 
 def cpu_s(pid: int | None = None) -> float:
@@ -28,8 +31,8 @@ def cpu_s(pid: int | None = None) -> float:
 
 
 def thread_cpu_s(pid: int | None = None) -> dict[str, float]:
-    """CPU seconds of each thread group (`GROUPS`) of process `pid` (None: this one). "other" is the
-    process's whole time less the other two, so a thread that ended still counts there."""
+    """On-CPU seconds of each thread group (`GROUPS`) of process `pid` (None: this one), of the threads
+    alive now: compare snapshots of threads that live throughout (a benchmark's engines and links)."""
     pid = os.getpid() if pid is None else pid
     out = dict.fromkeys(GROUPS, 0.0)
     try:
@@ -48,7 +51,12 @@ def thread_cpu_s(pid: int | None = None) -> dict[str, float]:
             out["loop"] += seconds
         elif name.startswith("gloo"):
             out["gloo"] += seconds
-    out["other"] = cpu_s(None if pid == os.getpid() else pid) - out["loop"] - out["gloo"]
+        elif name.startswith(LINK_THREADS):
+            out["link"] += seconds
+        elif name == "kvlife-step":
+            out["step"] += seconds
+        else:
+            out["other"] += seconds
     return out
 
 
