@@ -16,10 +16,10 @@ import ctypes.util
 import sys
 import threading
 from collections.abc import Callable
-from typing import Any
 
 _PR_SET_NAME = 15  # linux/prctl.h
-_libc: Any = None
+#: the C library once looked up (None: not yet; False: not found)
+_libc: ctypes.CDLL | bool | None = None
 
 
 def set_native_name(name: str) -> bool:
@@ -33,17 +33,17 @@ def set_native_name(name: str) -> bool:
             _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
         except OSError:
             _libc = False
-    if not _libc:
+    if not isinstance(_libc, ctypes.CDLL):
         return False
     return bool(_libc.prctl(_PR_SET_NAME, name.encode(), 0, 0, 0) == 0)
 
 
-def named_thread(target: Callable[..., object], *, name: str, args: tuple[Any, ...] = (),
+def named_thread(target: Callable[..., object], *, name: str, args: tuple[object, ...] = (),
                  daemon: bool = True) -> threading.Thread:
     """A thread running `target(*args)` named `name` for Python and for the OS (see the module
     docstring); not started."""
 
-    def run(*run_args: Any) -> None:
+    def run(*run_args: object) -> None:
         set_native_name(name)
         target(*run_args)
 
