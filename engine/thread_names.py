@@ -12,30 +12,30 @@ and from the step thread (``kvlife-step``). Elsewhere it is a plain thread.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import sys
 import threading
 from collections.abc import Callable
 
 _PR_SET_NAME = 15  # linux/prctl.h
-#: the C library once looked up (None: not yet; False: not found)
-_libc: ctypes.CDLL | bool | None = None
+#: the process's own symbols, libc's among them (None: not looked up yet)
+_libc: ctypes.CDLL | None = None
+#: the lookup or the call failed once: no thread is named after that
+_unavailable = False
 
 
 def set_native_name(name: str) -> bool:
     """Give the calling thread `name` at the OS level (its first 15 bytes); False where that
     cannot be done (not Linux, no C library, or the call refused)."""
-    global _libc
-    if not sys.platform.startswith("linux"):
+    global _libc, _unavailable
+    if _unavailable or not sys.platform.startswith("linux"):
         return False
-    if _libc is None:
-        try:
-            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        except OSError:
-            _libc = False
-    if not isinstance(_libc, ctypes.CDLL):
+    try:
+        if _libc is None:  # NOTE: dlopen(NULL): no library search, no ldconfig run
+            _libc = ctypes.CDLL(None, use_errno=True)
+        return bool(_libc.prctl(_PR_SET_NAME, name.encode(errors="replace"), 0, 0, 0) == 0)
+    except (OSError, AttributeError):  # no C library or no prctl in it: threads run unnamed
+        _unavailable = True
         return False
-    return bool(_libc.prctl(_PR_SET_NAME, name.encode(), 0, 0, 0) == 0)
 
 
 def named_thread(target: Callable[..., object], *, name: str, args: tuple[object, ...] = (),

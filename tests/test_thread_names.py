@@ -48,6 +48,25 @@ def test_a_named_thread_gives_the_os_its_name_and_runs_its_target():
         assert not set_native_name("kvlife-x")
 
 
+def test_a_thread_the_os_cannot_name_still_runs(monkeypatch):
+    """No C library to call (or no prctl in it): the thread runs its target unnamed, nothing raised."""
+    import ctypes
+
+    import engine.thread_names as names
+
+    def no_library(*args, **kwargs):
+        raise OSError("no C library here")
+
+    monkeypatch.setattr(names, "_libc", None)
+    monkeypatch.setattr(names, "_unavailable", False)
+    monkeypatch.setattr(ctypes, "CDLL", no_library)
+    ran = threading.Event()
+    thread = named_thread(ran.set, name="kvlife-unnamed")
+    thread.start()
+    thread.join(10)
+    assert ran.is_set() and names._unavailable and not set_native_name("kvlife-x")
+
+
 @pytest.mark.asyncio
 async def test_the_step_thread_is_named_for_the_os():
     seen: set[str] = set()
