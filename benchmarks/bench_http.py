@@ -63,8 +63,9 @@ from engine import Engine, EngineConfig, SamplingParams
 from engine.logging import configure_logging
 from engine.runtime.stats import percentile
 
+from proc_cpu import thread_cpu_s
+
 ENGINE_ARGS = {"max_running": 64, "num_kv_pages": 1024, "page_size": 16, "max_context": 512}
-_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def _request(rng: random.Random, args) -> tuple[list[int], int]:
@@ -76,12 +77,9 @@ def _request(rng: random.Random, args) -> tuple[list[int], int]:
 
 
 def _thread_cpu(pid: int) -> dict[str, float]:
-    """User + system CPU seconds of process `pid`: its main thread, and all its other threads."""
-    cpu = {"main": 0.0, "other": 0.0}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-        cpu["main" if task.name == str(pid) else "other"] += (int(fields[11]) + int(fields[12])) / _TICKS
-    return cpu
+    """CPU seconds of process `pid`: its main thread, and all its other threads (`proc_cpu`)."""
+    groups = thread_cpu_s(pid)
+    return {"main": groups["loop"], "other": sum(seconds for group, seconds in groups.items() if group != "loop")}
 
 
 class Window:
