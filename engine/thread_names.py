@@ -33,7 +33,7 @@ def set_native_name(name: str) -> bool:
         if _libc is None:  # NOTE: dlopen(NULL): no library search, no ldconfig run
             _libc = ctypes.CDLL(None, use_errno=True)
         return bool(_libc.prctl(_PR_SET_NAME, name.encode(errors="replace"), 0, 0, 0) == 0)
-    except (OSError, AttributeError):  # no C library or no prctl in it: threads run unnamed
+    except Exception:  # noqa: BLE001 - no C library, no prctl in it, anything: a name is never worth a thread
         _unavailable = True
         return False
 
