@@ -90,8 +90,10 @@ async def test_a_decode_and_a_prefill_server_name_their_link_threads(spawn):  # 
     async with Engine(remote_config(child.address)) as engine:
         final = await engine.complete(list(range(30, 60)), SamplingParams(max_new_tokens=2, ignore_eos=True))
         assert final.finish_reason.name == "LENGTH"
-        links = [t for t in threading.enumerate() if t.name.startswith(("kvlife-send-", "kvlife-recv-", "kvlife-write-"))]
-        assert len(links) == 3
+        # NOTE: this link's threads only (named after its peer): another test's may still be winding down
+        links = [t for t in threading.enumerate()
+                 if t.name.startswith(tuple(f"kvlife-{role}-{child.address}#" for role in ("send", "recv", "write")))]
+        assert len(links) == 3, [t.name for t in threading.enumerate()]
         for thread in links:
             assert thread.native_id is not None
             assert _comm(os.getpid(), thread.native_id) == thread.name[:15]
