@@ -89,9 +89,10 @@ def _cli_flags(fields: dict) -> list[str]:
 class Prefill:
     """`kvlife serve --disaggregation prefill` in a child process (killed by pid on exit)."""
 
-    def __init__(self, fields: dict, *, direct_min_run_bytes: int | None = None) -> None:
+    def __init__(self, fields: dict, *, link: dict | None = None) -> None:
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
-        extra = [] if direct_min_run_bytes is None else ["--transfer-direct-min-run-bytes", str(direct_min_run_bytes)]
+        extra = [flag for name, value in (link or {}).items()
+                 for flag in (f"--transfer-{name.replace('_', '-')}", str(value))]
         self.proc = subprocess.Popen([sys.executable, "-m", "engine.cli.main", "serve", "--disaggregation", "prefill",
                                       "--disaggregation-bootstrap-port", "0", "--port", "0", "--log-level",
                                       "info", *_cli_flags(fields), *extra], stderr=self.log,
@@ -140,7 +141,7 @@ async def _run(engine: Engine, prompts: list[list[int]], params: SamplingParams)
 # --------------------------------------------------------------- 1. throughput
 #: the transfer part's paths: the default (each side sends from / receives into its pages where it can), and
 #: every job through staging on both sides (a gather on the prefill, a scatter on the decode: the path before)
-PATHS = {"direct": None, "staged": 1 << 62}
+PATHS: dict[str, dict] = {"direct": {}, "direct_gloo": {"data_plane": "gloo"}, "staged": {"direct_min_run_bytes": 1 << 62}}
 #: the bare gloo baselines: each job from and into memory of its own, as a transfer moves them (the ratio's
 #: baseline), and every job from and into one buffer, cache-warm on both sides (the baseline before stop 34)
 BARE = {"bare": True, "bare_reused": False}
@@ -154,9 +155,8 @@ async def bench_transfer(jobs: int, tokens: int, rounds: int, chunk_bytes: int) 
     try:
         async with contextlib.AsyncExitStack() as stack:
             engines = {}
-            for name, min_run in PATHS.items():
-                prefills[name] = Prefill(fields, direct_min_run_bytes=min_run)
-                link = {} if min_run is None else {"direct_min_run_bytes": min_run}
+            for name, link in PATHS.items():
+                prefills[name] = Prefill(fields, link=link)
                 config = _remote(fields, prefills[name].address, max_chunk_bytes=chunk_bytes, **link)
                 engines[name] = await stack.enter_async_context(Engine(config))
             nbytes = tokens * _bytes_per_token(engines["direct"])

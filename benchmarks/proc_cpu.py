@@ -3,7 +3,8 @@ reads around each round to say where a job's CPU goes and whether the cores were
 
 Threads fall in groups by the names the kernel knows them by (kvlife gives its threads their names
 there too: `engine.thread_names`): the process's main thread (its event loop: the decode engine's,
-or the prefill server's), gloo's socket threads (``gloo_tcp_loop``), a link's threads (a decode's
+or the prefill server's), gloo's socket threads (``gloo_tcp_loop``), the socket data plane's native
+threads (``kvlife-sock-tx``, ``kvlife-sock-rx``: `engine.disagg.link.socket_plane`), a link's threads (a decode's
 ``kvlife-send-…``, ``kvlife-recv-…``, ``kvlife-write-…``; a prefill's ``kvlife-ctl-…``,
 ``kvlife-answer-…``), the step thread (``kvlife-step``), and every other thread. A thread's
 time comes from its ``schedstat`` (nanoseconds on a CPU) where the kernel has it, else from its
@@ -17,7 +18,7 @@ import os
 import time
 
 #: the thread groups, in the order the benchmark prints them
-GROUPS = ("loop", "gloo", "link", "step", "other")
+GROUPS = ("loop", "gloo", "sock", "link", "step", "other")
 #: the names (as the kernel keeps them: 15 bytes) of a link's threads
 LINK_THREADS = ("kvlife-send-", "kvlife-recv-", "kvlife-write-", "kvlife-ctl-", "kvlife-answer-")
 
@@ -51,6 +52,8 @@ def thread_cpu_s(pid: int | None = None) -> dict[str, float]:
             out["loop"] += seconds
         elif name.startswith("gloo"):
             out["gloo"] += seconds
+        elif name.startswith("kvlife-sock-"):
+            out["sock"] += seconds
         elif name.startswith(LINK_THREADS):
             out["link"] += seconds
         elif name == "kvlife-step":

@@ -18,6 +18,7 @@ from engine.disagg.decode.destination import HostRowsDestination, PagedDestinati
 from engine.disagg.decode.kv_transfer_hook import FirstToken
 from engine.disagg.decode.remote_client import RemotePrefillClient
 from engine.disagg.link.messages import chunk_pieces, cuts, run_starts, staged_views
+from engine.disagg.link import socket_plane
 from engine.disagg.link.settings import LinkSettings
 from engine.disagg.link.transport import LinkError
 from engine.disagg.link.wire import OK, PROTOCOL_VERSION, compatibility_record
@@ -50,6 +51,13 @@ def _count_takes(staging) -> list[int]:
 
     staging.take = counted
     return taken
+
+
+async def _wait_async(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        await anyio.sleep(0.01)
 
 
 def _landed(buffers, lj, chunks, locs) -> bool:
@@ -203,11 +211,17 @@ def direct_prefill(points):  # noqa: F811 - the fixture imported above
 
 class TestAcrossProcesses:
     @pytest.mark.asyncio
-    async def test_direct_outputs_and_pages_equal_the_staged_and_single(self, direct_prefill):
-        """Both sides direct (pages in runs of 4 tokens): greedy, seeded and image outputs equal the single
-        engine's, the KV in the pages is bit-exact, and the decode staged nothing."""
+    @pytest.mark.parametrize("offer, plane", [("auto", "socket"), ("gloo", "gloo")])
+    async def test_direct_outputs_and_pages_equal_the_staged_and_single(self, direct_prefill, offer, plane):
+        """Both sides direct (pages in runs of 4 tokens), the chunks over the socket data plane (both sides
+        offer it) or gloo (the decode does not): greedy, seeded and image outputs equal the single engine's,
+        the KV in the pages is bit-exact, and the decode staged nothing."""
+        if plane == "socket" and not socket_plane.available():
+            pytest.skip("no C++ compiler: the link uses gloo")
         single, single_kv = await _outputs(small_config())
-        async with Engine(remote_config(direct_prefill.address, secret=SECRET, **DIRECT)) as engine:
+        async with Engine(remote_config(direct_prefill.address, secret=SECRET, data_plane=offer, **DIRECT)) as engine:
+            await _wait_async(lambda: client(engine).stats.links_up() == 1)
+            assert [s["data_plane"] for s in client(engine).stats.snapshot()["links"].values()] == [plane]
             taken = _count_takes(client(engine).staging)
             direct = [(await engine.complete(p, GREEDY if i % 2 == 0 else SEEDED)).token_ids
                       for i, p in enumerate(PROMPTS)]

@@ -103,9 +103,16 @@ def _settings(**fields) -> LinkSettings:
                            "max_chunk_bytes": TOKENS * LAYOUT.bytes_per_token_layer, **fields})
 
 
+@pytest.fixture(params=["gloo", "socket"])
+def data_plane(request) -> str:
+    """What carries the chunks: gloo's data group, or the socket data plane (engine.disagg.link.socket_plane)."""
+    return request.param
+
+
 @pytest.fixture
-def link_pair(request):
-    """(decode link, scripted prefill, the decode's KV buffers, stats, staging) over a fresh gloo pair."""
+def link_pair(request, data_plane):
+    """(decode link, scripted prefill, the decode's KV buffers, stats, staging) over a fresh pair (gloo control,
+    chunks over `data_plane`)."""
     settings = _settings(**getattr(request, "param", {}))
     store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10), wait_for_workers=False)
     pairs: dict[int, Pair] = {}
@@ -113,7 +120,7 @@ def link_pair(request):
     def build(rank: int) -> None:  # NOTE: one store client per side: a TCPStore serializes its own calls
         client = dist.TCPStore("127.0.0.1", store.port, None, False, datetime.timedelta(seconds=10))
         pairs[rank] = Pair(client, "t/", rank=rank, host="127.0.0.1", backend="gloo", device=torch.device("cpu"),
-                           timeout=10.0)
+                           timeout=10.0, data_plane=data_plane)
 
     threads = [threading.Thread(target=build, args=(rank,)) for rank in (0, 1)]
     for t in threads:
@@ -135,6 +142,8 @@ def link_pair(request):
     except LinkError:
         pass  # it returned meanwhile
     assert link.join(settings.liveness_timeout + settings.chunk_slack + 1)
+    assert pairs[1].data_plane == data_plane
+    pairs[0].close()
 
 
 def _submit(link: DecodeLink, buffers: KVBuffers, rid: str, *, deadline: float = 60.0, start: int = 4,

@@ -99,6 +99,8 @@ _TRANSFER_OPTIONS: list[tuple[str, type, str]] = [
     ("max_chunk_bytes", int, "largest KV message"),
     ("direct_min_run_bytes", int, "shortest mean page run (bytes of one layer's K) sent from / received into "
                                   "the KV pages directly; shorter ones go through staging"),
+    ("data_plane", str, "what carries KV chunks with backend gloo: auto (kvlife's socket data plane where both "
+                        "sides can build it; default) or gloo"),
     ("keepalive", float, "seconds between keepalives (4 missed end the link)"),
     ("connect_timeout", float, "seconds for the bootstrap handshake"),
 ]

@@ -40,8 +40,11 @@ FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd", "-pthread")
 class KernelBuild:
     """Builds and loads the library once (thread-safe); remembers why it could not."""
 
-    def __init__(self, cache_dir: Path | None = None) -> None:
+    def __init__(self, cache_dir: Path | None = None, *, sources: Path = SOURCES, name: str = "kvlife_kernels",
+                 flags: tuple[str, ...] = FLAGS) -> None:
         self.cache_dir = cache_dir
+        #: the directory whose ``*.cpp`` (and ``*.h``) make the library, its file name's stem, and its flags
+        self.sources, self.name, self.flags = sources, name, flags
         #: why the library could not be built or loaded (None: it was, or was not tried yet)
         self.problem: str | None = None
         self.path: Path | None = None
@@ -54,7 +57,7 @@ class KernelBuild:
             if not self._tried:
                 self._tried = True
                 try:
-                    path = _build(self.cache_dir or _cache_dir())
+                    path = _build(self.cache_dir or _cache_dir(), self.sources, self.name, self.flags)
                     self._library, self.path = ctypes.CDLL(str(path)), path
                 except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
                     self.problem = str(exc) or type(exc).__name__
@@ -88,20 +91,20 @@ def _cpu_identity() -> str:
     return platform.machine() + "\n".join(sorted(set(keep)))
 
 
-def _build(cache_dir: Path) -> Path:
+def _build(cache_dir: Path, directory: Path, name: str, base_flags: tuple[str, ...]) -> Path:
     compiler = _compiler()
-    sources = sorted(SOURCES.glob("*.cpp"))
+    sources = sorted(directory.glob("*.cpp"))
     if not sources:
-        raise RuntimeError(f"no kernel sources in {SOURCES}")
-    headers = sorted(SOURCES.glob("*.h"))  # NOTE: in the key too: a header change is a new library
+        raise RuntimeError(f"no native sources in {directory}")
+    headers = sorted(directory.glob("*.h"))  # NOTE: in the key too: a header change is a new library
     source = b"\0".join(path.name.encode() + b"\0" + path.read_bytes() for path in [*sources, *headers])
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     errors: list[str] = []
     for arch in (("-march=native",), ()):
-        flags = (*FLAGS, *arch)
+        flags = (*base_flags, *arch)
         key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(),
                                          _cpu_identity().encode()])).hexdigest()[:20]
-        target = cache_dir / f"kvlife_kernels-{key}.so"
+        target = cache_dir / f"{name}-{key}.so"
         if target.exists():
             return target
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -118,4 +121,4 @@ def _build(cache_dir: Path) -> Path:
         finally:
             if os.path.exists(temporary):
                 os.unlink(temporary)
-    raise RuntimeError("could not build kvlife's native kernels: " + " | ".join(errors))
+    raise RuntimeError(f"could not build {name}: " + " | ".join(errors))

@@ -43,7 +43,9 @@ from engine.disagg.link.messages import reaches, worth_direct
 from engine.disagg.link.observability import TransferStats
 from engine.disagg.link.staging import StagingPool
 from engine.disagg.link.transport import LinkError, Pair
-from engine.disagg.link.wire import JobSpec, KVLayout, chunk_plan, compatibility_record, model_identity, params_to_dict
+from engine.disagg.link.socket_plane import offered
+from engine.disagg.link.wire import (JobSpec, KVLayout, chunk_plan, compatibility_record, data_plane_of, model_identity,
+                                     params_to_dict)
 from engine.errors import InvalidConfig
 from resources.ledger import Owner, Pool, PoolUsage
 from states import RequestState
@@ -83,7 +85,8 @@ class RemotePrefillClient:
         self.layout = KVLayout(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
                                kv_buffers.k[0].dtype)
         self.record = compatibility_record(model_identity=model_identity(model_config, config), layout=self.layout,
-                                           page_size=config.page_size, backend=self.settings.backend)
+                                           page_size=config.page_size, backend=self.settings.backend,
+                                           data_plane=offered(self.settings.backend, self.settings.data_plane))
         plan = chunk_plan(self.layout, max_context, self.settings.max_chunk_bytes)
         bound = self.settings.fence_bound([c.nbytes for c in plan])
         if config.fence_timeout < bound:
@@ -310,13 +313,14 @@ class RemotePrefillClient:
         s = self.settings
         handshake = bootstrap.connect(peer.host, peer.port, s, self.record)
         pair = Pair(handshake.store, handshake.prefix, rank=1, host=s.host, backend=s.backend, device=self.device,
-                    timeout=s.connect_timeout)
+                    timeout=s.connect_timeout, data_plane=data_plane_of(self.record, handshake.peer_record))
         peer.epoch += 1
         link = DecodeLink(peer=peer.name, epoch=peer.epoch, boot=handshake.boot, pair=pair, settings=s,
                           layout=self.layout, stats=self.stats, staging=self.staging, failover=self._failover)
         link.start()
-        self.stats.link_up(peer.name, peer.epoch, handshake.boot)
-        log.info("transfer.link_up", peer=peer.name, epoch=peer.epoch, boot=handshake.boot, pair=handshake.pair_id)
+        self.stats.link_up(peer.name, peer.epoch, handshake.boot, pair.data_plane)
+        log.info("transfer.link_up", peer=peer.name, epoch=peer.epoch, boot=handshake.boot, pair=handshake.pair_id,
+                 data_plane=pair.data_plane)
         if self._closing:  # the engine left while this link was being built
             link.close()
         return link

@@ -46,6 +46,7 @@ from typing import Any, Protocol, cast
 import torch
 import torch.distributed as dist
 
+from engine.disagg.link.socket_plane import SocketGroup
 from engine.disagg.link.wire import CTL, DATA, ProtocolError
 from resources.device_io import compute_stream, on_device
 
@@ -134,11 +135,15 @@ class Pair:
     """The two process groups of one link (built by both sides at once; blocks until both have)."""
 
     def __init__(self, store: dist.Store, prefix: str, *, rank: int, host: str, backend: str, device: torch.device,
-                 timeout: float, nccl_group: Callable[[dist.Store, int, float], Any] = _nccl_group) -> None:
+                 timeout: float, nccl_group: Callable[[dist.Store, int, float], Any] = _nccl_group,
+                 data_plane: str = "gloo") -> None:
         self.rank = rank
         self.peer = 1 - rank
         self.device = device
         self.nccl = backend == "nccl"
+        #: what carries the chunks: "nccl", "gloo" or "socket" (`engine.disagg.link.socket_plane`)
+        self.data_plane = "nccl" if self.nccl else data_plane
+        self._socket: SocketGroup | None = None
         self._keep = store  # the store must outlive the groups
         self._closed = False
         self._aborted = False  # see `abort`
@@ -156,6 +161,9 @@ class Pair:
                                                               options))
             if self.nccl:
                 self.data = cast(_PeerGroup, nccl_group(dist.PrefixStore(prefix + "nccl/", store), rank, timeout))
+            elif self.data_plane == "socket":
+                self._socket = SocketGroup.connect(store, prefix + "socket/", rank=rank, host=host, timeout=timeout)
+                self.data = cast(_PeerGroup, self._socket)
             else:  # NOTE: a socket of its own (same gloo device): control never queues behind a chunk
                 self.data = cast(_PeerGroup, dist.ProcessGroupGloo(dist.PrefixStore(prefix + "gloo-data/", store),
                                                                    rank, 2, options))
@@ -273,7 +281,10 @@ class Pair:
         self._aborted = True
 
     def close(self) -> None:
-        """Abort the NCCL group (idempotent; nothing to do for gloo, whose groups go with the pair)."""
+        """Abort the NCCL group, or close the socket data plane (idempotent; nothing to do for gloo, whose
+        groups go with the pair)."""
+        if self._socket is not None:
+            self._socket.close()
         with self._close_lock:
             if self._closed or not self.nccl:
                 self._closed = True

@@ -40,6 +40,7 @@ import array
 import hashlib
 import hmac
 import json
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -259,12 +260,18 @@ def chunk_plan(layout: KVLayout, num_tokens: int, max_chunk_bytes: int) -> list[
 
 
 # -------------------------------------------------------- compatibility record
-def compatibility_record(*, model_identity: str, layout: KVLayout, page_size: int, backend: str) -> dict[str, Any]:
-    """What both ends of a link must agree on; compared field by field at connect time."""
+#: record fields both sides settle on instead of having to agree (`data_plane_of`)
+NEGOTIATED = frozenset({"data_plane"})
+
+
+def compatibility_record(*, model_identity: str, layout: KVLayout, page_size: int, backend: str,
+                         data_plane: str = "gloo") -> dict[str, Any]:
+    """What both ends of a link must agree on, compared field by field at connect time, and the data plane
+    this side offers ("socket" or "gloo"; negotiated, `data_plane_of`)."""
     return {
         "protocol": PROTOCOL_VERSION, "model": model_identity, "dtype": str(layout.dtype).removeprefix("torch."),
         "num_layers": layout.num_layers, "num_kv_heads": layout.num_kv_heads, "head_dim": layout.head_dim,
-        "page_size": page_size, "backend": backend,
+        "page_size": page_size, "backend": backend, "data_plane": data_plane,
     }
 
 
@@ -272,8 +279,17 @@ def record_mismatch(mine: dict[str, Any], theirs: Any) -> str | None:
     """None if the records agree, else which fields differ (this side's value first)."""
     if not isinstance(theirs, dict):
         return "the peer sent no compatibility record"
-    diffs = [f"{k} {mine[k]!r} here, {theirs.get(k)!r} there" for k in sorted(mine) if theirs.get(k) != mine[k]]
+    diffs = [f"{k} {mine[k]!r} here, {theirs.get(k)!r} there" for k in sorted(mine)
+             if k not in NEGOTIATED and theirs.get(k) != mine[k]]
     return "; ".join(diffs) or None
+
+
+def data_plane_of(mine: Mapping[str, object], theirs: Mapping[str, object]) -> str:
+    """The data plane a pair uses: the socket plane where both sides offer it, else gloo (a peer that does
+    not say, from before the socket plane, offers gloo); "nccl" with that backend."""
+    if mine.get("backend") == "nccl":
+        return "nccl"
+    return "socket" if mine.get("data_plane") == theirs.get("data_plane") == "socket" else "gloo"
 
 
 def model_identity(model_config: Any, config: Any) -> str:
