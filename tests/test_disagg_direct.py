@@ -25,7 +25,7 @@ from engine.disagg.link.wire import OK, PROTOCOL_VERSION, compatibility_record
 from hisparse import HiSparseConfig
 from helpers import small_config
 import test_disagg_link as link_tests  # NOTE: as a module, so its tests are not collected here
-from test_disagg_link import LAYOUT, TOKENS, _kv, _settings, _submit, _wait, link_pair  # noqa: F401 - the fixture
+from test_disagg_link import LAYOUT, TOKENS, _kv, _settings, _submit, _wait, data_plane, link_pair  # noqa: F401 - the fixtures
 from test_disagg_remote import GREEDY, IMAGE, PROMPTS, SEEDED, _outputs, _page_kv, points  # noqa: F401 - the fixture
 
 #: pages 5, 2, 3 of 4 tokens: two runs of locations, [20, 24) and [8, 16)

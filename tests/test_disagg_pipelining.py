@@ -25,7 +25,7 @@ from engine.disagg.link.transport import Pair
 from engine.disagg.link.wire import OK, chunk_plan
 from engine.prefill_server import soon_on_loop
 from helpers import small_config
-from test_disagg_link import TOKENS, _kv, _submit, _wait, link_pair  # noqa: F401 - the fixture
+from test_disagg_link import TOKENS, _kv, _submit, _wait, data_plane, link_pair  # noqa: F401 - the fixtures
 
 pytestmark = pytest.mark.anyio
 
@@ -37,7 +37,7 @@ class _Recorded:
     def __init__(self, pair) -> None:
         self.events: list[str] = []
         self.writes: list[str] = []
-        for name in ("post_recv_ctl", "post_recv_data", "wait_ctl", "wait_all"):
+        for name in ("post_recv_ctl", "post_recv_data_each", "wait_ctl", "wait_all"):
             setattr(self, name, self._recording(name, getattr(pair, name)))
         self._pair = pair
 
@@ -77,9 +77,9 @@ def test_the_decode_posts_the_next_header_before_waiting_for_the_last_chunk(link
     events = [e for e in recorded.events if e != "wait_ctl"]
     if events[:1] == ["post_recv_ctl"]:  # the thread's first header receive, when it started after the swap
         events = events[1:]
-    # per job: chunk 0's receive posted, chunk 1's, the next header's, then the wait for chunk 0; chunk 1's
+    # per job: chunk 0's receives posted, chunk 1's, the next header's, then the wait for chunk 0; chunk 1's
     # wait is the writing thread's
-    assert events == ["post_recv_data", "post_recv_data", "post_recv_ctl", "wait_all"] * 2, events
+    assert events == ["post_recv_data_each", "post_recv_data_each", "post_recv_ctl", "wait_all"] * 2, events
     assert recorded.writes == ["wait_all"] * 2, recorded.writes
     assert staging.held == 0
 

@@ -1,5 +1,7 @@
-"""Building kvlife's native CPU kernels (`engine/model/native/*.cpp`) into one
-library and loading it.
+"""Building kvlife's native code into a library and loading it: the decode step's
+CPU kernels (`engine/model/native/*.cpp`, the default `KernelBuild`) and the
+link's socket data plane (`engine/disagg/link/native/*.cpp`,
+`engine.disagg.link.socket_plane`), each from its own directory.
 
 The sources are plain C++ with no torch headers, compiled together on first
 use by the machine's C++ compiler (``$CXX``, else ``g++``, ``c++`` or
@@ -41,10 +43,12 @@ class KernelBuild:
     """Builds and loads the library once (thread-safe); remembers why it could not."""
 
     def __init__(self, cache_dir: Path | None = None, *, sources: Path = SOURCES, name: str = "kvlife_kernels",
-                 flags: tuple[str, ...] = FLAGS) -> None:
+                 flags: tuple[str, ...] = FLAGS, fallback: str = "the decode step runs on torch's ops alone") -> None:
         self.cache_dir = cache_dir
         #: the directory whose ``*.cpp`` (and ``*.h``) make the library, its file name's stem, and its flags
         self.sources, self.name, self.flags = sources, name, flags
+        #: what runs instead where it cannot be built (said in the log)
+        self.fallback = fallback
         #: why the library could not be built or loaded (None: it was, or was not tried yet)
         self.problem: str | None = None
         self.path: Path | None = None
@@ -61,8 +65,7 @@ class KernelBuild:
                     self._library, self.path = ctypes.CDLL(str(path)), path
                 except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
                     self.problem = str(exc) or type(exc).__name__
-                    log.warning("kernel.unavailable", reason=self.problem,
-                                detail="the decode step runs on torch's ops alone")
+                    log.warning("kernel.unavailable", library=self.name, reason=self.problem, detail=self.fallback)
             return self._library
 
 

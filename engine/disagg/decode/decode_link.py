@@ -318,8 +318,7 @@ class DecodeLink(LinkWriting):
         posted = Posted(lj, chunk, pieces, [], buf, owner, writing)
         try:
             views = lj.destination.views(pieces) if buf is None else staged_views(self.layout, chunk, buf, pieces)
-            for view in views:
-                posted.works.append(self.pair.post_recv_data(view, into_kv=writing))
+            self.pair.post_recv_data_each(posted.works, list(views), into_kv=writing)
         except BaseException:
             self._drain(posted)
             raise

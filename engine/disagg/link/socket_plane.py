@@ -43,7 +43,8 @@ from engine.model.native_build import FLAGS, KernelBuild
 
 #: the library (built on first use; None where it cannot be: the link uses gloo then)
 BUILD = KernelBuild(sources=Path(__file__).with_name("native"), name="kvlife_link",
-                    flags=tuple(f for f in FLAGS if f != "-fopenmp-simd"))
+                    flags=tuple(f for f in FLAGS if f != "-fopenmp-simd"),
+                    fallback="links carry their chunks over gloo (LinkSettings.data_plane)")
 SEND, RECV = 0, 1
 _TOKEN_BYTES = 32
 _VP, _I64 = ctypes.c_void_p, ctypes.c_int64
@@ -58,7 +59,8 @@ class _Library:
         self.open = releasing.kvlife_channel_open
         self.open.argtypes, self.open.restype = [ctypes.c_int], _VP
         self.post = holding.kvlife_channel_post
-        self.post.argtypes, self.post.restype = [_VP, ctypes.c_int, _VP, _I64], _I64
+        self.post.argtypes = [_VP, ctypes.c_int, ctypes.POINTER(_VP), ctypes.POINTER(_I64), _I64]
+        self.post.restype = _I64
         self.look = holding.kvlife_channel_wait
         self.wait = releasing.kvlife_channel_wait
         for fn in (self.look, self.wait):
@@ -163,21 +165,24 @@ class SocketGroup:
 
     # ------------------------------------------------------------ messages
     def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int) -> SocketWork:
-        return self._post(SEND, tensors)
+        return self.post_many(SEND, tensors)[0]
 
     def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int) -> SocketWork:
-        return self._post(RECV, tensors)
+        return self.post_many(RECV, tensors)[0]
 
-    def _post(self, direction: int, tensors: list[torch.Tensor]) -> SocketWork:
-        (tensor,) = tensors
-        if tensor.device.type != "cpu" or not tensor.is_contiguous():
-            raise ValueError("the socket data plane moves contiguous host tensors only")
+    def post_many(self, direction: int, tensors: list[torch.Tensor]) -> list[SocketWork]:
+        """Queue one message per tensor (contiguous, in host memory), in order, in one call: their works."""
+        for tensor in tensors:
+            if tensor.device.type != "cpu" or not tensor.is_contiguous():
+                raise ValueError("the socket data plane moves contiguous host tensors only")
+        n = len(tensors)
+        pointers = (_VP * n)(*(t.data_ptr() for t in tensors))
+        sizes = (_I64 * n)(*(t.numel() * t.element_size() for t in tensors))
         handle = self._handle
-        seq = -1 if handle is None else self._lib.post(handle, direction, tensor.data_ptr(),
-                                                          tensor.numel() * tensor.element_size())
-        if seq < 0:
+        first = -1 if handle is None else self._lib.post(handle, direction, pointers, sizes, n)
+        if first < 0:
             raise RuntimeError(self.error() or "the socket data plane is closed")
-        return SocketWork(self, direction, seq, tensor)
+        return [SocketWork(self, direction, first + i, t) for i, t in enumerate(tensors)]
 
     def _status(self, direction: int, seq: int, timeout: float) -> int:
         handle = self._handle

@@ -46,7 +46,7 @@ from typing import Any, Protocol, cast
 import torch
 import torch.distributed as dist
 
-from engine.disagg.link.socket_plane import SocketGroup
+from engine.disagg.link.socket_plane import RECV, SEND, SocketGroup
 from engine.disagg.link.wire import CTL, DATA, ProtocolError
 from resources.device_io import compute_stream, on_device
 
@@ -141,9 +141,10 @@ class Pair:
         self.peer = 1 - rank
         self.device = device
         self.nccl = backend == "nccl"
-        #: what carries the chunks: "nccl", "gloo" or "socket" (`engine.disagg.link.socket_plane`)
+        #: what carries the chunks: "nccl", "gloo" or "socket" (`engine.disagg.link.socket_plane`: the
+        #: control messages too, on a connection of their own)
         self.data_plane = "nccl" if self.nccl else data_plane
-        self._socket: SocketGroup | None = None
+        self._sockets: list[SocketGroup] = []
         self._keep = store  # the store must outlive the groups
         self._closed = False
         self._aborted = False  # see `abort`
@@ -157,17 +158,22 @@ class Pair:
         options._devices = [_gloo_device(host)]
         # NOTE: cast, as torch's stubs leave send/recv off Backend though every backend has them
         try:
-            self.ctl = cast(_PeerGroup, dist.ProcessGroupGloo(dist.PrefixStore(prefix + "gloo/", store), rank, 2,
-                                                              options))
+            if self.data_plane == "socket":  # NOTE: control and chunks on connections of their own, as over gloo
+                for what in ("ctl", "data"):
+                    self._sockets.append(SocketGroup.connect(store, prefix + f"socket-{what}/", rank=rank, host=host,
+                                                             timeout=timeout))
+                self.ctl, self.data = (cast(_PeerGroup, group) for group in self._sockets)
+            else:
+                self.ctl = cast(_PeerGroup, dist.ProcessGroupGloo(dist.PrefixStore(prefix + "gloo/", store), rank, 2,
+                                                                  options))
             if self.nccl:
                 self.data = cast(_PeerGroup, nccl_group(dist.PrefixStore(prefix + "nccl/", store), rank, timeout))
-            elif self.data_plane == "socket":
-                self._socket = SocketGroup.connect(store, prefix + "socket/", rank=rank, host=host, timeout=timeout)
-                self.data = cast(_PeerGroup, self._socket)
-            else:  # NOTE: a socket of its own (same gloo device): control never queues behind a chunk
+            elif self.data_plane != "socket":  # NOTE: a socket of its own (same gloo device): control never queues behind a chunk
                 self.data = cast(_PeerGroup, dist.ProcessGroupGloo(dist.PrefixStore(prefix + "gloo-data/", store),
                                                                    rank, 2, options))
         except Exception as exc:  # noqa: BLE001 - rendezvous failures are link failures
+            for group in self._sockets:
+                group.close()
             raise classify(exc) from exc
         #: chunks travel in host memory (gloo) or device memory (nccl)
         self.data_device = device if self.nccl else torch.device("cpu")
@@ -217,6 +223,32 @@ class Pair:
         compute stream (work queued there may still read the pages' previous contents)."""
         with self._on(self.recv_stream, after_compute=into_kv):
             return self._post(self.data.recv, tensor, DATA)
+
+    def post_send_data_each(self, works: list[dist.Work], tensors: list[torch.Tensor]) -> None:
+        """Post a send of each tensor, in order, appending each work to `works` as it is posted (the caller
+        drains them if a later one fails); over the socket plane all in one call."""
+        self._post_each(works, tensors, self.post_send_data, send=True)
+
+    def post_recv_data_each(self, works: list[dist.Work], tensors: list[torch.Tensor], *,
+                            into_kv: bool = False) -> None:
+        """`post_send_data_each` for receives (`into_kv` as in `post_recv_data`)."""
+        self._post_each(works, tensors, lambda t: self.post_recv_data(t, into_kv=into_kv), send=False)
+
+    def post_send_ctl_each(self, works: list[dist.Work], tensors: list[torch.Tensor]) -> None:
+        """`post_send_data_each` for control messages."""
+        self._post_each(works, tensors, self.post_send_ctl, send=True, ctl=True)
+
+    def _post_each(self, works: list[dist.Work], tensors: list[torch.Tensor], post: Callable[[torch.Tensor], dist.Work],
+                   *, send: bool, ctl: bool = False) -> None:
+        group = (self._sockets[0] if ctl else self._sockets[1]) if self._sockets else None
+        if group is None or not tensors:
+            for tensor in tensors:
+                works.append(post(tensor))
+            return
+        try:  # NOTE: one call: one lock and at most one wake-up of the socket's thread for all of them
+            works.extend(cast(list[dist.Work], group.post_many(SEND if send else RECV, tensors)))
+        except Exception as exc:  # noqa: BLE001 - posting on a closed pair raises at once
+            raise classify(exc) from exc
 
     def wait(self, work: dist.Work, timeout: float) -> None:
         """Wait for a chunk's work: NCCL by polling from this thread (no stream waits), gloo by its own wait."""
@@ -283,8 +315,8 @@ class Pair:
     def close(self) -> None:
         """Abort the NCCL group, or close the socket data plane (idempotent; nothing to do for gloo, whose
         groups go with the pair)."""
-        if self._socket is not None:
-            self._socket.close()
+        for group in self._sockets:
+            group.close()
         with self._close_lock:
             if self._closed or not self.nccl:
                 self._closed = True

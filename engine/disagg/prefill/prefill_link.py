@@ -264,7 +264,7 @@ class PrefillLink:
         ctl = result_frames(sj.tag, status, first_token, reason.encode(), logprob, runs)
         nbytes = sum(t.numel() * t.element_size() for t in ctl)
         works: list[dist.Work] = []
-        self._post_all(works, ctl, self.pair.post_send_ctl, s.chunk_timeout(nbytes))
+        self._post_all(works, ctl, self.pair.post_send_ctl_each, s.chunk_timeout(nbytes))
         if record is None or not record.plan:
             yield _Unit(works, s.chunk_timeout(nbytes), ctl=len(works), done=sj, status=status, keep=ctl)
             return
@@ -277,18 +277,17 @@ class PrefillLink:
             data = list(views(index, chunk, chunk_pieces(self.server.layout, chunk, cut)))
             n = len(works)
             timeout = s.chunk_timeout(chunk.nbytes + nbytes)
-            self._post_all(works, data, self.pair.post_send_data, timeout)
+            self._post_all(works, data, self.pair.post_send_data_each, timeout)
             yield _Unit(works, timeout, ctl=n, chunk=1, done=sj if index == len(plan) - 1 else None, status=status,
                         keep=ctl)
             works, ctl, nbytes = [], [], 0
 
     def _post_all(self, works: list[dist.Work], tensors: list[torch.Tensor],
-                  post: Callable[[torch.Tensor], dist.Work], timeout: float) -> None:
+                  post_each: Callable[[list[dist.Work], list[torch.Tensor]], None], timeout: float) -> None:
         """Post a send of each tensor into `works`; if one fails (the pair is closed), the ones posted are
         drained before it raises, so nothing reads their memory afterwards."""
         try:
-            for tensor in tensors:
-                works.append(post(tensor))
+            post_each(works, tensors)
         except BaseException:
             if works:
                 self.pair.abort()
