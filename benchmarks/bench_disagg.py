@@ -92,7 +92,8 @@ class Prefill:
     def __init__(self, fields: dict, *, link: dict | None = None) -> None:
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
         extra = [flag for name, value in (link or {}).items()
-                 for flag in (f"--transfer-{name.replace('_', '-')}", str(value))]
+                 for flag in (f"--{'disaggregation' if name == 'transport' else 'transfer'}-{name.replace('_', '-')}",
+                              str(value))]
         self.proc = subprocess.Popen([sys.executable, "-m", "engine.cli.main", "serve", "--disaggregation", "prefill",
                                       "--disaggregation-bootstrap-port", "0", "--port", "0", "--log-level",
                                       "info", *_cli_flags(fields), *extra], stderr=self.log,
@@ -141,7 +142,7 @@ async def _run(engine: Engine, prompts: list[list[int]], params: SamplingParams)
 # --------------------------------------------------------------- 1. throughput
 #: the transfer part's paths: the default (each side sends from / receives into its pages where it can), and
 #: every job through staging on both sides (a gather on the prefill, a scatter on the decode: the path before)
-PATHS: dict[str, dict] = {"direct": {}, "direct_gloo": {"data_plane": "gloo"}, "staged": {"direct_min_run_bytes": 1 << 62}}
+PATHS: dict[str, dict] = {"direct": {}, "direct_gloo": {"transport": "gloo"}, "staged": {"direct_min_run_bytes": 1 << 62}}
 #: the bare gloo baselines: each job from and into memory of its own, as a transfer moves them (the ratio's
 #: baseline), and every job from and into one buffer, cache-warm on both sides (the baseline before stop 34)
 BARE = {"bare": True, "bare_reused": False}

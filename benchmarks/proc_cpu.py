@@ -3,8 +3,8 @@ reads around each round to say where a job's CPU goes and whether the cores were
 
 Threads fall in groups by the names the kernel knows them by (kvlife gives its threads their names
 there too: `engine.thread_names`): the process's main thread (its event loop: the decode engine's,
-or the prefill server's), gloo's socket threads (``gloo_tcp_loop``), the socket data plane's native
-threads (``kvlife-sock-tx``, ``kvlife-sock-rx``: `engine.disagg.link.socket_plane`), a link's threads (a decode's
+or the prefill server's), gloo's socket threads (``gloo_tcp_loop``), the socket transport's native
+threads (``kvlife-sock-tx``, ``kvlife-sock-rx``: `engine.disagg.link.socket_transport`), a link's threads (a decode's
 ``kvlife-send-…``, ``kvlife-recv-…``, ``kvlife-write-…``; a prefill's ``kvlife-ctl-…``,
 ``kvlife-answer-…``), the step thread (``kvlife-step``), and every other thread. A thread's
 time comes from its ``schedstat`` (nanoseconds on a CPU) where the kernel has it, else from its

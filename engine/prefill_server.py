@@ -50,8 +50,8 @@ from engine.disagg.link.observability import TransferStats
 from engine.disagg.link.settings import SECRET_ENV, PrefillServerConfig
 from engine.disagg.link.staging import StagingPool
 from engine.disagg.link.transport import LinkError, Pair
-from engine.disagg.link.socket_plane import offered
-from engine.disagg.link.wire import KVLayout, compatibility_record, data_plane_of, model_identity
+from engine.disagg.link.socket_transport import offered
+from engine.disagg.link.wire import KVLayout, compatibility_record, transport_of, model_identity
 from engine.disagg.prefill.prefill_link import PrefillLink, ServerJob
 from engine.disagg.prefill.link_sender import LinkSender
 from engine.model.loading import load_model
@@ -109,7 +109,7 @@ class PrefillServer(anyio.AsyncContextManagerMixin):
         self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.parts.kv_buffers.k[0].dtype)
         self.record = compatibility_record(model_identity=model_identity(mc, self.config), layout=self.layout,
                                            page_size=self.config.page_size, backend=self.settings.backend,
-                                           data_plane=offered(self.settings.backend, self.settings.data_plane))
+                                           transport=offered(self.settings.backend, self.settings.transport))
         self.stats = TransferStats("prefill")
         self.pools = self.runtime.own_pools
         self.links: list[PrefillLink] = []
@@ -281,8 +281,8 @@ class PrefillServer(anyio.AsyncContextManagerMixin):
             return
         self.links.append(link)
         assert self.bootstrap is not None  # links are built only once the server runs
-        self.stats.link_up(link.name, link.epoch, self.bootstrap.boot, link.pair.data_plane)
-        log.info("transfer.link_up", peer=link.name, epoch=link.epoch, data_plane=link.pair.data_plane)
+        self.stats.link_up(link.name, link.epoch, self.bootstrap.boot, link.pair.transport)
+        log.info("transfer.link_up", peer=link.name, epoch=link.epoch, transport=link.pair.transport)
         link.start()
 
     # ------------------------------------------------------------ threads
@@ -314,7 +314,7 @@ class PrefillServer(anyio.AsyncContextManagerMixin):
                                   datetime.timedelta(seconds=s.connect_timeout))
             pair = Pair(store, handshake.prefix, rank=0, host=s.host, backend=s.backend,
                         device=self.parts.device, timeout=s.connect_timeout,
-                        data_plane=data_plane_of(self.record, handshake.peer_record))
+                        transport=transport_of(self.record, handshake.peer_record))
         except Exception as exc:  # noqa: BLE001 - a decode that went away mid-handshake
             exc = exc if isinstance(exc, LinkError) else LinkError("timeout", str(exc).splitlines()[0][:200])
             log.warning("transfer.connect_failed", pair=handshake.pair_id, cause=exc.cause, error=str(exc))

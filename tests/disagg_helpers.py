@@ -173,7 +173,7 @@ def assert_child_whole(report: dict[str, Any]) -> None:
 
 def remote_config(*peers: str, secret: str | None = None, **overrides: Any):
     """A small decode engine config whose prefill servers are `peers`."""
-    named = ("reconnect_interval", "max_chunk_bytes", "direct_min_run_bytes", "data_plane")
+    named = ("reconnect_interval", "max_chunk_bytes", "direct_min_run_bytes", "transport")
     link = {**LINK, "reconnect_interval": 0.1, **{k: overrides.pop(k) for k in list(overrides) if k in LINK or k in named}}
     remote = RemotePrefill(peers=peers, secret=secret, **link)
     fields = {**ENGINE, "fence_timeout": FENCE_TIMEOUT, **overrides}

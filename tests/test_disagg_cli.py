@@ -48,18 +48,18 @@ class TestOptions:
         settings = prefill_settings_from_args(args)
         assert settings.bootstrap_port == 0 and settings.secret == "a-long-secret" and settings.host == "127.0.0.1"
         assert engine_config_from_serve_args(args).disaggregation == "none"
-        assert settings.data_plane == "auto"
+        assert settings.transport == "auto"
 
-    def test_data_plane(self, monkeypatch):
-        """--transfer-data-plane picks what carries the chunks on either role; a wrong value names the field."""
+    def test_transport(self, monkeypatch):
+        """--disaggregation-transport picks what carries the link on either role; a wrong value names the field."""
         monkeypatch.delenv(SECRET_ENV, raising=False)
-        prefill = prefill_settings_from_args(_args("--disaggregation", "prefill", "--transfer-data-plane", "gloo"))
+        prefill = prefill_settings_from_args(_args("--disaggregation", "prefill", "--disaggregation-transport", "gloo"))
         decode = engine_config_from_serve_args(_args("--disaggregation", "decode", "--prefill", "127.0.0.1:31001",
-                                                     "--transfer-data-plane", "gloo")).remote_prefill
-        assert prefill.data_plane == decode.data_plane == "gloo"
+                                                     "--disaggregation-transport", "gloo")).remote_prefill
+        assert prefill.transport == decode.transport == "gloo"
         with pytest.raises(InvalidConfig) as info:
-            prefill_settings_from_args(_args("--disaggregation", "prefill", "--transfer-data-plane", "rdma"))
-        assert info.value.field == "PrefillServerConfig.data_plane"
+            prefill_settings_from_args(_args("--disaggregation", "prefill", "--disaggregation-transport", "rdma"))
+        assert info.value.field == "PrefillServerConfig.transport"
 
     @pytest.mark.parametrize("argv, field", [
         (["--disaggregation", "decode", "--disaggregation-bootstrap-port", "1"], "--disaggregation-bootstrap-port"),

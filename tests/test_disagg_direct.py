@@ -18,14 +18,14 @@ from engine.disagg.decode.destination import HostRowsDestination, PagedDestinati
 from engine.disagg.decode.kv_transfer_hook import FirstToken
 from engine.disagg.decode.remote_client import RemotePrefillClient
 from engine.disagg.link.messages import chunk_pieces, cuts, run_starts, staged_views
-from engine.disagg.link import socket_plane
+from engine.disagg.link import socket_transport
 from engine.disagg.link.settings import LinkSettings
 from engine.disagg.link.transport import LinkError
 from engine.disagg.link.wire import OK, PROTOCOL_VERSION, compatibility_record
 from hisparse import HiSparseConfig
 from helpers import small_config
 import test_disagg_link as link_tests  # NOTE: as a module, so its tests are not collected here
-from test_disagg_link import LAYOUT, TOKENS, _kv, _settings, _submit, _wait, data_plane, link_pair  # noqa: F401 - the fixtures
+from test_disagg_link import LAYOUT, TOKENS, _kv, _settings, _submit, _wait, transport, link_pair  # noqa: F401 - the fixtures
 from test_disagg_remote import GREEDY, IMAGE, PROMPTS, SEEDED, _outputs, _page_kv, points  # noqa: F401 - the fixture
 
 #: pages 5, 2, 3 of 4 tokens: two runs of locations, [20, 24) and [8, 16)
@@ -211,17 +211,17 @@ def direct_prefill(points):  # noqa: F811 - the fixture imported above
 
 class TestAcrossProcesses:
     @pytest.mark.asyncio
-    @pytest.mark.parametrize("offer, plane", [("auto", "socket"), ("gloo", "gloo")])
-    async def test_direct_outputs_and_pages_equal_the_staged_and_single(self, direct_prefill, offer, plane):
-        """Both sides direct (pages in runs of 4 tokens), the chunks over the socket data plane (both sides
+    @pytest.mark.parametrize("offer, used", [("auto", "socket"), ("gloo", "gloo")])
+    async def test_direct_outputs_and_pages_equal_the_staged_and_single(self, direct_prefill, offer, used):
+        """Both sides direct (pages in runs of 4 tokens), the chunks over the socket transport (both sides
         offer it) or gloo (the decode does not): greedy, seeded and image outputs equal the single engine's,
         the KV in the pages is bit-exact, and the decode staged nothing."""
-        if plane == "socket" and not socket_plane.available():
+        if used == "socket" and not socket_transport.available():
             pytest.skip("no C++ compiler: the link uses gloo")
         single, single_kv = await _outputs(small_config())
-        async with Engine(remote_config(direct_prefill.address, secret=SECRET, data_plane=offer, **DIRECT)) as engine:
+        async with Engine(remote_config(direct_prefill.address, secret=SECRET, transport=offer, **DIRECT)) as engine:
             await _wait_async(lambda: client(engine).stats.links_up() == 1)
-            assert [s["data_plane"] for s in client(engine).stats.snapshot()["links"].values()] == [plane]
+            assert [s["transport"] for s in client(engine).stats.snapshot()["links"].values()] == [used]
             taken = _count_takes(client(engine).staging)
             direct = [(await engine.complete(p, GREEDY if i % 2 == 0 else SEEDED)).token_ids
                       for i, p in enumerate(PROMPTS)]

@@ -104,15 +104,15 @@ def _settings(**fields) -> LinkSettings:
 
 
 @pytest.fixture(params=["gloo", "socket"])
-def data_plane(request) -> str:
-    """What carries the chunks: gloo's data group, or the socket data plane (engine.disagg.link.socket_plane)."""
+def transport(request) -> str:
+    """What carries the chunks: gloo's data group, or the socket transport (engine.disagg.link.socket_transport)."""
     return request.param
 
 
 @pytest.fixture
-def link_pair(request, data_plane):
+def link_pair(request, transport):
     """(decode link, scripted prefill, the decode's KV buffers, stats, staging) over a fresh pair (gloo control,
-    chunks over `data_plane`)."""
+    chunks over `transport`)."""
     settings = _settings(**getattr(request, "param", {}))
     store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10), wait_for_workers=False)
     pairs: dict[int, Pair] = {}
@@ -120,7 +120,7 @@ def link_pair(request, data_plane):
     def build(rank: int) -> None:  # NOTE: one store client per side: a TCPStore serializes its own calls
         client = dist.TCPStore("127.0.0.1", store.port, None, False, datetime.timedelta(seconds=10))
         pairs[rank] = Pair(client, "t/", rank=rank, host="127.0.0.1", backend="gloo", device=torch.device("cpu"),
-                           timeout=10.0, data_plane=data_plane)
+                           timeout=10.0, transport=transport)
 
     threads = [threading.Thread(target=build, args=(rank,)) for rank in (0, 1)]
     for t in threads:
@@ -142,7 +142,7 @@ def link_pair(request, data_plane):
     except LinkError:
         pass  # it returned meanwhile
     assert link.join(settings.liveness_timeout + settings.chunk_slack + 1)
-    assert pairs[1].data_plane == data_plane
+    assert pairs[1].transport == transport
     pairs[0].close()
 
 

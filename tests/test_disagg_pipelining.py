@@ -25,7 +25,7 @@ from engine.disagg.link.transport import Pair
 from engine.disagg.link.wire import OK, chunk_plan
 from engine.prefill_server import soon_on_loop
 from helpers import small_config
-from test_disagg_link import TOKENS, _kv, _submit, _wait, data_plane, link_pair  # noqa: F401 - the fixtures
+from test_disagg_link import TOKENS, _kv, _submit, _wait, transport, link_pair  # noqa: F401 - the fixtures
 
 pytestmark = pytest.mark.anyio
 

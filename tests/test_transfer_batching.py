@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.disagg.link.wire import JOB, MAX_JOBS, OK, ProtocolError, job_index, jobs_header
-from test_disagg_link import _kv, _submit, _wait, data_plane, link_pair  # noqa: F401 - the fixtures
+from test_disagg_link import _kv, _submit, _wait, transport, link_pair  # noqa: F401 - the fixtures
 
 
 class _HeldSends:

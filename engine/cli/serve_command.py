@@ -99,8 +99,6 @@ _TRANSFER_OPTIONS: list[tuple[str, type, str]] = [
     ("max_chunk_bytes", int, "largest KV message"),
     ("direct_min_run_bytes", int, "shortest mean page run (bytes of one layer's K) sent from / received into "
                                   "the KV pages directly; shorter ones go through staging"),
-    ("data_plane", str, "what carries KV chunks with backend gloo: auto (kvlife's socket data plane where both "
-                        "sides can build it; default) or gloo"),
     ("keepalive", float, "seconds between keepalives (4 missed end the link)"),
     ("connect_timeout", float, "seconds for the bootstrap handshake"),
 ]
@@ -118,6 +116,9 @@ def _add_disaggregation_options(serve: argparse.ArgumentParser) -> None:
                        help="shared secret of the roles (prefer the KVLIFE_DISAGG_SECRET environment variable); "
                             "without one, loopback peers only")
     group.add_argument("--disaggregation-backend", default=None, help="gloo (default) or nccl")
+    group.add_argument("--disaggregation-transport", default=None,
+                       help="what carries a gloo-backend link: auto (default: kvlife's sockets, driven by native "
+                            "threads, where both sides can build them; else gloo) or gloo")
     for name, kind, help_text in _TRANSFER_OPTIONS:
         group.add_argument(f"--transfer-{name.replace('_', '-')}", dest=f"transfer_{name}", type=kind, default=None,
                            help=help_text)
@@ -129,6 +130,8 @@ def _link_fields(args: argparse.Namespace) -> dict[str, Any]:
         fields["secret"] = args.disaggregation_secret
     if getattr(args, "disaggregation_backend", None) is not None:
         fields["backend"] = args.disaggregation_backend
+    if getattr(args, "disaggregation_transport", None) is not None:
+        fields["transport"] = args.disaggregation_transport
     for name, _, _ in _TRANSFER_OPTIONS:
         if getattr(args, f"transfer_{name}", None) is not None:
             fields[name] = getattr(args, f"transfer_{name}")

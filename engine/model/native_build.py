@@ -1,7 +1,7 @@
 """Building kvlife's native code into a library and loading it: the decode step's
 CPU kernels (`engine/model/native/*.cpp`, the default `KernelBuild`) and the
-link's socket data plane (`engine/disagg/link/native/*.cpp`,
-`engine.disagg.link.socket_plane`), each from its own directory.
+link's socket transport (`engine/disagg/link/native/*.cpp`,
+`engine.disagg.link.socket_transport`), each from its own directory.
 
 The sources are plain C++ with no torch headers, compiled together on first
 use by the machine's C++ compiler (``$CXX``, else ``g++``, ``c++`` or

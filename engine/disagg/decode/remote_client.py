@@ -43,8 +43,8 @@ from engine.disagg.link.messages import reaches, worth_direct
 from engine.disagg.link.observability import TransferStats
 from engine.disagg.link.staging import StagingPool
 from engine.disagg.link.transport import LinkError, Pair
-from engine.disagg.link.socket_plane import offered
-from engine.disagg.link.wire import (JobSpec, KVLayout, chunk_plan, compatibility_record, data_plane_of, model_identity,
+from engine.disagg.link.socket_transport import offered
+from engine.disagg.link.wire import (JobSpec, KVLayout, chunk_plan, compatibility_record, transport_of, model_identity,
                                      params_to_dict)
 from engine.errors import InvalidConfig
 from resources.ledger import Owner, Pool, PoolUsage
@@ -86,7 +86,7 @@ class RemotePrefillClient:
                                kv_buffers.k[0].dtype)
         self.record = compatibility_record(model_identity=model_identity(model_config, config), layout=self.layout,
                                            page_size=config.page_size, backend=self.settings.backend,
-                                           data_plane=offered(self.settings.backend, self.settings.data_plane))
+                                           transport=offered(self.settings.backend, self.settings.transport))
         plan = chunk_plan(self.layout, max_context, self.settings.max_chunk_bytes)
         bound = self.settings.fence_bound([c.nbytes for c in plan])
         if config.fence_timeout < bound:
@@ -313,14 +313,14 @@ class RemotePrefillClient:
         s = self.settings
         handshake = bootstrap.connect(peer.host, peer.port, s, self.record)
         pair = Pair(handshake.store, handshake.prefix, rank=1, host=s.host, backend=s.backend, device=self.device,
-                    timeout=s.connect_timeout, data_plane=data_plane_of(self.record, handshake.peer_record))
+                    timeout=s.connect_timeout, transport=transport_of(self.record, handshake.peer_record))
         peer.epoch += 1
         link = DecodeLink(peer=peer.name, epoch=peer.epoch, boot=handshake.boot, pair=pair, settings=s,
                           layout=self.layout, stats=self.stats, staging=self.staging, failover=self._failover)
         link.start()
-        self.stats.link_up(peer.name, peer.epoch, handshake.boot, pair.data_plane)
+        self.stats.link_up(peer.name, peer.epoch, handshake.boot, pair.transport)
         log.info("transfer.link_up", peer=peer.name, epoch=peer.epoch, boot=handshake.boot, pair=handshake.pair_id,
-                 data_plane=pair.data_plane)
+                 transport=pair.transport)
         if self._closing:  # the engine left while this link was being built
             link.close()
         return link

@@ -51,7 +51,7 @@ class LinkState:
     downs: int = 0
     last_cause: str = ""
     #: what carries the chunks of its current (or last) epoch: "socket", "gloo" or "nccl"
-    data_plane: str = ""
+    transport: str = ""
 
 
 class TransferStats:
@@ -69,10 +69,10 @@ class TransferStats:
         self.wait = Histogram(WAIT_BUCKETS)
         self.links: dict[str, LinkState] = {}
 
-    def link_up(self, peer: str, epoch: int, boot: str, data_plane: str = "") -> None:
+    def link_up(self, peer: str, epoch: int, boot: str, transport: str = "") -> None:
         with self.lock:
             state = self.links.setdefault(peer, LinkState())
-            state.up, state.epoch, state.boot, state.data_plane = True, epoch, boot, data_plane
+            state.up, state.epoch, state.boot, state.transport = True, epoch, boot, transport
             state.ups += 1
 
     def link_down(self, peer: str, cause: str) -> None:

@@ -46,8 +46,8 @@ from engine.errors import InvalidConfig
 
 SECRET_ENV = "KVLIFE_DISAGG_SECRET"
 BACKENDS = ("gloo", "nccl")
-#: `LinkSettings.data_plane`'s values
-DATA_PLANES = ("auto", "gloo")
+#: `LinkSettings.transport`'s values
+TRANSPORTS = ("auto", "gloo")
 #: the default `LinkSettings.direct_min_run_bytes`
 DIRECT_MIN_RUN_BYTES = 64 << 10
 
@@ -114,9 +114,10 @@ class LinkSettings:
     #: page locations) when its runs average at least this many bytes of one layer's K; shorter runs, and
     #: KV the data group cannot reach (CUDA KV over gloo), go through staging (one gather or scatter)
     direct_min_run_bytes: int = attrs.field(default=DIRECT_MIN_RUN_BYTES, validator=_int_at_least(0))
-    #: what carries the chunks with backend "gloo": "auto" (a socket of the link's own driven by native
-    #: threads, `engine.disagg.link.socket_plane`, where both sides can build it; else gloo) or "gloo"
-    data_plane: str = attrs.field(default="auto")
+    #: what carries a link with backend "gloo": "auto" (kvlife's sockets, a control and a data connection
+    #: driven by native threads, `engine.disagg.link.socket_transport`, where both sides can build them; else
+    #: gloo) or "gloo"
+    transport: str = attrs.field(default="auto")
 
     def __attrs_post_init__(self) -> None:
         p = type(self).__name__
@@ -126,8 +127,8 @@ class LinkSettings:
             raise InvalidConfig(f"{p}.secret", "None or a string of at least 8 characters", "<hidden>")
         if self.backend not in BACKENDS:
             raise InvalidConfig(f"{p}.backend", f"one of {BACKENDS}", self.backend)
-        if self.data_plane not in DATA_PLANES:
-            raise InvalidConfig(f"{p}.data_plane", f"one of {DATA_PLANES}", self.data_plane)
+        if self.transport not in TRANSPORTS:
+            raise InvalidConfig(f"{p}.transport", f"one of {TRANSPORTS}", self.transport)
         if self.secret is None and not is_loopback(self.host):
             raise InvalidConfig(f"{p}.host", f"a loopback address unless a secret is set ({p}.secret or "
                                 f"{SECRET_ENV})", self.host)

@@ -1,15 +1,20 @@
-"""One link's transport: a private two-rank process group per prefill/decode pair.
+"""One link's transport: a private pair of groups (control, chunks) per prefill/decode pair.
 
 Rank 0 is the prefill, rank 1 the decode. Control messages (headers, job
-frames, keepalives) always go over gloo with CPU tensors; KV chunks go over
-a second group: gloo with a socket of its own (in host memory: on CUDA
-through pinned staging), or, with backend "nccl", NCCL with device tensors.
-Gloo sends a message only once the peer has posted its receive, and the
-notices that say so travel in order with the data on their socket: on one
-socket a job frame or a header waited behind the chunks before it.
+frames, keepalives) travel with CPU tensors on one group, KV chunks on a
+second one (in host memory: on CUDA through pinned staging; with backend
+"nccl", device tensors over NCCL), each on a connection of its own: on one
+socket a job frame or a header waited behind the chunks before it. With
+backend "gloo" the pair's `transport` says what carries both: "socket"
+(`engine.disagg.link.socket_transport`: kvlife's own connections, driven by
+native threads; where both sides offer it, `LinkSettings.transport`) or
+"gloo" (two gloo groups). Gloo sends a message only once the peer has
+posted its receive; the socket transport sends at once (the peer's kernel
+holds the bytes until it posts).
 
 Every wait has an explicit timeout. What gloo does on failure (measured in
-SCALEOUT.md): a peer that dies with nothing in flight is seen at once
+SCALEOUT.md; the socket transport does the same, and its `abort` also ends a
+waiting receive): a peer that dies with nothing in flight is seen at once
 ("Connection closed by peer"); one that dies mid-message only at the wait's
 timeout; a timeout closes the pair, so nothing sent later lands. `abort()`
 does not unblock a waiting receive, so a link is never reused after an
@@ -46,7 +51,7 @@ from typing import Any, Protocol, cast
 import torch
 import torch.distributed as dist
 
-from engine.disagg.link.socket_plane import RECV, SEND, SocketGroup
+from engine.disagg.link.socket_transport import RECV, SEND, SocketGroup
 from engine.disagg.link.wire import CTL, DATA, ProtocolError
 from resources.device_io import compute_stream, on_device
 
@@ -132,18 +137,18 @@ def _nccl_group(store: dist.Store, rank: int, timeout: float) -> Any:
 
 
 class Pair:
-    """The two process groups of one link (built by both sides at once; blocks until both have)."""
+    """The two groups of one link, control and chunks (built by both sides at once; blocks until both have)."""
 
     def __init__(self, store: dist.Store, prefix: str, *, rank: int, host: str, backend: str, device: torch.device,
                  timeout: float, nccl_group: Callable[[dist.Store, int, float], Any] = _nccl_group,
-                 data_plane: str = "gloo") -> None:
+                 transport: str = "gloo") -> None:
         self.rank = rank
         self.peer = 1 - rank
         self.device = device
         self.nccl = backend == "nccl"
-        #: what carries the chunks: "nccl", "gloo" or "socket" (`engine.disagg.link.socket_plane`: the
+        #: what carries the chunks: "nccl", "gloo" or "socket" (`engine.disagg.link.socket_transport`; the
         #: control messages too, on a connection of their own)
-        self.data_plane = "nccl" if self.nccl else data_plane
+        self.transport = "nccl" if self.nccl else transport
         self._sockets: list[SocketGroup] = []
         self._keep = store  # the store must outlive the groups
         self._closed = False
@@ -158,7 +163,7 @@ class Pair:
         options._devices = [_gloo_device(host)]
         # NOTE: cast, as torch's stubs leave send/recv off Backend though every backend has them
         try:
-            if self.data_plane == "socket":  # NOTE: control and chunks on connections of their own, as over gloo
+            if self.transport == "socket":  # NOTE: control and chunks on connections of their own, as over gloo
                 for what in ("ctl", "data"):
                     self._sockets.append(SocketGroup.connect(store, prefix + f"socket-{what}/", rank=rank, host=host,
                                                              timeout=timeout))
@@ -168,7 +173,7 @@ class Pair:
                                                                   options))
             if self.nccl:
                 self.data = cast(_PeerGroup, nccl_group(dist.PrefixStore(prefix + "nccl/", store), rank, timeout))
-            elif self.data_plane != "socket":  # NOTE: a socket of its own (same gloo device): control never queues behind a chunk
+            elif self.transport != "socket":  # NOTE: a socket of its own (same gloo device): control never queues behind a chunk
                 self.data = cast(_PeerGroup, dist.ProcessGroupGloo(dist.PrefixStore(prefix + "gloo-data/", store),
                                                                    rank, 2, options))
         except Exception as exc:  # noqa: BLE001 - rendezvous failures are link failures
@@ -226,7 +231,7 @@ class Pair:
 
     def post_send_data_each(self, works: list[dist.Work], tensors: list[torch.Tensor]) -> None:
         """Post a send of each tensor, in order, appending each work to `works` as it is posted (the caller
-        drains them if a later one fails); over the socket plane all in one call."""
+        drains them if a later one fails); over the socket transport all in one call."""
         self._post_each(works, tensors, self.post_send_data, send=True)
 
     def post_recv_data_each(self, works: list[dist.Work], tensors: list[torch.Tensor], *,
@@ -313,7 +318,7 @@ class Pair:
         self._aborted = True
 
     def close(self) -> None:
-        """Abort the NCCL group, or close the socket data plane (idempotent; nothing to do for gloo, whose
+        """Abort the NCCL group, or close the socket transport (idempotent; nothing to do for gloo, whose
         groups go with the pair)."""
         for group in self._sockets:
             group.close()

@@ -260,18 +260,18 @@ def chunk_plan(layout: KVLayout, num_tokens: int, max_chunk_bytes: int) -> list[
 
 
 # -------------------------------------------------------- compatibility record
-#: record fields both sides settle on instead of having to agree (`data_plane_of`)
-NEGOTIATED = frozenset({"data_plane"})
+#: record fields both sides settle on instead of having to agree (`transport_of`)
+NEGOTIATED = frozenset({"transport"})
 
 
 def compatibility_record(*, model_identity: str, layout: KVLayout, page_size: int, backend: str,
-                         data_plane: str = "gloo") -> dict[str, Any]:
-    """What both ends of a link must agree on, compared field by field at connect time, and the data plane
-    this side offers ("socket" or "gloo"; negotiated, `data_plane_of`)."""
+                         transport: str = "gloo") -> dict[str, Any]:
+    """What both ends of a link must agree on, compared field by field at connect time, and the transport
+    this side offers ("socket" or "gloo"; negotiated, `transport_of`)."""
     return {
         "protocol": PROTOCOL_VERSION, "model": model_identity, "dtype": str(layout.dtype).removeprefix("torch."),
         "num_layers": layout.num_layers, "num_kv_heads": layout.num_kv_heads, "head_dim": layout.head_dim,
-        "page_size": page_size, "backend": backend, "data_plane": data_plane,
+        "page_size": page_size, "backend": backend, "transport": transport,
     }
 
 
@@ -284,12 +284,12 @@ def record_mismatch(mine: dict[str, Any], theirs: Any) -> str | None:
     return "; ".join(diffs) or None
 
 
-def data_plane_of(mine: Mapping[str, object], theirs: Mapping[str, object]) -> str:
-    """The data plane a pair uses: the socket plane where both sides offer it, else gloo (a peer that does
-    not say, from before the socket plane, offers gloo); "nccl" with that backend."""
+def transport_of(mine: Mapping[str, object], theirs: Mapping[str, object]) -> str:
+    """The transport a pair uses: kvlife's sockets where both sides offer them, else gloo (a peer that does
+    not say, from before the socket transport, offers gloo); "nccl" with that backend (its chunks)."""
     if mine.get("backend") == "nccl":
         return "nccl"
-    return "socket" if mine.get("data_plane") == theirs.get("data_plane") == "socket" else "gloo"
+    return "socket" if mine.get("transport") == theirs.get("transport") == "socket" else "gloo"
 
 
 def model_identity(model_config: Any, config: Any) -> str:

@@ -1,4 +1,4 @@
-// The link's socket data plane (engine/disagg/link/socket_plane.py): one connected TCP socket, a
+// The link's socket transport (engine/disagg/link/socket_transport.py): one connected TCP socket, a
 // sending thread and a receiving thread, each taking the buffers posted for its direction in order.
 // Posting only queues (no system call: callable with the GIL held); waiting blocks on a condition
 // (called without the GIL). Every message carries a 16-byte header (magic, size), so a receive

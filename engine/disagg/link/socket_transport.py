@@ -1,13 +1,16 @@
-"""The link's socket data plane: a pair's KV messages over one TCP connection driven by native threads.
+"""The link's socket transport: a pair's messages over TCP connections driven by native threads.
 
 A gloo send or receive is a call into torch that releases the GIL and has to
-take it back when it returns; a link posts one message per layer, K or V and
-page run, so on a busy process (its event loop running Python) each post
+take it back when it returns, and a link posts one message per layer, K or V
+and page run: on a busy process (its event loop running Python) each post
 waited for the GIL, and a job's data left late (docs/benchmarks.md, stop 35).
-Here posting a message only queues its buffer for a native thread
-(`native/socket_channel.cpp`, built like the model's kernels by
-`engine.model.native_build`), in a call that keeps the GIL; the threads
-send and receive without it, and only a wait gives the GIL up.
+Here a pair is two connections, control and chunks, as over gloo (a control
+message never queues behind a chunk), each with a sending and a receiving
+thread in native code (`native/socket_channel.cpp`, built like the model's
+kernels by `engine.model.native_build`). Posting queues buffers for them in
+a call that keeps the GIL (a chunk's messages in one call: `post_many`); the
+threads send and receive without it; only a wait gives the GIL up, and a
+waiter is woken only once what it waits for is done.
 
 `SocketGroup` has what a pair uses of a gloo group (`send`, `recv`, works
 with `wait` / `is_completed` / `exception`, `abort`), with gloo's semantics
@@ -15,13 +18,15 @@ where the link relies on them (`engine.disagg.link.transport`): a pair's
 messages complete in the order they were posted; a failure fails every
 later one; a wait that times out closes the connection (nothing posted
 lands afterwards); `abort` returns once no posted buffer is read or written
-any more (stronger than gloo's, whose posted receives keep waiting).
+any more (stronger than gloo's, whose posted receives keep waiting). Every
+message carries its size, so a receive that does not expect it fails
+("protocol") instead of landing the wrong bytes.
 
 Connecting (`SocketGroup.connect`, within the pair's connect timeout): the
 prefill (rank 0) listens on the link's host, port 0, and writes its address
-and a random token under the pair's private prefix in the bootstrap store;
-the decode dials it and sends the token first; the prefill accepts only a
-connection that presents it.
+and a random token under the pair's private prefix in the bootstrap store
+(a prefix derived from the secret); the decode dials it and sends the token
+first; the prefill accepts only a connection that presents it.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from engine.model.native_build import FLAGS, KernelBuild
 #: the library (built on first use; None where it cannot be: the link uses gloo then)
 BUILD = KernelBuild(sources=Path(__file__).with_name("native"), name="kvlife_link",
                     flags=tuple(f for f in FLAGS if f != "-fopenmp-simd"),
-                    fallback="links carry their chunks over gloo (LinkSettings.data_plane)")
+                    fallback="links carry their chunks over gloo (LinkSettings.transport)")
 SEND, RECV = 0, 1
 _TOKEN_BYTES = 32
 _VP, _I64 = ctypes.c_void_p, ctypes.c_int64
@@ -95,7 +100,7 @@ def available() -> bool:
 
 
 def offered(backend: str, setting: str) -> str:
-    """The data plane this side offers its peers (`LinkSettings.data_plane`): "socket" with backend gloo
+    """The transport this side offers its peers (`LinkSettings.transport`): "socket" with backend gloo
     and setting "auto" where the library builds, else "gloo"."""
     return "socket" if backend == "gloo" and setting == "auto" and available() else "gloo"
 
@@ -123,7 +128,7 @@ class SocketWork:
         status = self._group._status(self._direction, self._seq, 1e9 if seconds is None else max(seconds, 1e-6))
         if status == 1:
             self._group.abort(f"Timed out: a message was not done within {seconds:g} s")
-            raise RuntimeError(f"Timed out waiting {seconds:g} s for a message on the socket data plane")
+            raise RuntimeError(f"Timed out waiting {seconds:g} s for a message on the socket transport")
         if status == 2:
             error = self._group.error()
             raise (ProtocolError if error.startswith("protocol:") else RuntimeError)(error)
@@ -140,7 +145,7 @@ class SocketGroup:
         self._lib = lib
         handle = lib.open(sock.detach())
         if not handle:
-            raise RuntimeError("the socket data plane could not start its threads")
+            raise RuntimeError("the socket transport could not start its threads")
         self._handle: int | None = handle
 
     # ------------------------------------------------------------ connect
@@ -149,7 +154,7 @@ class SocketGroup:
         """Both sides of a pair at once (module docstring); RuntimeError if it is not up within `timeout`."""
         lib = library()
         if lib is None:
-            raise RuntimeError(f"the socket data plane is unavailable: {BUILD.problem}")
+            raise RuntimeError(f"the socket transport is unavailable: {BUILD.problem}")
         key = prefix + "address"
         if rank == 0:
             return cls(_accept(store, key, host, timeout), lib)
@@ -174,14 +179,14 @@ class SocketGroup:
         """Queue one message per tensor (contiguous, in host memory), in order, in one call: their works."""
         for tensor in tensors:
             if tensor.device.type != "cpu" or not tensor.is_contiguous():
-                raise ValueError("the socket data plane moves contiguous host tensors only")
+                raise ValueError("the socket transport moves contiguous host tensors only")
         n = len(tensors)
         pointers = (_VP * n)(*(t.data_ptr() for t in tensors))
         sizes = (_I64 * n)(*(t.numel() * t.element_size() for t in tensors))
         handle = self._handle
         first = -1 if handle is None else self._lib.post(handle, direction, pointers, sizes, n)
         if first < 0:
-            raise RuntimeError(self.error() or "the socket data plane is closed")
+            raise RuntimeError(self.error() or "the socket transport is closed")
         return [SocketWork(self, direction, first + i, t) for i, t in enumerate(tensors)]
 
     def _status(self, direction: int, seq: int, timeout: float) -> int:
@@ -195,10 +200,10 @@ class SocketGroup:
     def error(self) -> str:
         handle = self._handle
         if handle is None:
-            return "the socket data plane is closed"
+            return "the socket transport is closed"
         out = ctypes.create_string_buffer(512)
         self._lib.error(handle, out, len(out))
-        return out.value.decode(errors="replace") or "the socket data plane failed"
+        return out.value.decode(errors="replace") or "the socket transport failed"
 
     # ----------------------------------------------------------------- end
     def abort(self, reason: str = "the pair was aborted") -> None:
@@ -234,7 +239,7 @@ def _accept(store: dist.Store, key: str, host: str, timeout: float) -> socket.so
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise RuntimeError(f"Timed out: the decode did not connect the socket data plane within {timeout:g} s")
+                raise RuntimeError(f"Timed out: the decode did not connect the socket transport within {timeout:g} s")
             listener.settimeout(left)
             sock, _ = listener.accept()
             try:

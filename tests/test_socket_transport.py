@@ -1,6 +1,6 @@
-"""The socket data plane (engine.disagg.link.socket_plane) on its own: two real groups over a
+"""The socket transport (engine.disagg.link.socket_transport) on its own: two real groups over a
 loopback TCP connection, built by `SocketGroup.connect` through a real TCPStore, and the data
-plane's negotiation (both sides must offer it)."""
+transport's negotiation (both sides must offer it)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from engine.disagg.link import socket_plane
-from engine.disagg.link.socket_plane import SocketGroup
+from engine.disagg.link import socket_transport
+from engine.disagg.link.socket_transport import SocketGroup
 from engine.disagg.link.transport import classify
-from engine.disagg.link.wire import compatibility_record, data_plane_of, KVLayout, record_mismatch
+from engine.disagg.link.wire import compatibility_record, transport_of, KVLayout, record_mismatch
 
-pytestmark = pytest.mark.skipif(not socket_plane.available(), reason="no C++ compiler: the link uses gloo")
+pytestmark = pytest.mark.skipif(not socket_transport.available(), reason="no C++ compiler: the link uses gloo")
 
 
 def _store() -> dist.TCPStore:
@@ -192,33 +192,33 @@ def test_no_peer_is_a_timeout():
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32)
 
 
-def _record(plane: str, backend: str = "gloo") -> dict:
-    return compatibility_record(model_identity="m", layout=LAYOUT, page_size=4, backend=backend, data_plane=plane)
+def _record(offered: str, backend: str = "gloo") -> dict:
+    return compatibility_record(model_identity="m", layout=LAYOUT, page_size=4, backend=backend, transport=offered)
 
 
 @pytest.mark.parametrize("mine, theirs, agreed", [
     ("socket", "socket", "socket"), ("socket", "gloo", "gloo"), ("gloo", "socket", "gloo"), ("gloo", "gloo", "gloo"),
 ])
-def test_the_socket_plane_only_where_both_offer_it(mine, theirs, agreed):
-    assert data_plane_of(_record(mine), _record(theirs)) == agreed
-    assert data_plane_of(_record(theirs), _record(mine)) == agreed, "both sides settle on the same"
+def test_the_socket_transport_only_where_both_offer_it(mine, theirs, agreed):
+    assert transport_of(_record(mine), _record(theirs)) == agreed
+    assert transport_of(_record(theirs), _record(mine)) == agreed, "both sides settle on the same"
     assert record_mismatch(_record(mine), _record(theirs)) is None, "a different offer is not incompatible"
 
 
-def test_a_peer_from_before_the_socket_plane_gets_gloo():
+def test_a_peer_from_before_the_socket_transport_gets_gloo():
     older = _record("socket")
-    del older["data_plane"]
-    assert data_plane_of(_record("socket"), older) == "gloo"
+    del older["transport"]
+    assert transport_of(_record("socket"), older) == "gloo"
     assert record_mismatch(_record("socket"), older) is None
 
 
 def test_nccl_links_keep_nccl():
-    assert data_plane_of(_record("gloo", "nccl"), _record("gloo", "nccl")) == "nccl"
+    assert transport_of(_record("gloo", "nccl"), _record("gloo", "nccl")) == "nccl"
 
 
 def test_what_a_side_offers(monkeypatch):
-    assert socket_plane.offered("gloo", "auto") == "socket"
-    assert socket_plane.offered("gloo", "gloo") == "gloo"
-    assert socket_plane.offered("nccl", "auto") == "gloo"
-    monkeypatch.setattr(socket_plane, "library", lambda: None)  # no compiler on this side
-    assert socket_plane.offered("gloo", "auto") == "gloo"
+    assert socket_transport.offered("gloo", "auto") == "socket"
+    assert socket_transport.offered("gloo", "gloo") == "gloo"
+    assert socket_transport.offered("nccl", "auto") == "gloo"
+    monkeypatch.setattr(socket_transport, "library", lambda: None)  # no compiler on this side
+    assert socket_transport.offered("gloo", "auto") == "gloo"
