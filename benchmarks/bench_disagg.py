@@ -60,7 +60,7 @@ from engine.disagg.link.settings import RemotePrefill
 from engine.logging import configure_logging
 
 from bare_gloo import BareGloo
-from proc_cpu import GROUPS, cpu_s, thread_cpu_s
+from proc_cpu import GROUPS, cpu_s, group_deltas, thread_times
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 LINK = dict(keepalive=0.25, first_timeout=20.0, chunk_slack=1.0, connect_timeout=20.0, reconnect_interval=0.2)
@@ -181,12 +181,12 @@ async def bench_transfer(jobs: int, tokens: int, rounds: int, chunk_bytes: int) 
                     before = client.stats.snapshot()["bytes"]
                     prompts = _prompts(jobs, tokens, r + 1)
                     pids = (None, prefills[name].proc.pid)
-                    spent = [(cpu_s(pid), thread_cpu_s(pid)) for pid in pids]
+                    spent = [(cpu_s(pid), thread_times(pid)) for pid in pids]
                     wall, outs = await _run(engine, prompts, params)
                     for side, pid in enumerate(pids):
                         cpu[name][side] += cpu_s(pid) - spent[side][0]
-                        for group, seconds in thread_cpu_s(pid).items():
-                            by_thread[name][side][group] += seconds - spent[side][1][group]
+                        for group, seconds in group_deltas(spent[side][1], thread_times(pid)).items():
+                            by_thread[name][side][group] += seconds
                     walls[name] += wall
                     moved = client.stats.snapshot()["bytes"] - before
                     assert moved == jobs * nbytes, "every job moved its KV"

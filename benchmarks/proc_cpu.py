@@ -33,9 +33,17 @@ def cpu_s(pid: int | None = None) -> float:
 
 def thread_cpu_s(pid: int | None = None) -> dict[str, float]:
     """On-CPU seconds of each thread group (`GROUPS`) of process `pid` (None: this one), of the threads
-    alive now: compare snapshots of threads that live throughout (a benchmark's engines and links)."""
-    pid = os.getpid() if pid is None else pid
+    alive now (to compare two moments, `thread_times` and `group_deltas` count only what ran between)."""
     out = dict.fromkeys(GROUPS, 0.0)
+    for group, seconds in thread_times(pid).values():
+        out[group] += seconds
+    return out
+
+
+def thread_times(pid: int | None = None) -> dict[int, tuple[str, float]]:
+    """Each live thread of process `pid` (None: this one): its group (`GROUPS`) and on-CPU seconds."""
+    pid = os.getpid() if pid is None else pid
+    out: dict[int, tuple[str, float]] = {}
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except FileNotFoundError:
@@ -48,19 +56,30 @@ def thread_cpu_s(pid: int | None = None) -> dict[str, float]:
             seconds = _thread_s(task)
         except (FileNotFoundError, ProcessLookupError):
             continue  # it ended between the listing and the read
-        if int(tid) == pid:
-            out["loop"] += seconds
-        elif name.startswith("gloo"):
-            out["gloo"] += seconds
-        elif name.startswith("kvlife-sock-"):
-            out["sock"] += seconds
-        elif name.startswith(LINK_THREADS):
-            out["link"] += seconds
-        elif name == "kvlife-step":
-            out["step"] += seconds
-        else:
-            out["other"] += seconds
+        out[int(tid)] = (_group(int(tid) == pid, name), seconds)
     return out
+
+
+def group_deltas(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """Seconds each group ran between two `thread_times` snapshots: a thread started in between counts
+    whole; one that ended in between is not counted (its last seconds cannot be read, and subtracting
+    its earlier ones, as two group sums would, makes a group negative)."""
+    out = dict.fromkeys(GROUPS, 0.0)
+    for tid, (group, seconds) in after.items():
+        out[group] += seconds - (before[tid][1] if tid in before else 0.0)
+    return out
+
+
+def _group(main: bool, name: str) -> str:
+    if main:
+        return "loop"
+    if name.startswith("gloo"):
+        return "gloo"
+    if name.startswith("kvlife-sock-"):
+        return "sock"
+    if name.startswith(LINK_THREADS):
+        return "link"
+    return "step" if name == "kvlife-step" else "other"
 
 
 def _thread_s(task: str) -> float:

@@ -40,6 +40,7 @@ import socket
 import threading
 import time
 from pathlib import Path
+
 import torch
 import torch.distributed as dist
 
@@ -89,9 +90,8 @@ def library() -> _Library | None:
     global _library
     with _library_lock:
         if _library is None:
-            loaded = BUILD.load()
-            if loaded is not None:
-                _library = _Library(loaded._name)
+            if BUILD.load() is not None:
+                _library = _Library(str(BUILD.path))
         return _library
 
 
@@ -118,26 +118,26 @@ class SocketWork:
 
     def exception(self) -> RuntimeError | None:
         if self._group._status(self._direction, self._seq, 0.0) == 2:
-            return RuntimeError(self._group.error())
+            return self._group.failure()
         return None
 
     def wait(self, timeout: datetime.timedelta | float | None = None) -> bool:
         """Wait until the message is done; RuntimeError if it failed or (closing the connection, as
         gloo does) if it is not done within `timeout`."""
         seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
-        status = self._group._status(self._direction, self._seq, 1e9 if seconds is None else max(seconds, 1e-6))
+        seconds = 1e9 if seconds is None else max(seconds, 1e-6)
+        status = self._group._status(self._direction, self._seq, seconds)
         if status == 1:
             self._group.abort(f"Timed out: a message was not done within {seconds:g} s")
             raise RuntimeError(f"Timed out waiting {seconds:g} s for a message on the socket transport")
         if status == 2:
-            error = self._group.error()
-            raise (ProtocolError if error.startswith("protocol:") else RuntimeError)(error)
+            raise self._group.failure()
         self._tensor = None
         return True
 
 
 class SocketGroup:
-    """The data group of a pair over one connected socket (module docstring)."""
+    """One of a pair's two groups (control or chunks) over one connected socket (module docstring)."""
 
     def __init__(self, sock: socket.socket, lib: _Library) -> None:
         sock.setblocking(True)
@@ -204,6 +204,12 @@ class SocketGroup:
         out = ctypes.create_string_buffer(512)
         self._lib.error(handle, out, len(out))
         return out.value.decode(errors="replace") or "the socket transport failed"
+
+    def failure(self) -> RuntimeError:
+        """Why the connection failed, as gloo's errors read (`engine.disagg.link.transport.classify`), or
+        a ProtocolError when a message was not what the receive expected."""
+        error = self.error()
+        return ProtocolError(error) if error.startswith("protocol:") else RuntimeError(error)
 
     # ----------------------------------------------------------------- end
     def abort(self, reason: str = "the pair was aborted") -> None:
