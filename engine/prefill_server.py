@@ -278,6 +278,7 @@ class PrefillServer(anyio.AsyncContextManagerMixin):
     def _add_link(self, link: PrefillLink) -> None:
         if self._closing.is_set():
             link.down(LinkError("shutdown", "the prefill is shutting down"))
+            link.pair.leave()  # NOTE: never started: no thread of it will close the pair
             return
         self.links.append(link)
         assert self.bootstrap is not None  # links are built only once the server runs

@@ -18,7 +18,6 @@ from engine.disagg.decode.destination import HostRowsDestination, PagedDestinati
 from engine.disagg.decode.kv_transfer_hook import FirstToken
 from engine.disagg.decode.remote_client import RemotePrefillClient
 from engine.disagg.link.messages import chunk_pieces, cuts, run_starts, staged_views
-from engine.disagg.link import socket_transport
 from engine.disagg.link.settings import LinkSettings
 from engine.disagg.link.transport import LinkError
 from engine.disagg.link.wire import OK, PROTOCOL_VERSION, compatibility_record
@@ -216,8 +215,6 @@ class TestAcrossProcesses:
         """Both sides direct (pages in runs of 4 tokens), the chunks over the socket transport (both sides
         offer it) or gloo (the decode does not): greedy, seeded and image outputs equal the single engine's,
         the KV in the pages is bit-exact, and the decode staged nothing."""
-        if used == "socket" and not socket_transport.available():
-            pytest.skip("no C++ compiler: the link uses gloo")
         single, single_kv = await _outputs(small_config())
         async with Engine(remote_config(direct_prefill.address, secret=SECRET, transport=offer, **DIRECT)) as engine:
             await _wait_async(lambda: client(engine).stats.links_up() == 1)

@@ -5,6 +5,7 @@ and the bootstrap handshake (secret, compatibility record)."""
 from __future__ import annotations
 
 import datetime
+import os
 import threading
 import time
 
@@ -114,6 +115,7 @@ def link_pair(request, transport):
     """(decode link, scripted prefill, the decode's KV buffers, stats, staging) over a fresh pair (gloo control,
     chunks over `transport`)."""
     settings = _settings(**getattr(request, "param", {}))
+    native_before = _socket_threads()
     store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10), wait_for_workers=False)
     pairs: dict[int, Pair] = {}
 
@@ -143,7 +145,21 @@ def link_pair(request, transport):
         pass  # it returned meanwhile
     assert link.join(settings.liveness_timeout + settings.chunk_slack + 1)
     assert pairs[1].transport == transport
-    pairs[0].close()
+    pairs[0].leave()  # the scripted side has no link threads: it closes at once
+    # once the link's threads have returned, nothing of the pair is left open: no native thread lingers
+    _wait(lambda: _socket_threads() == native_before)
+
+
+def _socket_threads() -> int:
+    """This process's threads of the socket transport (`kvlife-sock-tx` / `-rx`), by their OS names."""
+    count = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                count += f.read().startswith("kvlife-sock-")
+        except FileNotFoundError:
+            pass
+    return count
 
 
 def _submit(link: DecodeLink, buffers: KVBuffers, rid: str, *, deadline: float = 60.0, start: int = 4,

@@ -37,7 +37,7 @@ class _Recorded:
     def __init__(self, pair) -> None:
         self.events: list[str] = []
         self.writes: list[str] = []
-        for name in ("post_recv_ctl", "post_recv_data_each", "wait_ctl", "wait_all"):
+        for name in ("post_recv_ctl", "post_each", "wait_ctl", "wait_all"):
             setattr(self, name, self._recording(name, getattr(pair, name)))
         self._pair = pair
 
@@ -79,7 +79,7 @@ def test_the_decode_posts_the_next_header_before_waiting_for_the_last_chunk(link
         events = events[1:]
     # per job: chunk 0's receives posted, chunk 1's, the next header's, then the wait for chunk 0; chunk 1's
     # wait is the writing thread's
-    assert events == ["post_recv_data_each", "post_recv_data_each", "post_recv_ctl", "wait_all"] * 2, events
+    assert events == ["post_each", "post_each", "post_recv_ctl", "wait_all"] * 2, events
     assert recorded.writes == ["wait_all"] * 2, recorded.writes
     assert staging.held == 0
 

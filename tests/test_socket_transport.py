@@ -1,5 +1,5 @@
 """The socket transport (engine.disagg.link.socket_transport) on its own: two real groups over a
-loopback TCP connection, built by `SocketGroup.connect` through a real TCPStore, and the data
+loopback TCP connection, built by `SocketGroup.connect` through a real TCPStore, and the
 transport's negotiation (both sides must offer it)."""
 
 from __future__ import annotations
@@ -16,9 +16,14 @@ import torch.distributed as dist
 from engine.disagg.link import socket_transport
 from engine.disagg.link.socket_transport import SocketGroup
 from engine.disagg.link.transport import classify
-from engine.disagg.link.wire import compatibility_record, transport_of, KVLayout, record_mismatch
+from engine.disagg.link.wire import KVLayout, compatibility_record, record_mismatch, transport_of
 
-pytestmark = pytest.mark.skipif(not socket_transport.available(), reason="no C++ compiler: the link uses gloo")
+
+def test_the_library_builds():
+    """The sockets' native library builds here (as the model's kernels do: a C++ compiler is part of the
+    test machine); where it cannot, a link falls back to gloo (`test_what_a_side_offers`)."""
+    assert socket_transport.available(), socket_transport.BUILD.problem
+    assert socket_transport.BUILD.path is not None and socket_transport.BUILD.path.name.startswith("kvlife_link-")
 
 
 def _store() -> dist.TCPStore:

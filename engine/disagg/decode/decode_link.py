@@ -84,11 +84,12 @@ class DecodeLink(LinkWriting):
         self._out: queue.SimpleQueue = queue.SimpleQueue()
         self._writes: queue.SimpleQueue = queue.SimpleQueue()  # received chunks for the writing thread
         self._tags = itertools.count(1)
-        self._threads = [named_thread(self._send_loop, name=f"kvlife-send-{peer}#{epoch}"),
-                         named_thread(self._recv_loop, name=f"kvlife-recv-{peer}#{epoch}"),
-                         named_thread(self._write_loop, name=f"kvlife-write-{peer}#{epoch}")]
+        self._threads = [named_thread(pair.running(self._send_loop), name=f"kvlife-send-{peer}#{epoch}"),
+                         named_thread(pair.running(self._recv_loop), name=f"kvlife-recv-{peer}#{epoch}"),
+                         named_thread(pair.running(self._write_loop), name=f"kvlife-write-{peer}#{epoch}")]
 
     def start(self) -> None:
+        self.pair.hold(len(self._threads))  # NOTE: the last thread to return closes the pair
         for thread in self._threads:
             thread.start()
 
@@ -318,7 +319,7 @@ class DecodeLink(LinkWriting):
         posted = Posted(lj, chunk, pieces, [], buf, owner, writing)
         try:
             views = lj.destination.views(pieces) if buf is None else staged_views(self.layout, chunk, buf, pieces)
-            self.pair.post_recv_data_each(posted.works, list(views), into_kv=writing)
+            self.pair.post_each(posted.works, list(views), send=False, into_kv=writing)
         except BaseException:
             self._drain(posted)
             raise

@@ -36,6 +36,11 @@ NCCL (device chunks):
   deadline; a chunk is complete on the device when the wait returns;
 - `close()` aborts the NCCL group (idempotent), so a dropped link leaks no
   communicator; the link's thread that last used the data group calls it.
+
+A link's threads hold the pair (`hold`, `running`): the last one to return
+closes what is left of it (the socket transport's control connection, its
+native threads and sockets with it), so a link that ended leaves nothing
+open, whatever ended it.
 """
 
 from __future__ import annotations
@@ -154,6 +159,7 @@ class Pair:
         self._closed = False
         self._aborted = False  # see `abort`
         self._close_lock = threading.Lock()
+        self._users = 0  # link threads using the pair (`hold`, `leave`)
         #: the NCCL path's send and receive streams (None: posted on the caller's stream)
         self.send_stream: Any = None
         self.recv_stream: Any = None
@@ -229,28 +235,21 @@ class Pair:
         with self._on(self.recv_stream, after_compute=into_kv):
             return self._post(self.data.recv, tensor, DATA)
 
-    def post_send_data_each(self, works: list[dist.Work], tensors: list[torch.Tensor]) -> None:
-        """Post a send of each tensor, in order, appending each work to `works` as it is posted (the caller
-        drains them if a later one fails); over the socket transport all in one call."""
-        self._post_each(works, tensors, self.post_send_data, send=True)
-
-    def post_recv_data_each(self, works: list[dist.Work], tensors: list[torch.Tensor], *,
-                            into_kv: bool = False) -> None:
-        """`post_send_data_each` for receives (`into_kv` as in `post_recv_data`)."""
-        self._post_each(works, tensors, lambda t: self.post_recv_data(t, into_kv=into_kv), send=False)
-
-    def post_send_ctl_each(self, works: list[dist.Work], tensors: list[torch.Tensor]) -> None:
-        """`post_send_data_each` for control messages."""
-        self._post_each(works, tensors, self.post_send_ctl, send=True, ctl=True)
-
-    def _post_each(self, works: list[dist.Work], tensors: list[torch.Tensor], post: Callable[[torch.Tensor], dist.Work],
-                   *, send: bool, ctl: bool = False) -> None:
-        group = (self._sockets[0] if ctl else self._sockets[1]) if self._sockets else None
+    def post_each(self, works: list[dist.Work], tensors: list[torch.Tensor], *, send: bool, ctl: bool = False,
+                  into_kv: bool = False) -> None:
+        """Post a send (`send`) or a receive of each tensor, in order, on the control or the data group
+        (`ctl`; `into_kv` as in `post_recv_data`), appending each work to `works` as it is posted (the
+        caller drains them if a later one fails); over the socket transport all in one call (one lock
+        and at most one wake-up of the socket's thread)."""
+        group = self._sockets[0 if ctl else 1] if self._sockets else None
         if group is None or not tensors:
             for tensor in tensors:
-                works.append(post(tensor))
+                if ctl:
+                    works.append(self.post_send_ctl(tensor) if send else self.post_recv_ctl(tensor))
+                else:
+                    works.append(self.post_send_data(tensor) if send else self.post_recv_data(tensor, into_kv=into_kv))
             return
-        try:  # NOTE: one call: one lock and at most one wake-up of the socket's thread for all of them
+        try:
             works.extend(cast(list[dist.Work], group.post_many(SEND if send else RECV, tensors)))
         except Exception as exc:  # noqa: BLE001 - posting on a closed pair raises at once
             raise classify(exc) from exc
@@ -318,10 +317,11 @@ class Pair:
         self._aborted = True
 
     def close(self) -> None:
-        """Abort the NCCL group, or close the socket transport (idempotent; nothing to do for gloo, whose
-        groups go with the pair)."""
-        for group in self._sockets:
-            group.close()
+        """The data group's last user is done: abort the NCCL group, or close the socket transport's data
+        connection (idempotent; nothing to do for gloo, whose groups go with the pair). Its control
+        connection closes once every link thread has left (`hold`, `leave`)."""
+        if self._sockets:
+            self._sockets[1].close()
         with self._close_lock:
             if self._closed or not self.nccl:
                 self._closed = True
@@ -334,6 +334,32 @@ class Pair:
                 end()
             except Exception:  # noqa: BLE001 - a communicator that failed may refuse to abort: it is dropped anyway
                 pass
+
+    def hold(self, threads: int) -> None:
+        """`threads` link threads use the pair; each calls `leave` as it returns."""
+        with self._close_lock:
+            self._users += threads
+
+    def running(self, target: Callable[[], None]) -> Callable[[], None]:
+        """`target` as one of the pair's link threads: it leaves the pair (`leave`) as it returns."""
+        def run() -> None:
+            try:
+                target()
+            finally:
+                self.leave()
+        return run
+
+    def leave(self) -> None:
+        """A link thread is done with the pair: once the last one has left, nothing of it is open (the
+        socket transport's connections closed, the NCCL group aborted). A pair no thread held closes at
+        once (a link never started)."""
+        with self._close_lock:
+            self._users -= 1
+            last = self._users <= 0
+        if last:
+            self.close()
+            for group in self._sockets:
+                group.close()
 
     @property
     def closed(self) -> bool:

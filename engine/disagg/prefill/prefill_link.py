@@ -30,7 +30,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import attrs
@@ -115,10 +115,11 @@ class PrefillLink:
         self.cond = threading.Condition()
         self.up = True
         self._bye = False  # say goodbye before the sending thread stops
-        self._threads = [named_thread(self._recv_loop, name=f"kvlife-ctl-{name}"),
-                         named_thread(self._send_loop, name=f"kvlife-answer-{name}")]
+        self._threads = [named_thread(pair.running(self._recv_loop), name=f"kvlife-ctl-{name}"),
+                         named_thread(pair.running(self._send_loop), name=f"kvlife-answer-{name}")]
 
     def start(self) -> None:
+        self.pair.hold(len(self._threads))  # NOTE: the last thread to return closes the pair
         for thread in self._threads:
             thread.start()
 
@@ -264,7 +265,7 @@ class PrefillLink:
         ctl = result_frames(sj.tag, status, first_token, reason.encode(), logprob, runs)
         nbytes = sum(t.numel() * t.element_size() for t in ctl)
         works: list[dist.Work] = []
-        self._post_all(works, ctl, self.pair.post_send_ctl_each, s.chunk_timeout(nbytes))
+        self._post_all(works, ctl, s.chunk_timeout(nbytes), ctl=True)
         if record is None or not record.plan:
             yield _Unit(works, s.chunk_timeout(nbytes), ctl=len(works), done=sj, status=status, keep=ctl)
             return
@@ -277,17 +278,18 @@ class PrefillLink:
             data = list(views(index, chunk, chunk_pieces(self.server.layout, chunk, cut)))
             n = len(works)
             timeout = s.chunk_timeout(chunk.nbytes + nbytes)
-            self._post_all(works, data, self.pair.post_send_data_each, timeout)
+            self._post_all(works, data, timeout)
             yield _Unit(works, timeout, ctl=n, chunk=1, done=sj if index == len(plan) - 1 else None, status=status,
                         keep=ctl)
             works, ctl, nbytes = [], [], 0
 
-    def _post_all(self, works: list[dist.Work], tensors: list[torch.Tensor],
-                  post_each: Callable[[list[dist.Work], list[torch.Tensor]], None], timeout: float) -> None:
-        """Post a send of each tensor into `works`; if one fails (the pair is closed), the ones posted are
-        drained before it raises, so nothing reads their memory afterwards."""
+    def _post_all(self, works: list[dist.Work], tensors: list[torch.Tensor], timeout: float, *,
+                  ctl: bool = False) -> None:
+        """Post a send of each tensor (control messages with `ctl`, else chunks) into `works`; if one fails
+        (the pair is closed), the ones posted are drained before it raises, so nothing reads their memory
+        afterwards."""
         try:
-            post_each(works, tensors)
+            self.pair.post_each(works, tensors, send=True, ctl=ctl)
         except BaseException:
             if works:
                 self.pair.abort()
