@@ -180,6 +180,18 @@ def remote_config(*peers: str, secret: str | None = None, **overrides: Any):
     return small_config(disaggregation="decode", remote_prefill=remote, **fields)
 
 
+def socket_threads() -> int:
+    """This process's threads of the socket transport (`kvlife-sock-tx` / `-rx`), by their OS names."""
+    count = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                count += f.read().startswith("kvlife-sock-")
+        except FileNotFoundError:
+            pass  # it ended between the listing and the read
+    return count
+
+
 def client(engine):
     """The decode engine's remote prefill client."""
     return engine.parts.prefill_client

@@ -148,6 +148,10 @@ class TestLinkThreadsClose:
             def close(self):
                 Pair_.closed += 1
 
+            @staticmethod
+            def running(target):  # the real pair's: the thread leaves it as it returns
+                return target
+
         link = DecodeLink(peer="p", epoch=1, boot="b", pair=Pair_(), settings=None, layout=None, stats=None,
                           staging=None)
         link._writes.put(None)

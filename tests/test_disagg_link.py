@@ -5,7 +5,6 @@ and the bootstrap handshake (secret, compatibility record)."""
 from __future__ import annotations
 
 import datetime
-import os
 import threading
 import time
 
@@ -13,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import disagg_helpers  # noqa: F401 - GLOO_SOCKET_IFNAME=lo
+from disagg_helpers import socket_threads  # NOTE: also sets GLOO_SOCKET_IFNAME=lo
 from engine.disagg.link import bootstrap
 from engine import SamplingParams
 from engine.disagg.decode.decode_link import DecodeLink
@@ -115,7 +114,7 @@ def link_pair(request, transport):
     """(decode link, scripted prefill, the decode's KV buffers, stats, staging) over a fresh pair (gloo control,
     chunks over `transport`)."""
     settings = _settings(**getattr(request, "param", {}))
-    native_before = _socket_threads()
+    native_before = socket_threads()
     store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10), wait_for_workers=False)
     pairs: dict[int, Pair] = {}
 
@@ -147,19 +146,7 @@ def link_pair(request, transport):
     assert pairs[1].transport == transport
     pairs[0].leave()  # the scripted side has no link threads: it closes at once
     # once the link's threads have returned, nothing of the pair is left open: no native thread lingers
-    _wait(lambda: _socket_threads() == native_before)
-
-
-def _socket_threads() -> int:
-    """This process's threads of the socket transport (`kvlife-sock-tx` / `-rx`), by their OS names."""
-    count = 0
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                count += f.read().startswith("kvlife-sock-")
-        except FileNotFoundError:
-            pass
-    return count
+    _wait(lambda: socket_threads() == native_before)
 
 
 def _submit(link: DecodeLink, buffers: KVBuffers, rid: str, *, deadline: float = 60.0, start: int = 4,
