@@ -180,16 +180,22 @@ def remote_config(*peers: str, secret: str | None = None, **overrides: Any):
     return small_config(disaggregation="decode", remote_prefill=remote, **fields)
 
 
-def socket_threads() -> int:
-    """This process's threads of the socket transport (`kvlife-sock-tx` / `-rx`), by their OS names."""
-    count = 0
-    for tid in os.listdir("/proc/self/task"):
+def os_thread_names(pid: int | None = None) -> list[str]:
+    """The names the kernel keeps for each live thread of process `pid` (None: this one)."""
+    names = []
+    task = f"/proc/{os.getpid() if pid is None else pid}/task"
+    for tid in os.listdir(task):
         try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                count += f.read().startswith("kvlife-sock-")
+            with open(f"{task}/{tid}/comm") as f:
+                names.append(f.read().strip())
         except FileNotFoundError:
             pass  # it ended between the listing and the read
-    return count
+    return names
+
+
+def socket_threads() -> int:
+    """This process's threads of the socket transport (`kvlife-sock-tx` / `-rx`), by their OS names."""
+    return sum(name.startswith("kvlife-sock-") for name in os_thread_names())
 
 
 def client(engine):

@@ -107,7 +107,7 @@ def test_a_timed_out_wait_closes_the_connection_and_nothing_lands_after(groups):
     started = time.monotonic()
     with pytest.raises(RuntimeError, match="Timed out") as raised:
         work.wait(0.2)
-    assert 0.15 <= time.monotonic() - started < 3.0
+    assert time.monotonic() - started >= 0.15, "the wait ran to its timeout, not failing at once"
     assert classify(raised.value).cause == "timeout"
     assert work.is_completed() and work.exception() is not None
     try:  # the peer sends it late: it must not land
@@ -118,6 +118,15 @@ def test_a_timed_out_wait_closes_the_connection_and_nothing_lands_after(groups):
     assert torch.count_nonzero(target) == 0
     with pytest.raises(RuntimeError):
         receiver.recv([target], 0, 1)
+
+
+def test_a_wait_that_names_no_bound_has_the_groups(groups):
+    """As a gloo work's: a wait without a timeout is bounded by the pair's (the connect timeout)."""
+    _, receiver = groups
+    assert receiver.timeout == 5.0  # the pair's, from `connect`
+    receiver.timeout = 0.2
+    with pytest.raises(RuntimeError, match="Timed out"):
+        receiver.recv([torch.zeros(8)], 0, 1).wait()
 
 
 def test_abort_ends_a_posted_receive_at_once(groups):
@@ -136,9 +145,8 @@ def test_abort_ends_a_posted_receive_at_once(groups):
 
     threading.Thread(target=waiter).start()
     time.sleep(0.05)
-    started = time.monotonic()
     receiver.abort()
-    assert done.wait(5.0) and time.monotonic() - started < 2.0, "abort unblocked the wait"
+    assert done.wait(5.0), "abort ended the wait (posted for 30 s)"
     assert failure and "aborted" in str(failure[0])
 
 
@@ -186,11 +194,8 @@ def test_the_listener_takes_only_the_connection_with_the_token():
 
 
 def test_no_peer_is_a_timeout():
-    store = _store()
-    started = time.monotonic()
-    with pytest.raises(OSError):  # socket.timeout
-        SocketGroup.connect(_client(store), "t/", rank=0, host="127.0.0.1", timeout=0.3)
-    assert time.monotonic() - started < 3.0
+    with pytest.raises(OSError, match="timed out|Timed out"):  # socket.timeout: the listener's deadline
+        SocketGroup.connect(_client(_store()), "t/", rank=0, host="127.0.0.1", timeout=0.3)
 
 
 # ------------------------------------------------------------ negotiation

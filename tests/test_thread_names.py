@@ -11,7 +11,7 @@ import threading
 import anyio
 import pytest
 
-from disagg_helpers import assert_child_whole, remote_config
+from disagg_helpers import assert_child_whole, os_thread_names, remote_config
 from disagg_helpers import points, spawn  # noqa: F401 - fixtures
 from engine import Engine, SamplingParams
 from engine.thread_names import named_thread, set_native_name
@@ -23,10 +23,6 @@ LINUX = sys.platform.startswith("linux")
 def _comm(pid: int, tid: int) -> str:
     with open(f"/proc/{pid}/task/{tid}/comm") as f:
         return f.read().strip()
-
-
-def _comms(pid: int) -> list[str]:
-    return [_comm(pid, int(tid)) for tid in os.listdir(f"/proc/{pid}/task")]
 
 
 def test_a_named_thread_gives_the_os_its_name_and_runs_its_target():
@@ -97,7 +93,7 @@ async def test_a_decode_and_a_prefill_server_name_their_link_threads(spawn):  # 
         for thread in links:
             assert thread.native_id is not None
             assert _comm(os.getpid(), thread.native_id) == thread.name[:15]
-        prefill = _comms(child.pid)
+        prefill = os_thread_names(child.pid)
         for prefix in ("kvlife-ctl-", "kvlife-answer-", "kvlife-bootstra"):
             assert any(name.startswith(prefix) for name in prefill), (prefix, prefill)
         await engine.wait_idle(10)

@@ -123,9 +123,9 @@ class SocketWork:
 
     def wait(self, timeout: datetime.timedelta | float | None = None) -> bool:
         """Wait until the message is done; RuntimeError if it failed or (closing the connection, as
-        gloo does) if it is not done within `timeout`."""
+        gloo does) if it is not done within `timeout` (None: the group's, as a gloo group's default)."""
         seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
-        seconds = 1e9 if seconds is None else max(seconds, 1e-6)
+        seconds = max(self._group.timeout if seconds is None else seconds, 1e-6)
         status = self._group._status(self._direction, self._seq, seconds)
         if status == 1:
             self._group.abort(f"Timed out: a message was not done within {seconds:g} s")
@@ -139,7 +139,9 @@ class SocketWork:
 class SocketGroup:
     """One of a pair's two groups (control or chunks) over one connected socket (module docstring)."""
 
-    def __init__(self, sock: socket.socket, lib: _Library) -> None:
+    def __init__(self, sock: socket.socket, lib: _Library, *, timeout: float = 30.0) -> None:
+        #: a wait's bound when it names none (the pair's timeout, as a gloo group's `_timeout`)
+        self.timeout = timeout
         sock.setblocking(True)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._lib = lib
@@ -157,13 +159,13 @@ class SocketGroup:
             raise RuntimeError(f"the socket transport is unavailable: {BUILD.problem}")
         key = prefix + "address"
         if rank == 0:
-            return cls(_accept(store, key, host, timeout), lib)
+            return cls(_accept(store, key, host, timeout), lib, timeout=timeout)
         store.wait([key], datetime.timedelta(seconds=max(timeout, 0.001)))
         where = json.loads(store.get(key))
         sock = socket.create_connection((where["host"], int(where["port"])), timeout=timeout)
         try:
             sock.sendall(bytes.fromhex(where["token"]))
-            return cls(sock, lib)
+            return cls(sock, lib, timeout=timeout)
         except BaseException:
             sock.close()
             raise
